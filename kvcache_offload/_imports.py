@@ -1,0 +1,19 @@
+"""Resolve "package.module:Name" (or "package.module.Name") strings to objects."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def import_object(path: str) -> object:
+    """Import ``path``; raises ImportError or AttributeError with the path in the message."""
+    module_path, sep, attr = path.partition(":")
+    if not sep:
+        module_path, _, attr = path.rpartition(".")
+    if not module_path or not attr:
+        raise ImportError(f"{path!r} is not of the form 'package.module:Name'")
+    module = importlib.import_module(module_path)
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise AttributeError(f"module {module_path!r} has no attribute {attr!r}") from exc

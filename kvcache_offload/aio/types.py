@@ -1,0 +1,181 @@
+"""Value types of the async core, shared by the engine, the HTTP layer and the client."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvcache_offload.base import OffloadKey
+
+__all__ = [
+    "TRANSFER_DURATION_BUCKETS_S",
+    "EngineEvent",
+    "EngineStats",
+    "EventType",
+    "GapMarker",
+    "Histogram",
+    "KeyState",
+    "LoadLease",
+    "LoadResult",
+    "LookupResult",
+    "StoreLease",
+    "StoreResult",
+]
+
+
+class KeyState(StrEnum):
+    READY = "ready"
+    """Offloaded and loadable."""
+    WRITING = "writing"
+    """A store is in flight: retry later."""
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Outcome of a prefix lookup.
+
+    ``hits`` is the length of the longest prefix of ready keys. ``pending`` is vLLM's "retry
+    later": a key inside the prefix (before the first absent key) is still being written,
+    so a scheduler should defer the request rather than load a shorter prefix.
+    """
+
+    hits: int
+    pending: bool
+    states: list[KeyState]
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    keys_stored: list[OffloadKey]
+    """Keys actually written by this call (keys already offloaded are skipped)."""
+    evicted_keys: list[OffloadKey]
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    keys_loaded: list[OffloadKey]
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StoreLease:
+    """A prepared store that the client completes itself (sidecar mode)."""
+
+    lease_id: str
+    keys_to_store: list[OffloadKey]
+    block_ids: list[int]
+    """CPU slot ids, co-indexed with ``keys_to_store``."""
+    evicted_keys: list[OffloadKey]
+    expires_at: float
+    """Unix time after which the store is rolled back as failed."""
+
+
+@dataclass(frozen=True)
+class LoadLease:
+    lease_id: str
+    keys: list[OffloadKey]
+    block_ids: list[int]
+    expires_at: float
+
+
+class EventType(StrEnum):
+    STORED = "stored"
+    EVICTED = "evicted"
+    LOAD_COMPLETED = "load_completed"
+    STORE_FAILED = "store_failed"
+    LEASE_EXPIRED = "lease_expired"
+    RESET = "reset"
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """One offloading event with its place in the engine's total order."""
+
+    seq: int
+    timestamp: float
+    type: EventType
+    keys: list[OffloadKey]
+    medium: str = "CPU"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GapMarker:
+    """Delivered instead of events a subscriber missed: it fell behind or resumed too late."""
+
+    missed: int
+    """How many events were skipped."""
+    next_seq: int
+    """Sequence number of the next event the subscriber will receive."""
+
+
+TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Cumulative-friendly fixed-bucket histogram kept by the engine, exported as Prometheus."""
+
+    bounds: tuple[float, ...] = TRANSFER_DURATION_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound as text, cumulative count) pairs ending with "+Inf"."""
+        out, running = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class EngineStats:
+    """Everything /metrics and /v1/stats export; counters are cumulative since start."""
+
+    policy: str
+    capacity_blocks: int
+    blocks_free: int
+    blocks_writing: int
+    blocks_idle: int
+    blocks_reading: int
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hit_blocks: int = 0
+    store_blocks_prepared: int = 0
+    store_blocks_completed: int = 0
+    store_blocks_failed: int = 0
+    stores_rejected: int = 0
+    load_blocks_completed: int = 0
+    evicted_blocks: int = 0
+    reuse_filter_skipped_blocks: int = 0
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    """By direction: "gpu_to_cpu" (store), "cpu_to_gpu" (load)."""
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
+    transfer_duration: dict[str, Histogram] = field(default_factory=dict)
+    leases_active: int = 0
+    leases_expired: dict[str, int] = field(default_factory=dict)
+    """By kind: "store", "load"."""
+    event_subscribers: int = 0
+    events_published: dict[str, int] = field(default_factory=dict)
+    events_dropped: int = 0
+    """Events subscribers missed because they fell behind (sum of gap sizes)."""
+    last_event_seq: int = 0

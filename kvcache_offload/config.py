@@ -1,0 +1,147 @@
+"""Configuration: one pydantic settings model, from arguments, environment, a file or defaults.
+
+Precedence: explicit arguments > environment (``KVCACHE_OFFLOAD_*``, nested fields with
+``__``) > config file (TOML, JSON or YAML) > defaults. The CLI passes its flags as explicit
+arguments. Sizes accept "4GiB"-style strings.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ByteSize, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvcache_offload.errors import ConfigError
+
+__all__ = ["KVCacheLayout", "OffloadConfig", "load_config"]
+
+
+class KVCacheLayout(BaseModel):
+    """What the spec needs to know about the GPU KV cache to size the CPU tier.
+
+    The default is a Llama-3-8B-like cache: 16-token GPU blocks, 32 layers x K/V x 8 heads x
+    128 dims x 2 bytes x 16 tokens = 2 MiB per GPU block.
+    """
+
+    model_config = {"extra": "forbid"}
+
+    gpu_block_sizes: list[int] = Field(default=[16], min_length=1)
+    """Tokens per GPU block, one entry per KV-cache group."""
+    bytes_per_block: int = Field(default=2 * 1024 * 1024, gt=0)
+    """Bytes of one GPU block on one worker, all layers of all groups together."""
+    num_gpu_blocks: int = Field(default=1024, ge=0)
+    world_size: int = Field(default=1, ge=1)
+
+    @field_validator("gpu_block_sizes")
+    @classmethod
+    def _positive_sizes(cls, sizes: list[int]) -> list[int]:
+        if any(s <= 0 for s in sizes):
+            raise ValueError(f"every GPU block size must be > 0, got {sizes}")
+        return sizes
+
+
+class OffloadConfig(BaseSettings):
+    """Every setting of the library and the service."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVCACHE_OFFLOAD_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    # -- vLLM's kv_connector_extra_config keys --------------------------------------------
+    cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1024**3))
+    """Total CPU bytes for offloaded blocks, across all workers."""
+    block_size: int | None = Field(default=None, gt=0)
+    """Tokens per offloaded block (a multiple of the GPU block size); None = GPU block size."""
+    eviction_policy: str = "lru"
+    """Registered policy name or "package.module:ClassName"."""
+    store_threshold: int = Field(default=0, ge=0)
+    """>= 2 stores a block only after it was offered that many times; 0 or 1 stores all."""
+    max_tracker_size: int = Field(default=64_000, ge=1)
+    spec_name: str = "CPUOffloadingSpec"
+    spec_module_path: str | None = None
+
+    # -- the GPU side -----------------------------------------------------------------------
+    layout: KVCacheLayout = Field(default_factory=KVCacheLayout)
+    backend: Literal["auto", "cpu", "cuda"] = "auto"
+    """Data plane: "cuda" needs a GPU, "cpu" copies between CPU tensors, "auto" picks."""
+    shared_region: bool = False
+    """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
+    region_name: str | None = None
+    enable_events: bool = True
+
+    # -- async core -------------------------------------------------------------------------
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    event_buffer_size: int = Field(default=10_000, ge=1)
+    subscriber_queue_size: int = Field(default=1_000, ge=1)
+
+    # -- HTTP service -----------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_token: SecretStr | None = None
+    max_keys_per_request: int = Field(default=4096, ge=1)
+    max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
+    sse_heartbeat_s: float = Field(default=15.0, gt=0)
+    record_path: Path | None = None
+    """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
+    mrc_sample_rate: float = Field(default=0.01, gt=0, le=1)
+    """Fraction of keys sampled for the live miss-ratio curve."""
+
+    @field_validator("cpu_bytes_to_use")
+    @classmethod
+    def _positive_budget(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("cpu_bytes_to_use must be > 0 (e.g. '4GiB')")
+        return value
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> OffloadConfig:
+        """Build from a plain dict (e.g. vLLM's ``kv_connector_extra_config``)."""
+        return load_config(**values)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise ConfigError(f"cannot parse config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data.get("kvcache_offload", data)
+
+
+def _format(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration: " + "; ".join(parts)
+
+
+def load_config(config_file: str | Path | None = None, **overrides: Any) -> OffloadConfig:
+    """Merge file, environment and explicit values; raises :class:`ConfigError` when invalid."""
+    file_values = _read_file(Path(config_file)) if config_file else {}
+    try:
+        from_env = OffloadConfig()
+        env_values = from_env.model_dump(include=from_env.model_fields_set)
+        merged = {**file_values, **env_values, **overrides}
+        return OffloadConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc)) from None

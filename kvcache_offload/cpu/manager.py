@@ -1,0 +1,280 @@
+"""Scheduler-side bookkeeping of the CPU tier: slots, ref counts, eviction and events.
+
+Called from one thread only (the event loop in the async core), so it takes no locks. Every
+mutating call validates all of its input before changing anything: a call that raises leaves
+the manager exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvcache_offload.base import (
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    validate_offload_key,
+)
+from kvcache_offload.cpu.common import CPULoadStoreSpec
+from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
+from kvcache_offload.cpu.policies.registry import get_cache_policy_cls
+from kvcache_offload.errors import BlockStateError, ConfigError
+
+__all__ = ["CPUManagerStats", "CPUOffloadingManager"]
+
+MEDIUM = "CPU"
+
+
+@dataclass(frozen=True)
+class CPUManagerStats:
+    """A cheap snapshot: block counts by state plus cumulative counters."""
+
+    num_blocks: int
+    free: int
+    writing: int
+    idle: int
+    reading: int
+    evictions: int
+    rejected_stores: int
+    stored_blocks: int
+    failed_store_blocks: int
+    loaded_blocks: int
+    policy: str
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.free
+
+
+def _check_keys(keys: Sequence[OffloadKey]) -> None:
+    for key in keys:
+        if type(key) is not bytes or len(key) <= 4:
+            validate_offload_key(key)
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """vLLM's classic CPU manager: fresh slot ids ascending, then freed ids LIFO.
+
+    ``cache_policy`` is a registered policy name ("lru", "arc", ...), a "module:Class" path,
+    or a :class:`CachePolicy` subclass.
+    """
+
+    medium = MEDIUM
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str | type[CachePolicy] = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        policy_cls = (
+            cache_policy
+            if isinstance(cache_policy, type) and issubclass(cache_policy, CachePolicy)
+            else get_cache_policy_cls(cache_policy)  # type: ignore[arg-type]
+        )
+        self._num_blocks = num_blocks
+        self._policy: CachePolicy = policy_cls(cache_capacity=num_blocks)
+        self._policy_name = policy_cls.name or policy_cls.__name__
+        self._num_allocated = 0
+        self._free_list: list[int] = []
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._writing = 0
+        self._reading = 0
+        self._evictions = 0
+        self._rejected_stores = 0
+        self._stored_blocks = 0
+        self._failed_store_blocks = 0
+        self._loaded_blocks = 0
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._policy
+
+    def _num_free(self) -> int:
+        return len(self._free_list) + self._num_blocks - self._num_allocated
+
+    def stats(self) -> CPUManagerStats:
+        free = self._num_free()
+        used = self._num_blocks - free
+        return CPUManagerStats(
+            num_blocks=self._num_blocks,
+            free=free,
+            writing=self._writing,
+            idle=used - self._writing - self._reading,
+            reading=self._reading,
+            evictions=self._evictions,
+            rejected_stores=self._rejected_stores,
+            stored_blocks=self._stored_blocks,
+            failed_store_blocks=self._failed_store_blocks,
+            loaded_blocks=self._loaded_blocks,
+            policy=self._policy_name,
+        )
+
+    # -- lookups and loads ---------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
+        block = self._policy.get(key)
+        if block is None:
+            _check_keys((key,))
+            return False
+        return None if block.ref_cnt == -1 else True
+
+    def prepare_load(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> CPULoadStoreSpec:
+        get = self._policy.get
+        blocks = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                _check_keys((key,))
+                state = "absent" if block is None else "being written"
+                raise BlockStateError(f"cannot load key {key.hex()}: it is {state}, not ready")
+            blocks.append(block)
+        newly_read = 0
+        for block in blocks:
+            if block.ref_cnt == 0:
+                newly_read += 1
+            block.ref_cnt += 1
+        self._reading += newly_read
+        return CPULoadStoreSpec([block.block_id for block in blocks])
+
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
+        _check_keys(keys)
+        self._policy.touch(keys)
+
+    def complete_load(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> None:
+        get = self._policy.get
+        blocks = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt <= 0:
+                _check_keys((key,))
+                raise BlockStateError(f"cannot complete load of key {key.hex()}: not being read")
+            blocks.append(block)
+        if len(set(keys)) != len(keys):
+            for key, count in Counter(keys).items():
+                ref_cnt = get(key).ref_cnt  # type: ignore[union-attr]
+                if count > ref_cnt:
+                    raise BlockStateError(
+                        f"cannot complete {count} loads of key {key.hex()}: only "
+                        f"{ref_cnt} in flight"
+                    )
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._reading -= 1
+        self._loaded_blocks += len(blocks)
+
+    # -- stores --------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> PrepareStoreOutput | None:
+        _check_keys(keys)
+        policy = self._policy
+        get = policy.get
+        keys_to_store: list[OffloadKey] = []
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            if get(key) is None and key not in seen:
+                seen.add(key)
+                keys_to_store.append(key)
+        if not keys_to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+
+        needed = len(keys_to_store) - self._num_free()
+        evicted_keys: list[OffloadKey] = []
+        if needed > 0:
+            idle = self._num_blocks - self._num_free() - self._writing - self._reading
+            victims = policy.evict(needed, set(keys)) if idle >= needed else None
+            if victims is None:
+                self._rejected_stores += 1
+                return None
+            free_list = self._free_list
+            for key, block in victims:
+                evicted_keys.append(key)
+                free_list.append(block.block_id)
+            self._evictions += len(victims)
+            if self.events is not None:
+                self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
+
+        block_ids = self._allocate(len(keys_to_store))
+        insert = policy.insert
+        for key, block_id in zip(keys_to_store, block_ids, strict=True):
+            insert(key, BlockStatus(block_id))
+        self._writing += len(keys_to_store)
+        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted_keys)
+
+    def _allocate(self, count: int) -> list[int]:
+        fresh = min(count, self._num_blocks - self._num_allocated)
+        ids = list(range(self._num_allocated, self._num_allocated + fresh))
+        self._num_allocated += fresh
+        free_list = self._free_list
+        for _ in range(count - fresh):
+            ids.append(free_list.pop())
+        return ids
+
+    def complete_store(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        success: bool = True,
+    ) -> None:
+        _check_keys(keys)
+        get = self._policy.get
+        if success:
+            stored: list[OffloadKey] = []
+            for key in keys:
+                block = get(key)
+                if block is not None and block.ref_cnt == -1:
+                    block.ref_cnt = 0
+                    stored.append(key)
+            self._writing -= len(stored)
+            self._stored_blocks += len(stored)
+            if stored and self.events is not None:
+                self.events.append(OffloadingEvent(stored, MEDIUM, removed=False))
+            return
+        remove = self._policy.remove
+        free_list = self._free_list
+        failed = 0
+        for key in keys:
+            block = get(key)
+            if block is not None and block.ref_cnt == -1:
+                remove(key)
+                free_list.append(block.block_id)
+                failed += 1
+        self._writing -= failed
+        self._failed_store_blocks += failed
+
+    # -- events and lifecycle ------------------------------------------------------------
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self.events is None:
+            return
+        events, self.events = self.events, []
+        yield from events
+
+    def reset_cache(self) -> None:
+        self._policy.clear()
+        self._free_list.clear()
+        self._num_allocated = 0
+        self._writing = 0
+        self._reading = 0
+
+    def shutdown(self) -> None:
+        self.reset_cache()

@@ -1,0 +1,22 @@
+"""Eviction policies for the CPU tier (pure Python, no torch)."""
+
+from kvcache_offload.cpu.policies.arc import ARCCachePolicy
+from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
+from kvcache_offload.cpu.policies.lru import LRUCachePolicy
+from kvcache_offload.cpu.policies.registry import (
+    available_cache_policies,
+    get_cache_policy_cls,
+    register_cache_policy,
+    unregister_cache_policy,
+)
+
+__all__ = [
+    "ARCCachePolicy",
+    "BlockStatus",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "available_cache_policies",
+    "get_cache_policy_cls",
+    "register_cache_policy",
+    "unregister_cache_policy",
+]

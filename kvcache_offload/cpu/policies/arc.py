@@ -1,0 +1,139 @@
+"""Adaptive Replacement Cache with vLLM's touch-driven adaptation.
+
+T1 holds blocks seen once, T2 blocks seen again; ghost lists B1/B2 remember recently evicted
+keys and steer the target size of T1. Two deliberate fixes over vLLM's classic version:
+eviction is one monotonic pass over each list (not a rescan from the head per victim), and
+when T2 has no evictable block left eviction falls back to T1 instead of failing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
+
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
+
+__all__ = ["ARCCachePolicy"]
+
+
+def _evictable(
+    entries: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]
+) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+    for key, block in entries.items():
+        if block.ref_cnt == 0 and key not in protected:
+            yield key, block
+
+
+class ARCCachePolicy(CachePolicy):
+    """ARC as vLLM drives it: adaptation on ``touch`` of ghost keys, new blocks enter T1."""
+
+    name = "arc"
+
+    def __init__(self, cache_capacity: int) -> None:
+        self.cache_capacity = cache_capacity
+        self.target_t1_size = 0.0
+        self.t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        block = self.t1.get(key)
+        if block is None:
+            block = self.t2.get(key)
+        return block
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.t1[key] = block
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        if self.t1.pop(key, None) is None:
+            del self.t2[key]
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        capacity = self.cache_capacity
+        for key in reversed(list(keys)):
+            block = t1.get(key)
+            if block is not None:
+                if block.ref_cnt == -1:
+                    # A store just prepared is not a second access.
+                    t1.move_to_end(key)
+                else:
+                    del t1[key]
+                    t2[key] = block
+            elif key in t2:
+                t2.move_to_end(key)
+            elif key in b1:
+                delta = max(1.0, len(b2) / len(b1))
+                self.target_t1_size = min(self.target_t1_size + delta, float(capacity))
+                b1.move_to_end(key)
+            elif key in b2:
+                delta = max(1.0, len(b1) / len(b2))
+                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+                b2.move_to_end(key)
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        t1_candidates = _evictable(self.t1, protected)
+        t2_candidates = _evictable(self.t2, protected)
+        from_t1: list[tuple[OffloadKey, BlockStatus]] = []
+        from_t2: list[tuple[OffloadKey, BlockStatus]] = []
+        selected: list[tuple[OffloadKey, BlockStatus]] = []
+        virtual_t1 = len(self.t1)
+        target = int(self.target_t1_size)
+        for _ in range(n):
+            victim = None
+            if virtual_t1 >= target:
+                victim = next(t1_candidates, None)
+                if victim is not None:
+                    virtual_t1 -= 1
+                    from_t1.append(victim)
+            if victim is None:
+                victim = next(t2_candidates, None)
+                if victim is not None:
+                    from_t2.append(victim)
+            if victim is None:
+                # vLLM #55461: T2 has nothing evictable left, so take from T1 after all.
+                victim = next(t1_candidates, None)
+                if victim is None:
+                    return None
+                virtual_t1 -= 1
+                from_t1.append(victim)
+            selected.append(victim)
+        for key, _ in from_t1:
+            del self.t1[key]
+            self.b1[key] = None
+        for key, _ in from_t2:
+            del self.t2[key]
+            self.b2[key] = None
+        for ghosts in (self.b1, self.b2):
+            while len(ghosts) > self.cache_capacity:
+                ghosts.popitem(last=False)
+        return selected
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.target_t1_size = 0.0
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "size": len(self),
+            "t1": len(self.t1),
+            "t2": len(self.t2),
+            "b1": len(self.b1),
+            "b2": len(self.b2),
+            "target_t1_size": self.target_t1_size,
+        }

@@ -1,0 +1,82 @@
+"""The eviction-policy contract: a policy owns both block storage and the replacement choice.
+
+Storage and decision cannot be split cleanly (ARC's ghost lists, segmented queues), so one
+object does both. Policies are pure Python and know nothing of torch or transfers; they only
+see each block's ``ref_cnt``: -1 being written, 0 idle (the only evictable state), >0 being
+read by that many loads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+
+from kvcache_offload.base import OffloadKey
+
+__all__ = ["BlockStatus", "CachePolicy"]
+
+
+class BlockStatus:
+    """State of one CPU slot: its id and its reference count (-1 = being written)."""
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = -1
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class CachePolicy(ABC):
+    """Stores offloaded blocks and decides which idle ones to evict.
+
+    Rules every policy must honour (the manager and the stateful tests rely on them):
+    ``evict`` returns exactly ``n`` victims that are idle (``ref_cnt == 0``) and not in
+    ``protected``, or ``None`` having changed nothing; its cost is proportional to the victims
+    plus the pinned/protected blocks it skips, never to the cache size.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def __init__(self, cache_capacity: int) -> None: ...
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        """The block stored under ``key`` or None; no side effects."""
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        """Add a newly allocated block (``key`` is not present)."""
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Drop a block whose store failed (``key`` is present)."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """Mark keys used, processed in reverse so the first key ends up most recent."""
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """Remove exactly ``n`` idle, unprotected blocks, or return None changing nothing."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every block and all adaptive state."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of blocks stored (any state)."""
+
+    def debug_state(self) -> dict[str, object]:
+        """Policy-specific internals for tests and introspection (sizes, targets)."""
+        return {"size": len(self)}

@@ -1,0 +1,60 @@
+"""One exception hierarchy for the whole library, so callers can catch precisely.
+
+Every error carries a message naming the offending value and what was expected; the HTTP
+layer maps each class to a status code in one place (``api/errors.py``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockStateError",
+    "CapacityError",
+    "ConfigError",
+    "InvalidKeyError",
+    "LeaseError",
+    "OffloadError",
+    "RegionError",
+    "TransferError",
+    "UnknownPolicyError",
+    "UnknownSpecError",
+]
+
+
+class OffloadError(Exception):
+    """Root of every error raised on purpose by kvcache-offload."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class UnknownPolicyError(ConfigError):
+    """An eviction policy name is neither registered nor importable."""
+
+
+class UnknownSpecError(ConfigError):
+    """An offloading spec name is neither registered nor importable."""
+
+
+class InvalidKeyError(OffloadError, ValueError):
+    """An offload key is malformed (wrong type or too short to hold a group index)."""
+
+
+class BlockStateError(OffloadError):
+    """An operation does not fit the block's state (e.g. loading a block being written)."""
+
+
+class CapacityError(OffloadError):
+    """The CPU tier cannot hold what was asked for."""
+
+
+class TransferError(OffloadError):
+    """A GPU<->CPU transfer failed or could not be submitted."""
+
+
+class RegionError(OffloadError):
+    """The shared /dev/shm region cannot be created, joined or sized."""
+
+
+class LeaseError(OffloadError):
+    """A lease id is unknown, already completed or expired."""

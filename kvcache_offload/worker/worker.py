@@ -1,0 +1,118 @@
+"""Worker-side contracts: jobs, results, handlers and the router that picks a handler.
+
+The worker never decides anything: it executes (source spec, destination spec) copy jobs
+identified by integer job ids and reports which finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvcache_offload.base import LoadStoreSpec
+from kvcache_offload.errors import ConfigError
+
+__all__ = [
+    "OffloadingHandler",
+    "OffloadingWorker",
+    "TransferResult",
+    "TransferSpec",
+    "TransferType",
+]
+
+logger = logging.getLogger(__name__)
+
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+"""(source, destination)."""
+TransferType = tuple[str, str]
+"""(source medium, destination medium), e.g. ("GPU", "CPU") for a store."""
+
+
+@dataclass
+class TransferResult:
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    """Bytes moved."""
+    transfer_time: float | None = None
+    """Seconds the copy took on the device (CUDA events) or the copying thread."""
+    transfer_type: TransferType | None = None
+
+
+class OffloadingHandler(ABC):
+    """Executes jobs of one direction (or several) asynchronously."""
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Submit a job; True if submitted. Must not block on the copy itself."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, in submission order per direction."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs finished; unknown or finished ids are ignored."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Wait for or drop in-flight jobs and release streams, events and threads."""
+
+
+class OffloadingWorker:
+    """Routes each job to the handler registered for its (source, destination) media."""
+
+    def __init__(self) -> None:
+        self.handlers: list[OffloadingHandler] = []
+        self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
+
+    def register_handler(
+        self,
+        src_cls: type[LoadStoreSpec],
+        dst_cls: type[LoadStoreSpec],
+        handler: OffloadingHandler,
+    ) -> None:
+        transfer_type = (src_cls.medium(), dst_cls.medium())
+        if transfer_type in self.transfer_type_to_handler:
+            raise ConfigError(f"a handler for {transfer_type} is already registered")
+        self.transfer_type_to_handler[transfer_type] = handler
+        if all(h is not handler for h in self.handlers):
+            self.handlers.append(handler)
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Submit a job; a handler that raises or refuses yields False, never an exception."""
+        src, dst = spec
+        transfer_type = (src.medium(), dst.medium())
+        handler = self.transfer_type_to_handler.get(transfer_type)
+        if handler is None:
+            logger.warning("no handler for transfer type %s (job %d)", transfer_type, job_id)
+            return False
+        try:
+            success = handler.transfer_async(job_id, spec)
+        except Exception:
+            logger.warning(
+                "handler raised submitting job %d (%s)", job_id, transfer_type, exc_info=True
+            )
+            return False
+        if not success:
+            logger.warning("failed to submit job %d (%s)", job_id, transfer_type)
+        return success
+
+    def get_finished(self) -> list[TransferResult]:
+        finished: list[TransferResult] = []
+        for handler in self.handlers:
+            finished.extend(handler.get_finished())
+        return finished
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        ids = set(job_ids)
+        for handler in self.handlers:
+            handler.wait(ids)
+
+    def shutdown(self) -> None:
+        for handler in self.handlers:
+            try:
+                handler.shutdown()
+            except Exception:
+                logger.warning("handler shutdown failed", exc_info=True)
