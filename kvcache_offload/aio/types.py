@@ -179,3 +179,6 @@ class EngineStats:
     events_dropped: int = 0
     """Events subscribers missed because they fell behind (sum of gap sizes)."""
     last_event_seq: int = 0
+    mrc_hit_ratio: dict[float, float] = field(default_factory=dict)
+    """Estimated block hit ratio at ``scale`` x the current capacity (miss-ratio curve)."""
+    mrc_sampled_keys: int = 0

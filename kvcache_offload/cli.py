@@ -1,0 +1,28 @@
+"""The ``kvcache-offload`` command line: one typer app, each command defined in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from kvcache_offload._imports import import_object
+
+__all__ = ["app", "main"]
+
+_COMMANDS = {
+    "serve": "api.cli:serve",
+    "replay": "kvcache_offload.replay.cli:replay",
+}
+
+app = typer.Typer(
+    name="kvcache-offload",
+    help="Offload LLM KV-cache blocks to CPU memory: serve, replay traces, benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+for _name, _path in _COMMANDS.items():
+    app.command(_name)(import_object(_path))  # type: ignore[arg-type]
+
+
+def main() -> None:
+    app()
