@@ -1,0 +1,110 @@
+"""Misuse raises a typed error with a clear message and leaves the manager unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache_offload import (
+    BlockStateError,
+    ConfigError,
+    CPUOffloadingManager,
+    InvalidKeyError,
+    OffloadError,
+    UnknownPolicyError,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from tests.unit._keys import key, keys
+
+
+def populated() -> CPUOffloadingManager:
+    m = CPUOffloadingManager(3, "lru")
+    m.prepare_store(keys(1, 2))
+    m.complete_store(keys(1))
+    return m
+
+
+def test_unknown_policy_name_lists_the_registered_ones() -> None:
+    with pytest.raises(UnknownPolicyError, match="lru"):
+        CPUOffloadingManager(4, "fifo-that-does-not-exist")
+
+
+def test_policy_module_path_that_does_not_exist_is_a_typed_error() -> None:
+    with pytest.raises(UnknownPolicyError, match="no_such_module"):
+        CPUOffloadingManager(4, "no_such_module:Policy")
+
+
+def test_out_of_tree_policy_loads_by_module_path() -> None:
+    m = CPUOffloadingManager(2, "kvcache_offload.cpu.policies.lru:LRUCachePolicy")
+    assert m.prepare_store(keys(1)) is not None
+
+
+@pytest.mark.parametrize("capacity", [-1, 2.5, "4", True])
+def test_invalid_capacity_is_rejected(capacity: object) -> None:
+    with pytest.raises(ConfigError, match="num_blocks"):
+        CPUOffloadingManager(capacity)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [b"", b"abcd", "str-key", 12, None])
+def test_malformed_keys_are_rejected_by_every_call(bad: object) -> None:
+    m = populated()
+    before = m.stats()
+    for call in (
+        lambda: m.lookup(bad),  # type: ignore[arg-type]
+        lambda: m.prepare_store([key(5), bad]),  # type: ignore[list-item]
+        lambda: m.touch([bad]),  # type: ignore[list-item]
+        lambda: m.prepare_load([bad]),  # type: ignore[list-item]
+        lambda: m.complete_load([bad]),  # type: ignore[list-item]
+        lambda: m.complete_store([bad]),  # type: ignore[list-item]
+    ):
+        with pytest.raises(InvalidKeyError):
+            call()
+    assert m.stats() == before
+    assert m.lookup(key(5)) is False
+
+
+def test_complete_load_of_a_block_not_being_read_is_a_state_error() -> None:
+    m = populated()
+    before = m.stats()
+    with pytest.raises(BlockStateError, match="not being read"):
+        m.complete_load(keys(1))
+    with pytest.raises(BlockStateError):
+        m.complete_load(keys(9))
+    assert m.stats() == before
+
+
+def test_prepare_load_of_a_missing_or_unfinished_block_changes_nothing() -> None:
+    m = populated()
+    before = m.stats()
+    with pytest.raises(BlockStateError, match="being written"):
+        m.prepare_load(keys(1, 2))  # 1 ready, 2 being written: 1 must not stay pinned
+    with pytest.raises(BlockStateError, match="absent"):
+        m.prepare_load(keys(1, 7))
+    assert m.stats() == before
+    assert m.prepare_store(keys(3)) is not None
+
+
+def test_completing_more_loads_than_were_prepared_changes_nothing() -> None:
+    m = populated()
+    m.prepare_load(keys(1))
+    with pytest.raises(BlockStateError, match="only 1 in flight"):
+        m.complete_load(keys(1, 1))
+    assert m.stats().reading == 1
+
+
+def test_errors_share_one_root() -> None:
+    assert issubclass(BlockStateError, OffloadError)
+    assert issubclass(UnknownPolicyError, ConfigError)
+
+
+def test_offload_key_round_trips_hash_and_group() -> None:
+    k = make_offload_key(b"\x01\x02hash", 7)
+    assert get_offload_block_hash(k) == b"\x01\x02hash"
+    assert get_offload_group_idx(k) == 7
+    with pytest.raises(InvalidKeyError):
+        make_offload_key(b"h", -1)
+    with pytest.raises(InvalidKeyError):
+        make_offload_key("h", 0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError):
+        get_offload_group_idx(b"abc")  # type: ignore[arg-type]

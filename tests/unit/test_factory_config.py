@@ -1,0 +1,122 @@
+"""Spec factory registry and configuration loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcache_offload import (
+    ConfigError,
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    KVCacheLayout,
+    OffloadConfig,
+    OffloadingSpecFactory,
+    UnknownSpecError,
+    load_config,
+)
+from kvcache_offload.cpu.spec import CPUOffloadingSpec
+
+
+@pytest.fixture
+def restore_registry():  # type: ignore[no-untyped-def]
+    saved = dict(OffloadingSpecFactory._registry)
+    yield
+    OffloadingSpecFactory._registry.clear()
+    OffloadingSpecFactory._registry.update(saved)
+
+
+def test_default_spec_is_the_cpu_spec_sized_from_the_byte_budget() -> None:
+    layout = KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=1024, world_size=2)
+    spec = OffloadingSpecFactory.create_spec(
+        load_config(cpu_bytes_to_use="1MiB", block_size=32), layout
+    )
+    assert isinstance(spec, CPUOffloadingSpec)
+    assert spec.block_size_factor == 2
+    assert spec.kv_bytes_per_offloaded_block == 1024 * 2 * 2
+    assert spec.num_blocks == 1024**2 // (4096)
+    assert spec.cpu_page_size_per_worker == 2048
+    assert isinstance(spec.get_manager(), CPUOffloadingManager)
+    assert spec.get_manager() is spec.get_manager()
+
+
+def test_store_threshold_wraps_the_manager_in_the_reuse_filter() -> None:
+    spec = OffloadingSpecFactory.create_spec(load_config(store_threshold=2))
+    assert isinstance(spec.get_manager(), FilterReusedOffloadingManager)
+
+
+def test_offloaded_block_size_must_be_a_multiple_of_the_gpu_block_size() -> None:
+    with pytest.raises(ConfigError, match="multiple"):
+        OffloadingSpecFactory.create_spec(load_config(block_size=24))
+
+
+def test_unknown_spec_without_module_path_is_rejected(restore_registry: None) -> None:
+    with pytest.raises(UnknownSpecError, match="Nope"):
+        OffloadingSpecFactory.create_spec(load_config(spec_name="Nope"))
+
+
+def test_unregistered_spec_loads_from_its_module_path(restore_registry: None) -> None:
+    OffloadingSpecFactory.unregister_spec("CPUOffloadingSpec")
+    spec = OffloadingSpecFactory.create_spec(
+        load_config(spec_module_path="kvcache_offload.cpu.spec")
+    )
+    assert isinstance(spec, CPUOffloadingSpec)
+
+
+def test_duplicate_registration_is_rejected(restore_registry: None) -> None:
+    with pytest.raises(ConfigError, match="already registered"):
+        OffloadingSpecFactory.register_spec("CPUOffloadingSpec", "x", "Y")
+
+
+def test_config_sizes_accept_human_strings() -> None:
+    assert int(load_config(cpu_bytes_to_use="4GiB").cpu_bytes_to_use) == 4 * 1024**3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cpu_bytes_to_use", 0),
+        ("cpu_bytes_to_use", "lots"),
+        ("block_size", -16),
+        ("max_tracker_size", 0),
+        ("unknown_key", 1),
+    ],
+)
+def test_invalid_config_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_config(**{field: value})
+
+
+def test_config_precedence_is_arguments_then_environment_then_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps({"eviction_policy": "arc", "store_threshold": 3, "port": 9}))
+    monkeypatch.setenv("KVCACHE_OFFLOAD_STORE_THRESHOLD", "4")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_LAYOUT__WORLD_SIZE", "2")
+    cfg = load_config(path, port=10)
+    assert cfg.eviction_policy == "arc"  # file
+    assert cfg.store_threshold == 4  # env beats file
+    assert cfg.port == 10  # argument beats file
+    assert cfg.layout.world_size == 2
+
+
+def test_config_file_in_toml_and_bad_files_give_clear_errors(tmp_path: Path) -> None:
+    good = tmp_path / "c.toml"
+    good.write_text('eviction_policy = "arc"\ncpu_bytes_to_use = "2GiB"\n')
+    assert load_config(good).eviction_policy == "arc"
+    bad = tmp_path / "c.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.json")
+
+
+def test_from_dict_accepts_vllm_extra_config_keys() -> None:
+    cfg = OffloadConfig.from_dict(
+        {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc", "store_threshold": 2}
+    )
+    assert cfg.eviction_policy == "arc"

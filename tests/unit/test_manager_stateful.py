@@ -1,0 +1,149 @@
+"""Random sequences of every manager operation, checked against a reference model.
+
+Runs for every registered policy, so new policies inherit the invariants: capacity never
+exceeded, blocks being written or read are never evicted or handed out, keys protected by a
+``prepare_store`` survive it, freed slots are reusable, ARC's ghost lists and target stay
+bounded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcache_offload import BlockStateError, CPUOffloadingManager, OffloadKey
+from kvcache_offload.cpu.policies import available_cache_policies
+from tests.unit._keys import key
+
+CAPACITY = 6
+KEY_SPACE = 14
+key_ids = st.lists(st.integers(0, KEY_SPACE - 1), min_size=1, max_size=5)
+
+
+class ManagerModel(RuleBasedStateMachine):
+    """The model keeps, per key, its state and slot; the manager must agree with it."""
+
+    policy_name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = CPUOffloadingManager(CAPACITY, self.policy_name, enable_events=True)
+        self.writing: dict[OffloadKey, int] = {}  # key -> slot
+        self.ready: dict[OffloadKey, int] = {}
+        self.readers: Counter[OffloadKey] = Counter()
+        self.pending_stores: list[list[OffloadKey]] = []
+        self.pending_loads: list[list[OffloadKey]] = []
+
+    # -- operations ---------------------------------------------------------------------
+
+    @rule(ids=key_ids)
+    def prepare_store(self, ids: list[int]) -> None:
+        ks = [key(i) for i in ids]
+        present_before = set(self.writing) | set(self.ready)
+        free_before = CAPACITY - len(present_before)
+        out = self.m.prepare_store(ks)
+        new = list(dict.fromkeys(k for k in ks if k not in present_before))
+        if out is None:
+            idle = [k for k in self.ready if self.readers[k] == 0 and k not in ks]
+            assert len(new) - free_before > len(idle), "store refused although room existed"
+            return
+        assert out.keys_to_store == new
+        evicted = set(out.evicted_keys)
+        assert not evicted & set(ks), "a protected key was evicted"
+        for k in evicted:
+            assert k in self.ready and self.readers[k] == 0, "evicted a pinned block"
+            del self.ready[k]
+        used_slots = set(self.writing.values()) | set(self.ready.values())
+        slots = out.store_spec.block_ids.tolist()
+        assert len(set(slots)) == len(slots)
+        assert not used_slots & set(slots), "handed out a slot still in use"
+        assert all(0 <= s < CAPACITY for s in slots)
+        for k, s in zip(new, slots, strict=True):
+            self.writing[k] = s
+        if new:
+            self.pending_stores.append(new)
+
+    @precondition(lambda self: self.pending_stores)
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool) -> None:
+        batch = self.pending_stores.pop(data.draw(st.integers(0, len(self.pending_stores) - 1)))
+        self.m.complete_store(batch, success=success)
+        for k in batch:
+            slot = self.writing.pop(k, None)
+            if slot is not None and success:
+                self.ready[k] = slot
+
+    @rule(ids=key_ids)
+    def lookup(self, ids: list[int]) -> None:
+        for k in (key(i) for i in ids):
+            expected = True if k in self.ready else (None if k in self.writing else False)
+            assert self.m.lookup(k) is expected
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def prepare_load(self, data: st.DataObject) -> None:
+        ready = sorted(self.ready)
+        ks = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=3))
+        spec = self.m.prepare_load(ks)
+        assert spec.block_ids.tolist() == [self.ready[k] for k in ks]
+        self.readers.update(ks)
+        self.pending_loads.append(ks)
+
+    @precondition(lambda self: self.pending_loads)
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        ks = self.pending_loads.pop(data.draw(st.integers(0, len(self.pending_loads) - 1)))
+        self.m.complete_load(ks)
+        self.readers.subtract(ks)
+
+    @rule(ids=key_ids)
+    def touch(self, ids: list[int]) -> None:
+        self.m.touch([key(i) for i in ids])
+
+    @rule(i=st.integers(0, KEY_SPACE - 1))
+    def misuse_is_rejected_without_change(self, i: int) -> None:
+        k = key(i)
+        before = self.m.stats()
+        if self.readers[k] == 0:
+            with pytest.raises(BlockStateError):
+                self.m.complete_load([k])
+        if k not in self.ready:
+            with pytest.raises(BlockStateError):
+                self.m.prepare_load([k])
+        assert self.m.stats() == before
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def capacity_and_counts_agree(self) -> None:
+        s = self.m.stats()
+        assert len(self.m.policy) == len(self.writing) + len(self.ready) <= CAPACITY
+        assert s.writing == len(self.writing)
+        assert s.reading == sum(1 for k in self.ready if self.readers[k] > 0)
+        assert s.free == CAPACITY - len(self.writing) - len(self.ready)
+
+    @invariant()
+    def policy_state_is_bounded(self) -> None:
+        state = self.m.policy.debug_state()
+        for name in ("b1", "b2", "ghost", "ghosts"):
+            if name in state:
+                assert int(state[name]) <= CAPACITY  # type: ignore[call-overload]
+        if "target_t1_size" in state:
+            assert 0 <= float(state["target_t1_size"]) <= CAPACITY  # type: ignore[arg-type]
+
+    @invariant()
+    def every_freed_slot_is_reusable(self) -> None:
+        used = set(self.writing.values()) | set(self.ready.values())
+        assert len(used) == len(self.writing) + len(self.ready)
+
+
+@pytest.mark.parametrize("policy", available_cache_policies())
+def test_manager_invariants_hold_under_random_operations(policy: str) -> None:
+    machine = type(f"Model_{policy}", (ManagerModel,), {"policy_name": policy})
+    runner = machine.TestCase
+    runner.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+    runner().runTest()
