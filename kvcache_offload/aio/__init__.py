@@ -1,0 +1,41 @@
+"""The async core: :class:`OffloadEngine`, its event hub, leases and transfer poller."""
+
+from kvcache_offload.aio.engine import OffloadEngine
+from kvcache_offload.aio.event_hub import EventHub, EventSubscription
+from kvcache_offload.aio.leases import Lease, LeaseTable
+from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.types import (
+    TRANSFER_DURATION_BUCKETS_S,
+    EngineEvent,
+    EngineStats,
+    EventType,
+    GapMarker,
+    Histogram,
+    KeyState,
+    LoadLease,
+    LoadResult,
+    LookupResult,
+    StoreLease,
+    StoreResult,
+)
+
+__all__ = [
+    "TRANSFER_DURATION_BUCKETS_S",
+    "EngineEvent",
+    "EngineStats",
+    "EventHub",
+    "EventSubscription",
+    "EventType",
+    "GapMarker",
+    "Histogram",
+    "KeyState",
+    "Lease",
+    "LeaseTable",
+    "LoadLease",
+    "LoadResult",
+    "LookupResult",
+    "OffloadEngine",
+    "StoreLease",
+    "StoreResult",
+    "TransferPoller",
+]

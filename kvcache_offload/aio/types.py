@@ -165,12 +165,15 @@ class EngineStats:
     store_blocks_failed: int = 0
     stores_rejected: int = 0
     load_blocks_completed: int = 0
+    load_blocks_failed: int = 0
+    """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
     reuse_filter_skipped_blocks: int = 0
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     """By direction: "gpu_to_cpu" (store), "cpu_to_gpu" (load)."""
     transfer_seconds: dict[str, float] = field(default_factory=dict)
     transfer_duration: dict[str, Histogram] = field(default_factory=dict)
+    transfers_in_flight: int = 0
     leases_active: int = 0
     leases_expired: dict[str, int] = field(default_factory=dict)
     """By kind: "store", "load"."""

@@ -1,0 +1,248 @@
+"""Event hub: a total order over engine events, fan-out to bounded subscribers, replay.
+
+Every published event gets the next sequence number (1, 2, ...) and a Unix timestamp and is
+kept in a ring buffer of the last ``buffer_size`` events. Each subscriber owns a bounded
+anyio memory stream. The publisher never waits: when a subscriber's queue is full the event
+is skipped *for that subscriber* and counted; once it catches up it receives exactly one
+:class:`GapMarker` saying how many events it missed, then continues with live events.
+
+A subscriber may resume from a sequence number: events with ``seq > since_seq`` still in the
+ring are replayed first (preceded by a gap marker when some already fell out of the ring).
+Gap counts cover the events a subscriber would have received: those of its types for a
+subscriber that fell behind, all types for events that left the ring before a resume.
+
+All methods run on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Collection, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.errors import ConfigError
+
+__all__ = ["EventHub", "EventSubscription"]
+
+Item = EngineEvent | GapMarker
+
+
+class EventSubscription:
+    """Async iterator of :class:`EngineEvent` and :class:`GapMarker`; closing unsubscribes."""
+
+    def __init__(
+        self,
+        hub: EventHub,
+        types: frozenset[EventType] | None,
+        queue_size: int,
+        backlog: deque[Item],
+    ) -> None:
+        self._hub = hub
+        self.types = types
+        self.queue_size = queue_size
+        self._backlog = backlog
+        # One slot of slack so a gap marker always fits in front of the next event.
+        send, recv = anyio.create_memory_object_stream[Item](queue_size + 1)
+        self._send: MemoryObjectSendStream[Item] = send
+        self._recv: MemoryObjectReceiveStream[Item] = recv
+        self._missed = 0
+        self._closed = False
+
+    # -- publisher side (loop thread) --------------------------------------------------------
+
+    def _offer(self, event: EngineEvent) -> None:
+        if self._closed or (self.types is not None and event.type not in self.types):
+            return
+        if self._send.statistics().current_buffer_used >= self.queue_size:
+            self._missed += 1
+            self._hub._dropped += 1
+            return
+        if self._missed:
+            self._send.send_nowait(GapMarker(missed=self._missed, next_seq=event.seq))
+            self._missed = 0
+        self._send.send_nowait(event)
+
+    def _end(self) -> None:
+        """Stop delivering new events; the consumer still drains what is queued."""
+        self._send.close()
+
+    # -- consumer side -----------------------------------------------------------------------
+
+    @property
+    def missed(self) -> int:
+        """Events skipped since the last gap marker (not yet reported)."""
+        return self._missed
+
+    def get_nowait(self) -> Item | None:
+        """The next queued item, or None if nothing is queued (raises nothing)."""
+        if self._backlog:
+            return self._backlog.popleft()
+        try:
+            return self._recv.receive_nowait()
+        except anyio.WouldBlock:
+            return self._pending_gap()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            return self._pending_gap()
+
+    def _pending_gap(self) -> GapMarker | None:
+        if not self._missed:
+            return None
+        gap = GapMarker(missed=self._missed, next_seq=self._hub.last_seq + 1)
+        self._missed = 0
+        return gap
+
+    def __aiter__(self) -> EventSubscription:
+        return self
+
+    async def __anext__(self) -> Item:
+        item = self.get_nowait()
+        if item is not None:
+            return item
+        try:
+            return await self._recv.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unsubscribe (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hub._remove(self)
+        self._send.close()
+        self._recv.close()
+
+    async def __aenter__(self) -> EventSubscription:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class EventHub:
+    """Publishes engine events in one total order; never blocks on a subscriber."""
+
+    def __init__(self, buffer_size: int = 10_000, queue_size: int = 1_000) -> None:
+        if buffer_size < 1 or queue_size < 1:
+            raise ConfigError(
+                f"event buffer and queue sizes must be >= 1, got {buffer_size} and {queue_size}"
+            )
+        self.buffer_size = buffer_size
+        self.queue_size = queue_size
+        self._ring: deque[EngineEvent] = deque(maxlen=buffer_size)
+        self._subs: dict[EventSubscription, None] = {}
+        self._seq = 0
+        self._published: dict[str, int] = {}
+        self._dropped = 0
+        self._closed = False
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the newest event (0 before the first)."""
+        return self._seq
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    @property
+    def published(self) -> dict[str, int]:
+        """Events published so far, by type."""
+        return dict(self._published)
+
+    @property
+    def dropped(self) -> int:
+        """Events subscribers missed (sum of all gap sizes)."""
+        return self._dropped
+
+    def publish(
+        self,
+        type: EventType,
+        keys: Sequence[OffloadKey],
+        *,
+        medium: str = "CPU",
+        detail: dict[str, Any] | None = None,
+    ) -> EngineEvent:
+        self._seq += 1
+        event = EngineEvent(
+            seq=self._seq,
+            timestamp=time.time(),
+            type=type,
+            keys=list(keys),
+            medium=medium,
+            detail=detail if detail is not None else {},
+        )
+        self._ring.append(event)
+        self._published[type.value] = self._published.get(type.value, 0) + 1
+        for sub in self._subs:
+            sub._offer(event)
+        return event
+
+    def recent(self, since_seq: int = 0) -> list[EngineEvent]:
+        """Events still in the ring with ``seq > since_seq``, oldest first."""
+        ring = self._ring
+        if not ring or since_seq >= ring[-1].seq:
+            return []
+        start = max(0, since_seq - ring[0].seq + 1)
+        return [ring[i] for i in range(start, len(ring))]
+
+    def subscribe(
+        self,
+        types: Collection[EventType | str] | None = None,
+        since_seq: int | None = None,
+        queue_size: int | None = None,
+    ) -> EventSubscription:
+        """A new subscription; with ``since_seq`` it first replays newer events from the ring."""
+        size = self.queue_size if queue_size is None else queue_size
+        if size < 1:
+            raise ConfigError(f"queue_size must be >= 1, got {size}")
+        wanted: frozenset[EventType] | None = None
+        if types is not None:
+            try:
+                wanted = frozenset(EventType(t) for t in types)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"unknown event type in {sorted(map(str, types))}: expected some of "
+                    f"{[t.value for t in EventType]}"
+                ) from exc
+        backlog: deque[Item] = deque()
+        if since_seq is not None:
+            if since_seq < 0:
+                raise ConfigError(f"since_seq must be >= 0, got {since_seq}")
+            first_kept = self._ring[0].seq if self._ring else self._seq + 1
+            lost = min(first_kept, self._seq + 1) - since_seq - 1
+            if lost > 0:
+                backlog.append(GapMarker(missed=lost, next_seq=since_seq + lost + 1))
+                self._dropped += lost
+            backlog.extend(e for e in self.recent(since_seq) if wanted is None or e.type in wanted)
+        sub = EventSubscription(self, wanted, size, backlog)
+        if self._closed:
+            sub._end()
+        else:
+            self._subs[sub] = None
+        return sub
+
+    def _remove(self, sub: EventSubscription) -> None:
+        self._subs.pop(sub, None)
+
+    def close(self) -> None:
+        """End every subscription once it has drained what is queued; later ones end at once."""
+        self._closed = True
+        subs, self._subs = list(self._subs), {}
+        for sub in subs:
+            sub._end()

@@ -1,0 +1,151 @@
+"""Transfer poller: turns worker jobs into asyncio futures, resolved by one task per engine.
+
+``submit`` hands a job to the worker and returns a future. The poller task asks the worker
+what finished (CUDA: ``event.query()``; CPU backend: completed thread-pool futures), runs each
+job's completion callback on the loop thread, then resolves its future. The callback, not the
+awaiting coroutine, releases the manager's pins: a caller cancelled while it waits leaves
+nothing pinned, because the completion still runs when the copy finishes.
+
+Polling cost follows the load. With no job in flight the task sleeps on a :class:`Waker`
+(no CPU). With jobs in flight it spins on ``asyncio.sleep(0)`` for ``spin_s`` after the
+last submission or completion (lowest latency for short copies), then backs off to waiting
+``backoff_s`` at a time. A handler that knows when a copy ends (a thread pool) can cut the
+wait short by calling :meth:`TransferPoller.wake_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcache_offload.aio._waker import Waker
+from kvcache_offload.errors import TransferError
+from kvcache_offload.worker.worker import OffloadingWorker, TransferResult, TransferSpec
+
+__all__ = ["TransferPoller"]
+
+logger = logging.getLogger(__name__)
+
+OnDone = Callable[[TransferResult], None]
+
+
+@dataclass
+class _Job:
+    future: asyncio.Future[TransferResult]
+    on_done: OnDone
+    submitted_at: float
+
+
+class TransferPoller:
+    """Owns job ids and in-flight futures for one worker; :meth:`run` is its task."""
+
+    def __init__(
+        self, worker: OffloadingWorker, *, spin_s: float = 0.002, backoff_s: float = 0.001
+    ) -> None:
+        self.worker = worker
+        self.spin_s = spin_s
+        self.backoff_s = backoff_s
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._waker = Waker()
+        self._last_activity = 0.0
+        self._drained: asyncio.Event | None = None
+        self.polls = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def wake_threadsafe(self) -> None:
+        """Ask the poller to look for finished jobs now; callable from any thread."""
+        self._waker.wake_threadsafe()
+
+    def submit(self, spec: TransferSpec, on_done: OnDone) -> asyncio.Future[TransferResult]:
+        """Submit a job; ``on_done`` runs on the loop thread once it finished (or failed).
+
+        Raises :class:`TransferError` if the worker refused the job; ``on_done`` is not
+        called then (the caller rolls back itself).
+        """
+        loop = asyncio.get_running_loop()
+        self._waker.bind(loop)
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        if not self.worker.transfer_async(job_id, spec):
+            raise TransferError(
+                f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
+            )
+        now = time.perf_counter()
+        self._jobs[job_id] = _Job(loop.create_future(), on_done, now)
+        self._last_activity = now
+        self._waker.wake()
+        return self._jobs[job_id].future
+
+    def poll_once(self) -> int:
+        """Collect finished jobs, run their callbacks, resolve their futures; returns count."""
+        self.polls += 1
+        try:
+            results = self.worker.get_finished()
+        except Exception:
+            logger.exception("worker.get_finished() raised; will retry")
+            return 0
+        for result in results:
+            job = self._jobs.pop(result.job_id, None)
+            if job is None:
+                logger.warning("worker reported unknown job %d", result.job_id)
+                continue
+            self._finish(job, result)
+        if results:
+            self._last_activity = time.perf_counter()
+            if not self._jobs and self._drained is not None:
+                self._drained.set()
+        return len(results)
+
+    @staticmethod
+    def _finish(job: _Job, result: TransferResult) -> None:
+        try:
+            job.on_done(result)
+        except Exception as exc:
+            logger.exception("completion of job %d failed", result.job_id)
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return
+        if not job.future.done():  # the awaiting coroutine may have been cancelled
+            job.future.set_result(result)
+
+    async def run(self) -> None:
+        """The poller task: runs until cancelled."""
+        self._waker.bind(asyncio.get_running_loop())
+        while True:
+            if not self._jobs:
+                await self._waker.wait()
+                continue
+            if self.poll_once():
+                await asyncio.sleep(0)  # let the resumed coroutines run before polling again
+            elif time.perf_counter() - self._last_activity < self.spin_s:
+                await asyncio.sleep(0)
+            else:
+                await self._waker.wait(self.backoff_s)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no job is in flight (the poller must be running); False on timeout."""
+        while self._jobs:
+            self._drained = asyncio.Event()
+            self._waker.wake()
+            try:
+                await asyncio.wait_for(self._drained.wait(), timeout)
+            except TimeoutError:
+                return False
+            finally:
+                self._drained = None
+        return True
+
+    def fail_all(self, reason: str) -> int:
+        """Fail every in-flight job without running its callback (shutdown after a timeout)."""
+        jobs, self._jobs = self._jobs, {}
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(TransferError(reason))
+        return len(jobs)
