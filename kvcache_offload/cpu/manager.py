@@ -51,9 +51,13 @@ class CPUManagerStats:
 
 
 def _check_keys(keys: Sequence[OffloadKey]) -> None:
-    for key in keys:
-        if type(key) is not bytes or len(key) <= 4:
+    """Raise InvalidKeyError for the first malformed key; C-level loops keep it cheap."""
+    if keys and (set(map(type, keys)) != _BYTES_ONLY or min(map(len, keys)) <= 4):
+        for key in keys:
             validate_offload_key(key)
+
+
+_BYTES_ONLY = {bytes}
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -80,9 +84,11 @@ class CPUOffloadingManager(OffloadingManager):
         )
         self._num_blocks = num_blocks
         self._policy: CachePolicy = policy_cls(cache_capacity=num_blocks)
+        # Every present key -> its block, whatever the policy: lookups stay one dict probe.
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._policy_name = policy_cls.name or policy_cls.__name__
         self._num_allocated = 0
-        self._free_list: list[int] = []
+        self._free_list: list[BlockStatus] = []
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._writing = 0
         self._reading = 0
@@ -125,7 +131,7 @@ class CPUOffloadingManager(OffloadingManager):
     # -- lookups and loads ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
-        block = self._policy.get(key)
+        block = self._blocks.get(key)
         if block is None:
             _check_keys((key,))
             return False
@@ -134,7 +140,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> CPULoadStoreSpec:
-        get = self._policy.get
+        get = self._blocks.get
         blocks = []
         for key in keys:
             block = get(key)
@@ -158,7 +164,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
-        get = self._policy.get
+        get = self._blocks.get
         blocks = []
         for key in keys:
             block = get(key)
@@ -185,49 +191,58 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        _check_keys(keys)
-        policy = self._policy
-        get = policy.get
-        keys_to_store: list[OffloadKey] = []
-        seen: set[OffloadKey] = set()
-        for key in keys:
-            if get(key) is None and key not in seen:
-                seen.add(key)
-                keys_to_store.append(key)
+        table = self._blocks
+        keys_to_store = [key for key in keys if key not in table]
         if not keys_to_store:
+            _check_keys(keys)
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+        _check_keys(keys_to_store)
+        if len(set(keys_to_store)) != len(keys_to_store):
+            keys_to_store = list(dict.fromkeys(keys_to_store))
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         if needed > 0:
             idle = self._num_blocks - self._num_free() - self._writing - self._reading
-            victims = policy.evict(needed, set(keys)) if idle >= needed else None
+            victims = self._policy.evict(needed, set(keys)) if idle >= needed else None
             if victims is None:
                 self._rejected_stores += 1
                 return None
-            free_list = self._free_list
-            for key, block in victims:
-                evicted_keys.append(key)
-                free_list.append(block.block_id)
+            evicted_keys = [key for key, _ in victims]
+            self._free_list.extend([block for _, block in victims])
+            for key in evicted_keys:
+                del table[key]
             self._evictions += len(victims)
             if self.events is not None:
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
-        block_ids = self._allocate(len(keys_to_store))
-        insert = policy.insert
-        for key, block_id in zip(keys_to_store, block_ids, strict=True):
-            insert(key, BlockStatus(block_id))
+        new_blocks = self._allocate(len(keys_to_store))
+        pairs = list(zip(keys_to_store, new_blocks, strict=True))
+        table.update(pairs)
+        self._policy.insert_many(pairs)
         self._writing += len(keys_to_store)
+        block_ids = [block.block_id for block in new_blocks]
         return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
-    def _allocate(self, count: int) -> list[int]:
-        fresh = min(count, self._num_blocks - self._num_allocated)
-        ids = list(range(self._num_allocated, self._num_allocated + fresh))
-        self._num_allocated += fresh
-        free_list = self._free_list
-        for _ in range(count - fresh):
-            ids.append(free_list.pop())
-        return ids
+    def _allocate(self, count: int) -> list[BlockStatus]:
+        """Fresh slots in ascending order first, then freed slots, most recently freed first.
+
+        Freed slots keep their BlockStatus object, so steady-state stores allocate nothing.
+        """
+        start = self._num_allocated
+        fresh = min(count, self._num_blocks - start)
+        blocks = [BlockStatus(block_id) for block_id in range(start, start + fresh)]
+        self._num_allocated = start + fresh
+        reused = count - fresh
+        if reused:
+            free_list = self._free_list
+            recycled = free_list[-reused:]
+            del free_list[-reused:]
+            recycled.reverse()
+            for block in recycled:
+                block.ref_cnt = -1
+            blocks += recycled
+        return blocks
 
     def complete_store(
         self,
@@ -235,13 +250,14 @@ class CPUOffloadingManager(OffloadingManager):
         req_context: ReqContext | None = None,
         success: bool = True,
     ) -> None:
-        _check_keys(keys)
-        get = self._policy.get
+        get = self._blocks.get
         if success:
             stored: list[OffloadKey] = []
             for key in keys:
                 block = get(key)
-                if block is not None and block.ref_cnt == -1:
+                if block is None:
+                    _check_keys((key,))
+                elif block.ref_cnt == -1:
                     block.ref_cnt = 0
                     stored.append(key)
             self._writing -= len(stored)
@@ -250,13 +266,16 @@ class CPUOffloadingManager(OffloadingManager):
                 self.events.append(OffloadingEvent(stored, MEDIUM, removed=False))
             return
         remove = self._policy.remove
+        table = self._blocks
         free_list = self._free_list
         failed = 0
+        _check_keys(keys)
         for key in keys:
             block = get(key)
             if block is not None and block.ref_cnt == -1:
                 remove(key)
-                free_list.append(block.block_id)
+                del table[key]
+                free_list.append(block)
                 failed += 1
         self._writing -= failed
         self._failed_store_blocks += failed
@@ -271,6 +290,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._policy.clear()
+        self._blocks.clear()
         self._free_list.clear()
         self._num_allocated = 0
         self._writing = 0

@@ -9,7 +9,7 @@ when T2 has no evictable block left eviction falls back to T1 instead of failing
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
@@ -49,14 +49,22 @@ class ARCCachePolicy(CachePolicy):
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        self.t1.update(pairs)
+        b1, b2 = self.b1, self.b2
+        if b1 or b2:
+            for key, _ in pairs:
+                b1.pop(key, None)
+                b2.pop(key, None)
+
     def remove(self, key: OffloadKey) -> None:
         if self.t1.pop(key, None) is None:
             del self.t2[key]
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         capacity = self.cache_capacity
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = t1.get(key)
             if block is not None:
                 if block.ref_cnt == -1:

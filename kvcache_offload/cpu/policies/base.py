@@ -9,7 +9,7 @@ read by that many loads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
 
 from kvcache_offload.base import OffloadKey
 
@@ -55,12 +55,17 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add a newly allocated block (``key`` is not present)."""
 
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        """Insert several new blocks in order; override when a batch is cheaper."""
+        for key, block in pairs:
+            self.insert(key, block)
+
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
         """Drop a block whose store failed (``key`` is present)."""
 
     @abstractmethod
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark keys used, processed in reverse so the first key ends up most recent."""
 
     @abstractmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
 
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
@@ -31,13 +31,16 @@ class LRUCachePolicy(CachePolicy):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.blocks[key] = block
 
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        self.blocks.update(pairs)
+
     def remove(self, key: OffloadKey) -> None:
         del self.blocks[key]
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self.blocks
         move = blocks.move_to_end
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             if key in blocks:
                 move(key)
 
