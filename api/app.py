@@ -1,0 +1,117 @@
+"""``create_app``: the FastAPI application over one ``OffloadEngine``.
+
+Given an engine, the app serves it and leaves its lifetime to the caller. Given a config (or
+nothing: defaults, environment), the app owns an engine: it is started by the lifespan and
+closed on shutdown, which releases the CPU tier and any shared region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.routing import APIRouter
+
+from api.auth import require_token
+from api.deps import EngineLike
+from api.errors import install_error_handlers
+from api.limits import BodyLimitMiddleware
+from api.metrics import HttpMetricsMiddleware, build_registry
+from api.routes import blocks, events, info, keys, leases
+from api.routes import metrics as metrics_route
+from api.schemas import ErrorBody
+from api.sse import EventEncoder
+from kvcache_offload.aio.types import EngineStats
+from kvcache_offload.config import OffloadConfig, load_config
+
+__all__ = ["create_app"]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {
+        401: "Missing or wrong bearer token.",
+        404: "Unknown lease or no shared region.",
+        409: "A block is not in the state the call needs.",
+        410: "The lease expired and was rolled back.",
+        413: "Request body too large.",
+        422: "Malformed request or too many keys.",
+        502: "A transfer failed.",
+        503: "Engine or region not available.",
+        507: "The CPU tier cannot hold the blocks.",
+    }.items()
+}
+
+
+def create_app(
+    engine_or_config: EngineLike | OffloadConfig | None = None,
+    *,
+    config: OffloadConfig | None = None,
+) -> FastAPI:
+    """The HTTP service; see the module docstring for who owns the engine."""
+    given_engine: EngineLike | None = None
+    if isinstance(engine_or_config, OffloadConfig):
+        config = engine_or_config
+    elif engine_or_config is not None:
+        given_engine = engine_or_config
+        config = config or getattr(given_engine, "config", None)
+    if config is None:
+        config = load_config()
+    cfg = config
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if given_engine is not None:
+            app.state.engine = given_engine
+            try:
+                yield
+            finally:
+                app.state.engine = None
+            return
+        from kvcache_offload.aio import OffloadEngine
+
+        async with OffloadEngine(cfg) as engine:
+            app.state.engine = engine
+            try:
+                yield
+            finally:
+                app.state.engine = None
+
+    app = FastAPI(
+        title="kvcache-offload",
+        summary="Offload LLM KV-cache blocks to CPU memory: lookup, store, load, events, metrics.",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.config = cfg
+    app.state.engine = given_engine  # serving a given engine works without a lifespan too
+    token = cfg.api_token.get_secret_value() if cfg.api_token is not None else ""
+    app.state.api_token = token.encode() if token else None
+    app.state.event_encoder = EventEncoder()
+
+    def stats() -> EngineStats | None:
+        engine: EngineLike | None = app.state.engine
+        return engine.stats() if engine is not None else None
+
+    registry, http_metrics = build_registry(stats)
+    app.state.registry = registry
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=_ERRORS)
+    for module in (keys, leases, blocks, events):
+        v1.include_router(module.router)
+    v1.include_router(info.router)
+    app.include_router(v1)
+    app.include_router(info.health_router)
+    app.include_router(metrics_route.router)
+
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_body_bytes))
+    app.add_middleware(HttpMetricsMiddleware, metrics=http_metrics)
+    return app
+
+
+def _version() -> str:
+    from kvcache_offload import __version__
+
+    return __version__

@@ -1,0 +1,99 @@
+"""``kvcache-offload serve``: run the HTTP service with uvicorn.
+
+Settings come from flags, then ``KVCACHE_OFFLOAD_*`` environment variables, then the config
+file, then defaults. With no arguments it serves an embedded CPU-only engine on 127.0.0.1:8000.
+Ctrl-C / SIGTERM drain open requests, then the lifespan closes the engine and its region.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvcache_offload.config import OffloadConfig, load_config
+from kvcache_offload.errors import ConfigError
+
+__all__ = ["build_config", "serve"]
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig:
+    """Config from the file, environment and the flags that were actually given."""
+    return load_config(config_file, **{k: v for k, v in flags.items() if v is not None})
+
+
+def serve(
+    host: Annotated[
+        str | None, typer.Option(help="Interface to bind [default: 127.0.0.1].")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port [default: 8000].")] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="TOML, JSON or YAML config file.", exists=True),
+    ] = None,
+    cpu_bytes: Annotated[
+        str | None, typer.Option(help="CPU bytes for offloaded blocks, e.g. 4GiB.")
+    ] = None,
+    policy: Annotated[str | None, typer.Option(help="Eviction policy (lru, arc, ...).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Tokens per offloaded block.")] = None,
+    store_threshold: Annotated[
+        int | None, typer.Option(help="Store a block only after it was offered this many times.")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="Data plane: auto, cpu or cuda.")] = None,
+    shared_region: Annotated[
+        bool | None,
+        typer.Option(
+            "--shared-region/--no-shared-region",
+            help="Keep blocks in a /dev/shm region worker processes can map.",
+        ),
+    ] = None,
+    lease_ttl: Annotated[
+        float | None, typer.Option(help="Seconds before an uncompleted lease rolls back.")
+    ] = None,
+    api_token: Annotated[
+        str | None,
+        typer.Option(help="Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+) -> None:
+    """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
+    import uvicorn
+
+    from api.app import create_app
+
+    if log_level.lower() not in _LOG_LEVELS:
+        raise typer.BadParameter(f"expected one of {_LOG_LEVELS}", param_hint="--log-level")
+    try:
+        config = build_config(
+            config_file,
+            host=host,
+            port=port,
+            cpu_bytes_to_use=cpu_bytes,
+            eviction_policy=policy,
+            block_size=block_size,
+            store_threshold=store_threshold,
+            backend=backend,
+            shared_region=shared_region,
+            lease_ttl_s=lease_ttl,
+            api_token=api_token,
+        )
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=log_level.lower(),
+        access_log=access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )

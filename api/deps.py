@@ -1,0 +1,103 @@
+"""What the routers need from the app: the engine (as a protocol) and the configuration."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Sequence
+from typing import Any, Protocol
+
+from starlette.requests import Request
+
+from kvcache_offload.aio.types import (
+    EngineEvent,
+    EngineStats,
+    EventType,
+    GapMarker,
+    LoadLease,
+    LookupResult,
+    StoreLease,
+    StoreResult,
+)
+from kvcache_offload.base import OffloadKey, ReqContext
+from kvcache_offload.config import OffloadConfig
+
+__all__ = ["EngineLike", "EventSubscriptionLike", "get_config", "get_engine"]
+
+
+class EventSubscriptionLike(Protocol):
+    """An engine event subscription: async iterator, closed with ``aclose``."""
+
+    def __aiter__(self) -> AsyncIterator[EngineEvent | GapMarker]: ...
+
+    async def __anext__(self) -> EngineEvent | GapMarker: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineLike(Protocol):
+    """The slice of ``OffloadEngine`` the HTTP layer calls; anything shaped so can be served."""
+
+    @property
+    def block_nbytes(self) -> int: ...
+
+    async def lookup(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> LookupResult: ...
+
+    async def touch(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> None: ...
+
+    async def prepare_store(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        ttl_s: float | None = None,
+    ) -> StoreLease: ...
+
+    async def complete_store(self, lease_id: str, success: bool = True) -> list[OffloadKey]: ...
+
+    async def prepare_load(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        ttl_s: float | None = None,
+    ) -> LoadLease: ...
+
+    async def complete_load(self, lease_id: str) -> None: ...
+
+    async def write_blocks(
+        self, keys: Sequence[OffloadKey], data: Sequence[bytes]
+    ) -> StoreResult: ...
+
+    async def read_block(self, key: OffloadKey) -> bytes: ...
+
+    def region_info(self) -> dict[str, Any] | None: ...
+
+    async def reset(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def subscribe(
+        self,
+        types: Collection[EventType] | None = None,
+        since_seq: int | None = None,
+        queue_size: int | None = None,
+    ) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineNotReady(Exception):
+    """The app's engine is not started (lifespan not run) or already closed."""
+
+
+def get_engine(request: Request) -> EngineLike:
+    engine: EngineLike | None = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise EngineNotReady("the offload engine is not running (starting up or shut down)")
+    return engine
+
+
+def get_config(request: Request) -> OffloadConfig:
+    config: OffloadConfig = request.app.state.config
+    return config

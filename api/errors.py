@@ -1,0 +1,98 @@
+"""The one place where errors become HTTP statuses; every error body is ``{error, detail}``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.deps import EngineNotReady
+from api.limits import RequestLimitError
+from api.responses import FastJSONResponse
+from kvcache_offload.errors import (
+    BlockStateError,
+    CapacityError,
+    ConfigError,
+    InvalidKeyError,
+    LeaseError,
+    OffloadError,
+    RegionError,
+    TransferError,
+)
+
+__all__ = ["STATUS_BY_ERROR", "install_error_handlers", "status_for"]
+
+logger = logging.getLogger(__name__)
+
+STATUS_BY_ERROR: dict[type[OffloadError], int] = {
+    ConfigError: 422,
+    InvalidKeyError: 422,
+    BlockStateError: 409,
+    CapacityError: 507,
+    LeaseError: 404,
+    TransferError: 502,
+    RegionError: 503,
+}
+"""Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
+
+_EXPIRED_LEASE_STATUS = 410
+
+
+def status_for(exc: OffloadError) -> int:
+    """HTTP status of a library error; an expired lease is 410 Gone, an unknown one 404."""
+    if isinstance(exc, LeaseError) and "expired" in str(exc).lower():
+        return _EXPIRED_LEASE_STATUS
+    for cls in type(exc).__mro__:
+        status = STATUS_BY_ERROR.get(cls)
+        if status is not None:
+            return status
+    return 400
+
+
+def _body(
+    error: str, detail: object, status: int, headers: Mapping[str, str] | None = None
+) -> Response:
+    return FastJSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+
+
+async def _offload_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OffloadError)
+    return _body(type(exc).__name__, str(exc), status_for(exc))
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in exc.errors()
+    ]
+    return _body("ValidationError", errors, 422)
+
+
+async def _limit_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestLimitError)
+    return _body("RequestTooLarge", exc.message, exc.status)
+
+
+async def _not_ready(request: Request, exc: Exception) -> Response:
+    return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    name = "Unauthorized" if exc.status_code == 401 else "HTTPError"
+    return _body(name, exc.detail, exc.status_code, exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register every mapping on ``app``."""
+    app.add_exception_handler(OffloadError, _offload_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestLimitError, _limit_error)
+    app.add_exception_handler(EngineNotReady, _not_ready)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,0 +1,106 @@
+"""Request size limits: body bytes (413) and keys per request (422), each with a message.
+
+The body limit is a pure ASGI middleware so an oversized upload is refused from its
+``Content-Length`` before a byte is read; bodies without one are counted as they stream in.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.responses import json_bytes
+
+__all__ = ["BodyLimitMiddleware", "RequestLimitError", "check_key_count"]
+
+
+class RequestLimitError(Exception):
+    """A request exceeds a configured limit; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def check_key_count(count: int, limit: int) -> None:
+    """Refuse requests naming more blocks than ``config.max_keys_per_request``."""
+    if count > limit:
+        raise RequestLimitError(
+            422, f"request names {count} blocks, more than max_keys_per_request={limit}"
+        )
+
+
+async def _refuse(send: Send, limit: int, size: str) -> None:
+    body = json_bytes(
+        {
+            "error": "RequestTooLarge",
+            "detail": f"request body of {size} bytes exceeds max_body_bytes={limit}",
+        }
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to request bodies larger than ``max_bytes``."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length: bytes | None = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+                break
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await _refuse(send, self.max_bytes, length.decode("latin-1")[:32])
+                return
+            await self.app(scope, receive, send)  # the server enforces the declared length
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        seen = 0
+        over = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if over and not started:
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over or started:
+                raise
+        if over and not started:
+            await _refuse(send, self.max_bytes, f"more than {self.max_bytes}")

@@ -1,0 +1,79 @@
+"""Block bytes over HTTP for clients without the shared region (remote mode)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from starlette.responses import Response
+
+from api.deps import EngineLike, get_config, get_engine
+from api.limits import RequestLimitError, check_key_count
+from api.responses import FastJSONResponse
+from api.routes._keys import hex_keys
+from api.schemas import BlocksWritten, HexKey
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.config import OffloadConfig
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["blocks"])
+
+Engine = Annotated[EngineLike, Depends(get_engine)]
+Config = Annotated[OffloadConfig, Depends(get_config)]
+
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
+@router.put(
+    "/blocks",
+    response_model=BlocksWritten,
+    openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
+)
+async def put_blocks(
+    request: Request,
+    engine: Engine,
+    config: Config,
+    keys: Annotated[
+        list[HexKey],
+        Query(
+            min_length=1, description="Keys in body order; the body is their blocks back to back."
+        ),
+    ],
+) -> FastJSONResponse:
+    """Store blocks from the body: exactly ``len(keys) * block_nbytes`` bytes."""
+    check_key_count(len(keys), config.max_keys_per_request)
+    page = engine.block_nbytes
+    expected = page * len(keys)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) != expected:
+        raise RequestLimitError(
+            422, f"body must be {len(keys)} x {page} = {expected} bytes, got {declared}"
+        )
+    body = await request.body()
+    if len(body) != expected:
+        raise RequestLimitError(
+            422, f"body must be {len(keys)} x {page} = {expected} bytes, got {len(body)}"
+        )
+    view = memoryview(body)
+    blocks = [bytes(view[i * page : (i + 1) * page]) for i in range(len(keys))]
+    result = await engine.write_blocks([OffloadKey(bytes.fromhex(k)) for k in keys], blocks)
+    return FastJSONResponse(
+        {
+            "keys_stored": hex_keys(result.keys_stored),
+            "evicted_keys": hex_keys(result.evicted_keys),
+            "transfer_bytes": result.transfer_bytes,
+            "transfer_seconds": result.transfer_seconds,
+        }
+    )
+
+
+@router.get(
+    "/blocks/{key}",
+    response_class=Response,
+    responses={200: {"content": _BINARY, "description": "The block's bytes."}},
+)
+async def get_block(key: Annotated[HexKey, Path()], engine: Engine) -> Response:
+    """The bytes of one ready block (409 when it is absent or still being written)."""
+    data = await engine.read_block(OffloadKey(bytes.fromhex(key)))
+    return Response(content=data, media_type="application/octet-stream")

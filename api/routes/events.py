@@ -1,0 +1,79 @@
+"""``GET /v1/events``: the engine's event stream as server-sent events, resumable."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from sse_starlette import EventSourceResponse
+
+from api.deps import EngineLike, get_config, get_engine
+from api.sse import sse_stream
+from kvcache_offload.aio.types import EventType
+from kvcache_offload.config import OffloadConfig
+from kvcache_offload.errors import ConfigError
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["events"])
+
+Engine = Annotated[EngineLike, Depends(get_engine)]
+Config = Annotated[OffloadConfig, Depends(get_config)]
+
+_TYPES = ", ".join(t.value for t in EventType)
+
+
+def _parse_types(raw: list[str] | None) -> list[EventType] | None:
+    if not raw:
+        return None
+    names = [n.strip() for part in raw for n in part.split(",") if n.strip()]
+    try:
+        return [EventType(n) for n in names]
+    except ValueError:
+        raise ConfigError(f"unknown event type in {names}: expected some of {_TYPES}") from None
+
+
+def _parse_seq(raw: str | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or len(raw) > 19:
+        raise ConfigError(f"last event id must be a non-negative integer, got {raw[:40]!r}")
+    return int(raw)
+
+
+@router.get(
+    "/events",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "SSE stream."}},
+)
+async def events(
+    request: Request,
+    engine: Engine,
+    config: Config,
+    types: Annotated[
+        list[str] | None, Query(description=f"Only these event types ({_TYPES}), comma-separated.")
+    ] = None,
+    last_event_id: Annotated[
+        str | None, Query(max_length=64, description="Resume after this sequence number.")
+    ] = None,
+    queue_size: Annotated[
+        int | None, Query(ge=1, le=1_000_000, description="Events buffered for this subscriber.")
+    ] = None,
+    last_event_id_header: Annotated[
+        str | None, Header(alias="Last-Event-ID", max_length=64, include_in_schema=False)
+    ] = None,
+) -> EventSourceResponse:
+    """Live events; ``Last-Event-ID`` (header) or ``last_event_id`` (query) replays newer ones.
+
+    A ``gap`` event (data: ``missed``, ``next_seq``) replaces events this subscriber missed.
+    """
+    since = _parse_seq(last_event_id_header or last_event_id)
+    wanted = _parse_types(types)
+
+    def subscribe() -> object:
+        return engine.subscribe(wanted, since_seq=since, queue_size=queue_size)
+
+    return EventSourceResponse(
+        sse_stream(subscribe, request.app.state.event_encoder),
+        ping=config.sse_heartbeat_s,
+    )

@@ -1,0 +1,136 @@
+"""Request and response bodies of the HTTP API (pydantic), keys travelling as hex strings.
+
+A request names its blocks either by ``keys`` (hex offload keys: block hash + 4-byte group
+index) or by ``token_ids`` + ``block_size`` (+ ``group_idx``, ``salt``), from which the server
+derives chained keys with :mod:`kvcache_offload.keys`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from kvcache_offload.aio.types import KeyState
+
+__all__ = [
+    "MAX_LEASE_TTL_S",
+    "BlocksWritten",
+    "ErrorBody",
+    "HexKey",
+    "KeysRequest",
+    "LeaseRequest",
+    "LoadCompleteRequest",
+    "LoadCompleted",
+    "LoadLeaseOut",
+    "LookupOut",
+    "PrepareRequest",
+    "StoreCompleteRequest",
+    "StoreCompleted",
+    "StoreLeaseOut",
+    "Touched",
+]
+
+MAX_LEASE_TTL_S = 3600.0
+"""Upper bound on a client-chosen lease TTL: a crashed client must not pin blocks for long."""
+
+HexKey = Annotated[
+    str,
+    StringConstraints(pattern=r"^(?:[0-9a-fA-F]{2}){5,132}$"),
+    Field(description="Offload key as hex: block hash bytes + 4-byte big-endian group index."),
+]
+TokenId = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+class KeysRequest(BaseModel):
+    """Blocks named by hex keys, or by token ids from which chained keys are derived."""
+
+    model_config = _STRICT
+
+    keys: list[HexKey] | None = Field(default=None, description="Hex offload keys, in order.")
+    token_ids: list[TokenId] | None = Field(
+        default=None, description="Token ids; one key per full block of block_size tokens."
+    )
+    block_size: int | None = Field(default=None, gt=0, le=1 << 20)
+    group_idx: int = Field(default=0, ge=0, le=2**32 - 1)
+    salt: str | None = Field(default=None, max_length=1024)
+    req_id: str = Field(default="", max_length=1024)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KeysRequest:
+        if (self.keys is None) == (self.token_ids is None):
+            raise ValueError("give exactly one of 'keys' or 'token_ids'")
+        if self.token_ids is not None and self.block_size is None:
+            raise ValueError("'token_ids' needs 'block_size'")
+        return self
+
+
+class PrepareRequest(KeysRequest):
+    """A prepare call: the keys plus an optional lease TTL (config.lease_ttl_s when absent)."""
+
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_LEASE_TTL_S)
+
+
+class LeaseRequest(BaseModel):
+    model_config = _STRICT
+
+    lease_id: str = Field(min_length=1, max_length=256)
+
+
+class StoreCompleteRequest(LeaseRequest):
+    success: bool = Field(default=True, description="False rolls the store back.")
+
+
+class LoadCompleteRequest(LeaseRequest):
+    pass
+
+
+class LookupOut(BaseModel):
+    hits: int = Field(description="Length of the longest prefix of ready keys.")
+    pending: bool = Field(description="A key inside the prefix is being written: retry later.")
+    states: list[KeyState]
+    keys: list[str] | None = Field(
+        default=None, description="The derived keys, when the request gave token ids."
+    )
+
+
+class Touched(BaseModel):
+    touched: int
+
+
+class StoreLeaseOut(BaseModel):
+    lease_id: str
+    keys_to_store: list[str]
+    block_ids: list[int] = Field(description="CPU slot ids, co-indexed with keys_to_store.")
+    evicted_keys: list[str]
+    expires_at: float = Field(description="Unix time after which the store is rolled back.")
+
+
+class StoreCompleted(BaseModel):
+    lease_id: str
+    keys: list[str] = Field(description="Keys the completion made loadable (or dropped).")
+
+
+class LoadLeaseOut(BaseModel):
+    lease_id: str
+    keys: list[str]
+    block_ids: list[int]
+    expires_at: float
+
+
+class LoadCompleted(BaseModel):
+    lease_id: str
+
+
+class BlocksWritten(BaseModel):
+    keys_stored: list[str]
+    evicted_keys: list[str]
+    transfer_bytes: int
+    transfer_seconds: float
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="Error class, e.g. CapacityError or ValidationError.")
+    detail: Any = Field(description="What was wrong and what was expected.")
