@@ -1,0 +1,144 @@
+"""LeaseTable expiry and TransferPoller resolution, in isolation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvcache_offload import CPULoadStoreSpec, GPULoadStoreSpec, ReqContext
+from kvcache_offload.aio import LeaseTable, TransferPoller
+from kvcache_offload.errors import ConfigError, LeaseError, TransferError
+from kvcache_offload.worker.worker import OffloadingWorker, TransferResult
+from tests.unit._aio_fakes import FakeHandler, wait_for
+from tests.unit._keys import keys
+
+
+async def test_lease_pop_returns_it_once_then_raises_lease_error() -> None:
+    table = LeaseTable(lambda lease: None, default_ttl_s=10)
+    lease = table.add("store", keys(1), [0], ReqContext())
+    assert table.pop(lease.lease_id, "store") is lease
+    with pytest.raises(LeaseError, match="unknown or already completed"):
+        table.pop(lease.lease_id, "store")
+
+
+async def test_lease_of_other_kind_is_not_found() -> None:
+    table = LeaseTable(lambda lease: None, default_ttl_s=10)
+    lease = table.add("load", keys(1), [0], ReqContext())
+    with pytest.raises(LeaseError):
+        table.pop(lease.lease_id, "store")
+    assert len(table) == 1
+
+
+async def test_reaper_expires_leases_and_reports_expired_on_late_completion() -> None:
+    expired = []
+    table = LeaseTable(expired.append, default_ttl_s=10)
+    reaper = asyncio.create_task(table.run())
+    try:
+        short = table.add("store", keys(1), [0], ReqContext(), ttl_s=0.02)
+        long = table.add("load", keys(2), [1], ReqContext())
+        await wait_for(lambda: expired)
+        assert expired == [short]
+        assert table.expired == {"store": 1, "load": 0}
+        with pytest.raises(LeaseError, match="expired"):
+            table.pop(short.lease_id, "store")
+        assert table.pop(long.lease_id, "load") is long
+    finally:
+        reaper.cancel()
+
+
+async def test_non_positive_ttl_is_rejected() -> None:
+    table = LeaseTable(lambda lease: None, default_ttl_s=1)
+    with pytest.raises(ConfigError):
+        table.add("store", keys(1), [0], ReqContext(), ttl_s=0)
+
+
+def _worker(handler: FakeHandler) -> OffloadingWorker:
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    return worker
+
+
+SPEC = (GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
+
+
+async def test_poller_resolves_futures_after_running_the_completion() -> None:
+    handler = FakeHandler(auto=False)
+    poller = TransferPoller(_worker(handler))
+    task = asyncio.create_task(poller.run())
+    order: list[str] = []
+    try:
+        fut = poller.submit(SPEC, lambda r: order.append("done"))
+        fut.add_done_callback(lambda f: order.append("resolved"))
+        assert poller.in_flight == 1
+        handler.release()
+        result = await asyncio.wait_for(fut, 2)
+        assert isinstance(result, TransferResult) and result.success
+        assert order == ["done", "resolved"]
+        assert poller.in_flight == 0
+    finally:
+        task.cancel()
+
+
+async def test_poller_runs_the_completion_even_if_the_awaiter_was_cancelled() -> None:
+    handler = FakeHandler(auto=False)
+    poller = TransferPoller(_worker(handler))
+    task = asyncio.create_task(poller.run())
+    done: list[TransferResult] = []
+    try:
+        fut = poller.submit(SPEC, done.append)
+        waiter = asyncio.create_task(asyncio.wait_for(fut, 10))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        handler.release()
+        await wait_for(lambda: done)
+        assert done[0].success
+    finally:
+        task.cancel()
+
+
+async def test_refused_submission_raises_transfer_error_without_a_job() -> None:
+    handler = FakeHandler()
+    handler.refuse = True
+    poller = TransferPoller(_worker(handler))
+    with pytest.raises(TransferError):
+        poller.submit(SPEC, lambda r: None)
+    assert poller.in_flight == 0
+
+
+async def test_idle_poller_does_not_poll() -> None:
+    handler = FakeHandler()
+    poller = TransferPoller(_worker(handler))
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert poller.polls == 0
+        fut = poller.submit(SPEC, lambda r: None)
+        await asyncio.wait_for(fut, 2)
+        polls = poller.polls
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert poller.polls == polls  # back to sleeping once nothing is in flight
+    finally:
+        task.cancel()
+
+
+async def test_thread_wakeup_resolves_a_job_after_the_spin_window() -> None:
+    handler = FakeHandler(auto=False)
+    poller = TransferPoller(_worker(handler), spin_s=0.0, backoff_s=30.0)
+    task = asyncio.create_task(poller.run())
+    try:
+        fut = poller.submit(SPEC, lambda r: None)
+        await wait_for(lambda: poller.polls >= 1)
+
+        def finish() -> None:
+            handler.release()
+            poller.wake_threadsafe()
+
+        await asyncio.to_thread(finish)
+        await asyncio.wait_for(fut, 2)  # would take 30 s without the wake-up
+    finally:
+        task.cancel()
