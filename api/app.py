@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.routing import APIRouter
 
 from api.auth import require_token
 from api.deps import EngineLike
@@ -97,11 +96,9 @@ def create_app(
     registry, http_metrics = build_registry(stats)
     app.state.registry = registry
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=_ERRORS)
-    for module in (keys, leases, blocks, events):
-        v1.include_router(module.router)
-    v1.include_router(info.router)
-    app.include_router(v1)
+    # Routers carry their "/v1" prefix themselves so route templates (metric labels) are full.
+    for v1_router in (keys.router, leases.router, blocks.router, events.router, info.router):
+        app.include_router(v1_router, dependencies=[Depends(require_token)], responses=_ERRORS)
     app.include_router(info.health_router)
     app.include_router(metrics_route.router)
 

@@ -17,7 +17,7 @@ from kvcache_offload.config import OffloadConfig
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["blocks"])
+router = APIRouter(prefix="/v1", tags=["blocks"])
 
 Engine = Annotated[EngineLike, Depends(get_engine)]
 Config = Annotated[OffloadConfig, Depends(get_config)]

@@ -15,7 +15,7 @@ from kvcache_offload.errors import ConfigError
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["events"])
+router = APIRouter(prefix="/v1", tags=["events"])
 
 Engine = Annotated[EngineLike, Depends(get_engine)]
 Config = Annotated[OffloadConfig, Depends(get_config)]

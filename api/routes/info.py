@@ -13,7 +13,7 @@ from kvcache_offload.errors import RegionError
 
 __all__ = ["health_router", "router"]
 
-router = APIRouter(tags=["service"])
+router = APIRouter(prefix="/v1", tags=["service"])
 health_router = APIRouter(tags=["health"])
 
 Engine = Annotated[EngineLike, Depends(get_engine)]

@@ -14,7 +14,7 @@ from kvcache_offload.config import OffloadConfig
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["keys"])
+router = APIRouter(prefix="/v1", tags=["keys"])
 
 Engine = Annotated[EngineLike, Depends(get_engine)]
 Config = Annotated[OffloadConfig, Depends(get_config)]

@@ -22,7 +22,7 @@ from kvcache_offload.config import OffloadConfig
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["leases"])
+router = APIRouter(prefix="/v1", tags=["leases"])
 
 Engine = Annotated[EngineLike, Depends(get_engine)]
 Config = Annotated[OffloadConfig, Depends(get_config)]

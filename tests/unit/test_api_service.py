@@ -1,0 +1,98 @@
+"""Auth, health, readiness, stats, region and the OpenAPI document."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api import create_app
+from tests.unit._api_app import hex_key, served, small_config, store
+
+TOKEN = "s3cret-token"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}],
+)
+async def test_v1_routes_refuse_requests_without_the_right_token(headers: dict[str, str]) -> None:
+    async with served(small_config(api_token=TOKEN)) as s:
+        for method, path in (("POST", "/v1/lookup"), ("GET", "/v1/stats"), ("GET", "/v1/events")):
+            r = await s.client.request(method, path, json={"keys": [hex_key(1)]}, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert r.json()["error"] == "Unauthorized"
+
+
+async def test_the_right_token_opens_v1_and_health_and_metrics_stay_open() -> None:
+    async with served(small_config(api_token=TOKEN)) as s:
+        r = await s.client.post(
+            "/v1/lookup",
+            json={"keys": [hex_key(1)]},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert r.status_code == 200
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert (await s.client.get(path)).status_code == 200
+
+
+async def test_stats_report_engine_counters_as_json() -> None:
+    async with served() as s:
+        await store(s.client, [hex_key(1), hex_key(2)])
+        r = await s.client.get("/v1/stats")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["store_blocks_completed"] == 2
+        assert body["capacity_blocks"] == 16
+        assert body["policy"] == "lru"
+
+
+async def test_region_answers_503_when_the_server_has_no_shared_region() -> None:
+    async with served() as s:
+        r = await s.client.get("/v1/region")
+        assert r.status_code == 503
+        assert r.json()["error"] == "RegionError"
+
+
+async def test_readyz_is_503_until_the_owned_engine_started() -> None:
+    app = create_app(small_config())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        assert (await client.get("/readyz")).status_code == 503
+        r = await client.post("/v1/lookup", json={"keys": [hex_key(1)]})
+        assert r.status_code == 503 and r.json()["error"] == "EngineNotReady"
+        async with app.router.lifespan_context(app):
+            assert (await client.get("/readyz")).status_code == 200
+            r = await client.post("/v1/lookup", json={"keys": [hex_key(1)]})
+            assert r.status_code == 200
+        assert app.state.engine is None
+        assert (await client.get("/readyz")).status_code == 503
+
+
+async def test_openapi_documents_every_route() -> None:
+    async with served() as s:
+        paths = (await s.client.get("/openapi.json")).json()["paths"]
+    for path in (
+        "/v1/lookup",
+        "/v1/touch",
+        "/v1/store/prepare",
+        "/v1/store/complete",
+        "/v1/load/prepare",
+        "/v1/load/complete",
+        "/v1/blocks",
+        "/v1/blocks/{key}",
+        "/v1/region",
+        "/v1/events",
+        "/v1/stats",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths, path
+
+
+async def test_unknown_route_answers_404_json() -> None:
+    async with served() as s:
+        r = await s.client.get("/v1/nope")
+        assert r.status_code == 404
+        assert r.json()["error"] == "HTTPError"
