@@ -1,0 +1,84 @@
+"""``kvcache-offload replay`` on the shipped sample writes a table, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from kvcache_offload.replay.cli import replay
+from kvcache_offload.replay.synth import write_synth_trace
+from kvcache_offload.replay.trace import sample_trace_path
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(replay)
+    return app
+
+
+def test_replay_on_the_shipped_sample_writes_json_and_png(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    result = CliRunner().invoke(
+        _app(),
+        [
+            str(sample_trace_path()),
+            "--policy",
+            "lru,arc",
+            "--capacity",
+            "1%,5%",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "Belady" in result.output
+    data = json.loads(out_json.read_text())
+    assert data["traces"][0]["requests"] == 2000
+    rows = data["results"]
+    assert {(r["policy"], r["capacity"]) for r in rows} == {
+        (p, c) for p in ("lru", "arc") for c in ("1%", "5%")
+    }
+    for row in rows:
+        assert 0 <= row["block_hit_rate"] <= row["belady_block_hit_rate"] <= 1
+        assert row["gap_to_belady"] >= 0
+        assert row["capacity_blocks"] == round(38_788 * row["capacity_percent"] / 100)
+    assert len(data["best_policy"]) == 2
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_of_several_traces_with_block_capacities(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_synth_trace(a, num_requests=200, seed=1)
+    write_synth_trace(b, num_requests=150, seed=2)
+    out_json = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        _app(),
+        [str(a), str(b), "-p", "lru", "-c", "50,200", "--no-belady", "--json", str(out_json)],
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out_json.read_text())["results"]
+    assert [(r["trace"], r["capacity_blocks"]) for r in rows] == [
+        ("a.jsonl", 50),
+        ("a.jsonl", 200),
+        ("b.jsonl", 50),
+        ("b.jsonl", 200),
+    ]
+    assert all("belady_block_hit_rate" not in r for r in rows)
+
+
+def test_replay_reports_bad_input_without_a_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "hash_ids": [1]}\n{oops\n')
+    result = CliRunner().invoke(_app(), [str(bad), "-p", "lru"])
+    assert result.exit_code == 2
+    assert "bad.jsonl:2" in result.output
+    result = CliRunner().invoke(_app(), [str(bad), "-p", "nope"])
+    assert result.exit_code == 2
+    assert "nope" in result.output
+    result = CliRunner().invoke(_app(), [str(bad), "-p", "lru", "-c", "5 pct"])
+    assert result.exit_code == 2
