@@ -1,0 +1,558 @@
+"""Async-core benchmark: completion->resume latency, idle CPU cost, lookup overhead.
+
+    python -m bench.aio [--device auto|cpu|cuda] [--jobs 2000] [--idle-s 10] [--trace PATH]
+
+1. Latency from a transfer's completion to the awaiting coroutine resuming (p50/p99):
+   * ``deadline``: a handler whose jobs finish at a known instant (pure poller cost, exact);
+   * ``cpu_backend``: the real CPU backend (``kvcache_offload.cpu.cpu_backend``) if present;
+   * ``cuda``: a job of known GPU duration (``torch.cuda._sleep``) signalled by a CUDA event.
+   For the real backends the completion instant is not observable from Python, so each is
+   measured against a baseline in the same run: a bare loop that submits the same job and
+   spins on ``get_finished()`` without asyncio. ``added`` = engine - baseline, per percentile.
+2. CPU time of an idle engine (process CPU seconds / wall seconds) over ``--idle-s``.
+3. ``await engine.lookup(keys)`` against a direct maximal-prefix walk over the manager for
+   the same trace (same cache state: both replay stores through the manager).
+
+Prints rich tables and writes JSON under ``bench/out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvcache_offload import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    KVCacheLayout,
+    OffloadConfig,
+    ReqContext,
+    make_offload_key,
+)
+from kvcache_offload.aio import OffloadEngine
+from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec, OffloadingManager, OffloadKey
+from kvcache_offload.cpu.spec import CPUOffloadingSpec
+from kvcache_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+
+console = Console()
+OUT_DIR = Path(__file__).parent / "out"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
+)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def us(x: float) -> str:
+    return f"{x * 1e6:.1f}"
+
+
+# -- handlers used only by this benchmark ---------------------------------------------------
+
+
+class DeadlineHandler(OffloadingHandler):
+    """Each job 'finishes' ``delay_s`` after submission: its completion instant is known."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.queue: list[tuple[int, float]] = []
+        self.done_at: dict[int, float] = {}
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        self.queue.append((job_id, time.perf_counter() + self.delay_s))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        now = time.perf_counter()
+        out = []
+        while self.queue and self.queue[0][1] <= now:
+            job_id, deadline = self.queue.pop(0)
+            self.done_at[job_id] = deadline
+            out.append(TransferResult(job_id, True, 0, self.delay_s))
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        while self.queue:
+            time.sleep(self.delay_s)
+            self.get_finished()
+
+
+class CudaSleepHandler(OffloadingHandler):
+    """A job is a GPU sleep of ``cycles`` on a side stream, finished when its event fires."""
+
+    def __init__(self, cycles: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.cycles = cycles
+        self.stream = torch.cuda.Stream()
+        self.queue: list[tuple[int, Any, Any]] = []
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        torch = self.torch
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            torch.cuda._sleep(self.cycles)
+            end.record()
+        self.queue.append((job_id, start, end))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        while self.queue and self.queue[0][2].query():
+            job_id, start, end = self.queue.pop(0)
+            out.append(TransferResult(job_id, True, 0, start.elapsed_time(end) * 1e-3))
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.stream.synchronize()
+
+
+class HandlerSpec(CPUOffloadingSpec):
+    """The CPU manager plus one given handler for both directions."""
+
+    def __init__(self, config: OffloadConfig, handler: OffloadingHandler) -> None:
+        super().__init__(config, config.layout)
+        self.handler = handler
+
+    def get_handlers(
+        self, kv_caches: CanonicalKVCaches
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        yield GPULoadStoreSpec, CPULoadStoreSpec, self.handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, self.handler
+
+
+def small_config(num_blocks: int, bytes_per_block: int = 4096) -> OffloadConfig:
+    layout = KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=bytes_per_block)
+    return OffloadConfig(cpu_bytes_to_use=num_blocks * bytes_per_block, layout=layout)
+
+
+def key_of(i: int) -> OffloadKey:
+    return make_offload_key(str(i).encode(), 0)
+
+
+# -- 1. completion -> resume latency ----------------------------------------------------------
+
+
+@dataclass
+class Latency:
+    name: str
+    job_s: float
+    engine: list[float]
+    baseline: list[float] | None = None
+
+    def row(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "name": self.name,
+            "job_us": self.job_s * 1e6,
+            "n": len(self.engine),
+            "engine_p50_us": pct(self.engine, 50) * 1e6,
+            "engine_p99_us": pct(self.engine, 99) * 1e6,
+        }
+        if self.baseline is not None:
+            row["baseline_p50_us"] = pct(self.baseline, 50) * 1e6
+            row["baseline_p99_us"] = pct(self.baseline, 99) * 1e6
+            row["added_p50_us"] = row["engine_p50_us"] - row["baseline_p50_us"]
+            row["added_p99_us"] = row["engine_p99_us"] - row["baseline_p99_us"]
+        return row
+
+
+async def _engine_load_latencies(
+    engine: OffloadEngine, jobs: int, since_submit: Callable[[int, float, float], float]
+) -> list[float]:
+    """Load one stored key ``jobs`` times; ``since_submit(job_id, t_submit, t_resume)``."""
+    key = key_of(0)
+    await engine.store([key], [0])
+    out = []
+    poller = engine._poller
+    assert poller is not None
+    for _ in range(jobs):
+        job_id = poller._next_job_id
+        t0 = time.perf_counter()
+        await engine.load([key], [1])
+        t1 = time.perf_counter()
+        out.append(since_submit(job_id, t0, t1))
+    return out
+
+
+def _baseline_latencies(handler: OffloadingHandler, jobs: int, spec: TransferSpec) -> list[float]:
+    """Submit and spin on get_finished without asyncio: t_detect - t_submit."""
+    out = []
+    for job_id in range(10**9, 10**9 + jobs):
+        t0 = time.perf_counter()
+        handler.transfer_async(job_id, spec)
+        while not handler.get_finished():
+            pass
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def latency_deadline(jobs: int, delay_s: float, spin_s: float) -> Latency:
+    handler = DeadlineHandler(delay_s)
+    config = small_config(64)
+    engine = OffloadEngine(
+        config, spec=HandlerSpec(config, handler), kv_caches=CanonicalKVCaches([]),
+        poll_spin_s=spin_s,
+    )  # fmt: skip
+    async with engine:
+        lat = await _engine_load_latencies(
+            engine, jobs, lambda job, t0, t1: t1 - handler.done_at[job]
+        )
+    return Latency(f"deadline (spin {spin_s * 1e3:g} ms)", delay_s, lat)
+
+
+async def latency_cuda(jobs: int, job_s: float, spin_s: float) -> Latency:
+    import torch
+
+    probe = CudaSleepHandler(1_000_000)
+    probe.transfer_async(0, (None, None))  # type: ignore[arg-type]
+    probe.stream.synchronize()
+    (res,) = probe.get_finished()
+    cycles = max(1, int(1_000_000 * job_s / res.transfer_time))  # type: ignore[operator]
+    handler = CudaSleepHandler(cycles)
+    spec = (CPULoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
+    _baseline_latencies(handler, 20, spec)  # warm-up
+    gpu_times: dict[int, float] = {}
+
+    def collect(results: list[TransferResult]) -> None:
+        for r in results:
+            gpu_times[r.job_id] = r.transfer_time or 0.0
+
+    base = []
+    for job_id in range(jobs):
+        t0 = time.perf_counter()
+        handler.transfer_async(job_id, spec)
+        while not (done := handler.get_finished()):
+            pass
+        base.append(time.perf_counter() - t0 - (done[0].transfer_time or 0.0))
+    config = small_config(64)
+    engine = OffloadEngine(
+        config, spec=HandlerSpec(config, handler), kv_caches=CanonicalKVCaches([]),
+        poll_spin_s=spin_s,
+    )  # fmt: skip
+    original = handler.get_finished
+
+    def spy() -> list[TransferResult]:
+        results = original()
+        collect(results)
+        return results
+
+    handler.get_finished = spy  # type: ignore[method-assign]
+    async with engine:
+        lat = await _engine_load_latencies(
+            engine, jobs, lambda job, t0, t1: t1 - t0 - gpu_times.get(job, 0.0)
+        )
+    torch.cuda.synchronize()
+    return Latency(f"cuda event (spin {spin_s * 1e3:g} ms)", job_s, lat, base)
+
+
+async def latency_cpu_backend(jobs: int, spin_s: float) -> Latency | None:
+    try:
+        from kvcache_offload.cpu import cpu_backend, layouts  # type: ignore[attr-defined]
+    except ImportError:
+        console.print("[yellow]kvcache_offload.cpu.cpu_backend not available: skipped[/]")
+        return None
+    return await _latency_cpu_backend(cpu_backend, layouts, jobs, spin_s)
+
+
+async def _latency_cpu_backend(cpu_backend: Any, layouts: Any, jobs: int, spin_s: float) -> Latency:
+    import torch
+
+    num_blocks, page = 64, 64 * 1024
+    kv = torch.zeros((num_blocks, page), dtype=torch.int8)
+    from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
+
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(kv, page)], [[CanonicalKVCacheRef(0, page)]]
+    )
+    config = OffloadConfig(
+        cpu_bytes_to_use=num_blocks * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=num_blocks),
+        backend="cpu",
+    )
+    # Baseline: the same handlers driven without asyncio.
+    handlers = cpu_backend.CpuBackendOffloadingHandlers(kv_caches, 1, num_blocks)
+    load = handlers.cpu_to_gpu_handler
+    spec = (CPULoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
+    _baseline_latencies(load, 20, spec)
+    base = _baseline_latencies(load, jobs, spec)
+    load.shutdown()
+    handlers.gpu_to_cpu_handler.shutdown()
+    engine = OffloadEngine(config, kv_caches=kv_caches, poll_spin_s=spin_s)
+    async with engine:
+        lat = await _engine_load_latencies(engine, jobs, lambda job, t0, t1: t1 - t0)
+    return Latency(f"cpu backend 64 KiB (spin {spin_s * 1e3:g} ms)", 0.0, lat, base)
+
+
+# -- 2. idle CPU --------------------------------------------------------------------------------
+
+
+async def idle_cpu(idle_s: float) -> dict[str, float]:
+    handler = DeadlineHandler(0.0)
+    config = small_config(64)
+    engine = OffloadEngine(
+        config, spec=HandlerSpec(config, handler), kv_caches=CanonicalKVCaches([])
+    )
+    async with engine:
+        await engine.store([key_of(0)], [0])  # exercise poller, then go idle
+        await engine.prepare_store([key_of(1)], ttl_s=3600)  # an open lease: reaper waits
+        sub = engine.subscribe()  # a subscriber waiting for events
+        reader = asyncio.create_task(sub.__anext__())
+        await asyncio.sleep(0.1)
+        polls0 = engine._poller.polls  # type: ignore[union-attr]
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(idle_s)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        polls = engine._poller.polls - polls0  # type: ignore[union-attr]
+        reader.cancel()
+        await sub.aclose()
+    return {
+        "idle_s": wall1 - wall0,
+        "cpu_s": cpu1 - cpu0,
+        "cpu_fraction_of_core": (cpu1 - cpu0) / (wall1 - wall0),
+        "polls_while_idle": polls,
+    }
+
+
+# -- 3. lookup overhead -----------------------------------------------------------------------
+
+
+def load_trace(path: Path | None, limit: int) -> tuple[list[list[OffloadKey]], str]:
+    if path is not None and path.exists():
+        reqs = []
+        with path.open() as f:
+            for line in f:
+                if len(reqs) >= limit:
+                    break
+                ids = json.loads(line)["hash_ids"]
+                reqs.append([make_offload_key(str(h).encode(), 0) for h in ids])
+        return reqs, str(path)
+    rng = np.random.default_rng(0)
+    reqs, next_id, prefixes = [], 0, []
+    for _ in range(limit):
+        if prefixes and rng.random() < 0.6:
+            base = prefixes[int(rng.integers(len(prefixes)))]
+            ids = base[: int(rng.integers(1, len(base) + 1))]
+        else:
+            ids = []
+        extra = int(rng.integers(1, 20))
+        ids = [*ids, *range(next_id, next_id + extra)]
+        next_id += extra
+        prefixes.append(ids)
+        reqs.append([make_offload_key(str(h).encode(), 0) for h in ids])
+    return reqs, "generated"
+
+
+def direct_prefix_lookup(
+    manager: OffloadingManager, keys: Sequence[OffloadKey], ctx: ReqContext
+) -> tuple[int, bool]:
+    """vLLM's maximal prefix walk straight on the manager: the baseline."""
+    hits = 0
+    pending = False
+    lookup = manager.lookup
+    for key in keys:
+        found = lookup(key, ctx)
+        if found is False:
+            break
+        if found is None:
+            pending = True
+        hits += 1
+    return hits, pending
+
+
+def _replay_store(manager: OffloadingManager, keys: list[OffloadKey], ctx: ReqContext) -> None:
+    out = manager.prepare_store(keys, ctx)
+    if out is not None and out.keys_to_store:
+        manager.complete_store(out.keys_to_store, ctx)
+
+
+async def lookup_overhead(
+    reqs: list[list[OffloadKey]], capacity: int, rounds: int
+) -> dict[str, Any]:
+    ctx = ReqContext()
+    best_direct = best_engine = float("inf")
+    hits_direct = hits_engine = 0
+    for _ in range(rounds):
+        config = small_config(capacity)
+        manager = CPUOffloadingSpec(config, config.layout).get_manager()
+        spent = 0.0
+        hits_direct = 0
+        for keys in reqs:
+            t0 = time.perf_counter()
+            hits, _ = direct_prefix_lookup(manager, keys, ctx)
+            spent += time.perf_counter() - t0
+            hits_direct += hits
+            _replay_store(manager, keys, ctx)
+        best_direct = min(best_direct, spent)
+
+        engine = OffloadEngine(config)
+        async with engine:
+            manager = engine.manager
+            spent = 0.0
+            hits_engine = 0
+            for keys in reqs:
+                t0 = time.perf_counter()
+                result = await engine.lookup(keys, ctx)
+                spent += time.perf_counter() - t0
+                hits_engine += result.hits
+                _replay_store(manager, keys, ctx)
+            best_engine = min(best_engine, spent)
+    n = len(reqs)
+    return {
+        "requests": n,
+        "keys": sum(len(k) for k in reqs),
+        "capacity_blocks": capacity,
+        "hit_blocks_direct": hits_direct,
+        "hit_blocks_engine": hits_engine,
+        "direct_us_per_call": best_direct / n * 1e6,
+        "engine_us_per_call": best_engine / n * 1e6,
+        "ratio": best_engine / best_direct,
+    }
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if device == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["anyio"] = version("anyio")
+    except Exception:
+        pass
+    return info
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    if device == "auto":
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            device = "cpu"
+    results: dict[str, Any] = {"device": device}
+
+    lats: list[Latency] = []
+    for delay in (0.0002, 0.005):
+        lats.append(await latency_deadline(args.jobs, delay, args.spin_s))
+    cpu = await latency_cpu_backend(args.jobs, args.spin_s)
+    if cpu is not None:
+        lats.append(cpu)
+    if device == "cuda":
+        for job_s in (0.0001, 0.001, 0.005):
+            lats.append(await latency_cuda(args.jobs, job_s, args.spin_s))
+    results["latency"] = [lat.row() for lat in lats]
+
+    table = Table(title="completion -> awaiting coroutine resumed (us)")
+    for col in (
+        "path",
+        "job us",
+        "n",
+        "p50",
+        "p99",
+        "base p50",
+        "base p99",
+        "added p50",
+        "added p99",
+    ):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    for row in results["latency"]:
+        table.add_row(
+            row["name"], f"{row['job_us']:.0f}", str(row["n"]),
+            f"{row['engine_p50_us']:.1f}", f"{row['engine_p99_us']:.1f}",
+            *(
+                f"{row[k]:.1f}" if k in row else "-"
+                for k in ("baseline_p50_us", "baseline_p99_us", "added_p50_us", "added_p99_us")
+            ),
+        )  # fmt: skip
+    console.print(table)
+
+    idle = await idle_cpu(args.idle_s)
+    results["idle"] = idle
+    table = Table(title=f"idle engine over {idle['idle_s']:.1f} s")
+    for col in ("cpu s", "% of a core", "polls while idle"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{idle['cpu_s']:.4f}", f"{idle['cpu_fraction_of_core'] * 100:.3f}",
+        str(idle["polls_while_idle"]),
+    )  # fmt: skip
+    console.print(table)
+
+    reqs, source = load_trace(args.trace, args.requests)
+    look = await lookup_overhead(reqs, args.capacity, args.rounds)
+    look["trace"] = source
+    results["lookup"] = look
+    table = Table(title=f"lookup per call, {look['requests']} requests from {Path(source).name}")
+    for col in ("direct manager us", "engine.lookup us", "ratio", "hit blocks (direct/engine)"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{look['direct_us_per_call']:.2f}", f"{look['engine_us_per_call']:.2f}",
+        f"{look['ratio']:.2f}x", f"{look['hit_blocks_direct']}/{look['hit_blocks_engine']}",
+    )  # fmt: skip
+    console.print(table)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.aio", description=__doc__)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--jobs", type=int, default=2000, help="transfers per latency run")
+    parser.add_argument("--spin-s", type=float, default=0.002, help="poller spin window")
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--requests", type=int, default=12_031)
+    parser.add_argument("--capacity", type=int, default=20_000, help="CPU blocks for lookups")
+    parser.add_argument("--rounds", type=int, default=3, help="best of N for lookups")
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    args = parser.parse_args(argv)
+    results = asyncio.run(main_async(args))
+    report = {
+        "bench": "aio",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python -m bench.aio", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(results["device"]),
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"aio-{results['device']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
