@@ -31,7 +31,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
         401: "Missing or wrong bearer token.",
-        404: "Unknown lease or no shared region.",
+        404: "Unknown lease, block route or no shared region.",
         409: "A block is not in the state the call needs.",
         410: "The lease expired and was rolled back.",
         413: "Request body too large.",

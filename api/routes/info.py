@@ -6,10 +6,10 @@ import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.exceptions import HTTPException
 
 from api.deps import EngineLike, get_engine
 from api.responses import FastJSONResponse
-from kvcache_offload.errors import RegionError
 
 __all__ = ["health_router", "router"]
 
@@ -24,7 +24,7 @@ async def region(engine: Engine) -> FastJSONResponse:
     """Where the shared /dev/shm region lives and how it is laid out, for worker processes."""
     info = engine.region_info()
     if info is None:
-        raise RegionError("this server has no shared region (start it with shared_region=true)")
+        raise HTTPException(404, "this server has no shared region (start it with shared_region)")
     return FastJSONResponse(info)
 
 

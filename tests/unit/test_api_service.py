@@ -47,11 +47,11 @@ async def test_stats_report_engine_counters_as_json() -> None:
         assert body["policy"] == "lru"
 
 
-async def test_region_answers_503_when_the_server_has_no_shared_region() -> None:
+async def test_region_answers_404_when_the_server_has_no_shared_region() -> None:
     async with served() as s:
         r = await s.client.get("/v1/region")
-        assert r.status_code == 503
-        assert r.json()["error"] == "RegionError"
+        assert r.status_code == 404
+        assert "no shared region" in r.json()["detail"]
 
 
 async def test_readyz_is_503_until_the_owned_engine_started() -> None:
