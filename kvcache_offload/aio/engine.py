@@ -79,6 +79,8 @@ LOAD_DIRECTION = "cpu_to_gpu"
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
 _READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
+_NO_CONTEXT = ReqContext()
+"""Shared by calls that pass no context (managers only read it)."""
 
 
 def _block_ids(spec: object) -> list[int]:
@@ -272,39 +274,54 @@ class OffloadEngine:
     # -- lookups -----------------------------------------------------------------------------
 
     async def lookup(
-        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        *,
+        prefix_only: bool = False,
     ) -> LookupResult:
-        """Per-key states plus the ready prefix and vLLM's "retry later" flag."""
-        return self.lookup_now(keys, req_context)
+        """Per-key states plus the ready prefix and vLLM's "retry later" flag.
+
+        With ``prefix_only`` the walk stops at the first absent key (as vLLM's does), so
+        ``states`` covers only the keys up to and including it.
+        """
+        return self.lookup_now(keys, req_context, prefix_only=prefix_only)
 
     def lookup_now(
-        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        *,
+        prefix_only: bool = False,
     ) -> LookupResult:
         """:meth:`lookup` without the coroutine, for callers already on the loop thread."""
-        ctx = req_context if req_context is not None else ReqContext()
+        ctx = req_context if req_context is not None else _NO_CONTEXT
         lookup = self.manager.lookup
         states: list[KeyState] = []
+        append = states.append
         hits = -1
         pending = False
         seen_absent = False
-        for i, key in enumerate(keys):
+        for key in keys:
             found = lookup(key, ctx)
             if found:
-                states.append(_READY)
+                append(_READY)
                 continue
             if hits < 0:
-                hits = i
+                hits = len(states)
             if found is None:
-                states.append(_WRITING)
+                append(_WRITING)
                 if not seen_absent:
                     pending = True
             else:
-                states.append(_ABSENT)
+                append(_ABSENT)
+                if prefix_only:
+                    break
                 seen_absent = True
         if hits < 0:
             hits = len(states)
         self._lookups += 1
-        self._lookup_keys += len(states)
+        self._lookup_keys += len(keys)
         self._lookup_hit_blocks += hits
         if self._on_lookup:
             self._notify(self._on_lookup, keys, hits)
@@ -314,7 +331,7 @@ class OffloadEngine:
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
         """Mark keys recently used; the first key ends up most recently used."""
-        self.manager.touch(keys, req_context if req_context is not None else ReqContext())
+        self.manager.touch(keys, req_context if req_context is not None else _NO_CONTEXT)
 
     # -- manager steps shared by the one-shot and two-step operations ----------------------
 
