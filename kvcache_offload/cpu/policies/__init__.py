@@ -9,12 +9,19 @@ from kvcache_offload.cpu.policies.registry import (
     register_cache_policy,
     unregister_cache_policy,
 )
+from kvcache_offload.cpu.policies.s3fifo import PrefixS3FIFOCachePolicy, S3FIFOCachePolicy
+from kvcache_offload.cpu.policies.sieve import SIEVECachePolicy
+from kvcache_offload.cpu.policies.slru import SLRUCachePolicy
 
 __all__ = [
     "ARCCachePolicy",
     "BlockStatus",
     "CachePolicy",
     "LRUCachePolicy",
+    "PrefixS3FIFOCachePolicy",
+    "S3FIFOCachePolicy",
+    "SIEVECachePolicy",
+    "SLRUCachePolicy",
     "available_cache_policies",
     "get_cache_policy_cls",
     "register_cache_policy",

@@ -68,6 +68,10 @@ def _checked(obj: object, name: str) -> type[CachePolicy]:
 _BUILTIN = {
     "lru": ("kvcache_offload.cpu.policies.lru", "LRUCachePolicy"),
     "arc": ("kvcache_offload.cpu.policies.arc", "ARCCachePolicy"),
+    "s3fifo": ("kvcache_offload.cpu.policies.s3fifo", "S3FIFOCachePolicy"),
+    "s3fifo-prefix": ("kvcache_offload.cpu.policies.s3fifo", "PrefixS3FIFOCachePolicy"),
+    "sieve": ("kvcache_offload.cpu.policies.sieve", "SIEVECachePolicy"),
+    "slru": ("kvcache_offload.cpu.policies.slru", "SLRUCachePolicy"),
 }
 for _name, (_module, _cls) in _BUILTIN.items():
     register_cache_policy(_name, _module, _cls)
