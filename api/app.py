@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
-from api.auth import require_token
+from api.auth import BearerAuthMiddleware, document_bearer
 from api.deps import EngineLike
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
@@ -98,12 +98,15 @@ def create_app(
 
     # Routers carry their "/v1" prefix themselves so route templates (metric labels) are full.
     for v1_router in (keys.router, leases.router, blocks.router, events.router, info.router):
-        app.include_router(v1_router, dependencies=[Depends(require_token)], responses=_ERRORS)
+        app.include_router(v1_router, responses=_ERRORS)
     app.include_router(info.health_router)
     app.include_router(metrics_route.router)
 
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_body_bytes))
+    if app.state.api_token is not None:
+        app.add_middleware(BearerAuthMiddleware, token=app.state.api_token)
+        document_bearer(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=http_metrics)
     return app
 

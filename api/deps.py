@@ -87,17 +87,20 @@ class EngineLike(Protocol):
     async def aclose(self) -> None: ...
 
 
+# Dependencies are ``async def`` on purpose: FastAPI runs plain ``def`` ones in a worker thread.
+
+
 class EngineNotReady(Exception):
     """The app's engine is not started (lifespan not run) or already closed."""
 
 
-def get_engine(request: Request) -> EngineLike:
+async def get_engine(request: Request) -> EngineLike:
     engine: EngineLike | None = getattr(request.app.state, "engine", None)
     if engine is None:
         raise EngineNotReady("the offload engine is not running (starting up or shut down)")
     return engine
 
 
-def get_config(request: Request) -> OffloadConfig:
+async def get_config(request: Request) -> OffloadConfig:
     config: OffloadConfig = request.app.state.config
     return config

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Request
 
-from fastapi import APIRouter, Depends
-
-from api.deps import EngineLike, get_config, get_engine
 from api.responses import FastJSONResponse
+from api.routes._body import json_body, parse_body
 from api.routes._keys import hex_keys, request_context, resolve_keys
+from api.routes._state import config_of, engine_of
 from api.schemas import (
     LoadCompleted,
     LoadCompleteRequest,
@@ -18,21 +17,20 @@ from api.schemas import (
     StoreCompleteRequest,
     StoreLeaseOut,
 )
-from kvcache_offload.config import OffloadConfig
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 
-Engine = Annotated[EngineLike, Depends(get_engine)]
-Config = Annotated[OffloadConfig, Depends(get_config)]
 
-
-@router.post("/store/prepare", response_model=StoreLeaseOut)
-async def prepare_store(body: PrepareRequest, engine: Engine, config: Config) -> FastJSONResponse:
+@router.post(
+    "/store/prepare", response_model=StoreLeaseOut, openapi_extra=json_body(PrepareRequest)
+)
+async def prepare_store(request: Request) -> FastJSONResponse:
     """Allocate CPU slots for the keys not yet offloaded (evicting if needed) under a lease."""
-    keys = resolve_keys(body, config.max_keys_per_request)
-    lease = await engine.prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
+    body = await parse_body(request, PrepareRequest)
+    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    lease = await engine_of(request).prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(
         {
             "lease_id": lease.lease_id,
@@ -44,18 +42,24 @@ async def prepare_store(body: PrepareRequest, engine: Engine, config: Config) ->
     )
 
 
-@router.post("/store/complete", response_model=StoreCompleted)
-async def complete_store(body: StoreCompleteRequest, engine: Engine) -> FastJSONResponse:
+@router.post(
+    "/store/complete",
+    response_model=StoreCompleted,
+    openapi_extra=json_body(StoreCompleteRequest),
+)
+async def complete_store(request: Request) -> FastJSONResponse:
     """Make the lease's blocks loadable, or roll them back with ``success: false``."""
-    keys = await engine.complete_store(body.lease_id, body.success)
+    body = await parse_body(request, StoreCompleteRequest)
+    keys = await engine_of(request).complete_store(body.lease_id, body.success)
     return FastJSONResponse({"lease_id": body.lease_id, "keys": hex_keys(keys)})
 
 
-@router.post("/load/prepare", response_model=LoadLeaseOut)
-async def prepare_load(body: PrepareRequest, engine: Engine, config: Config) -> FastJSONResponse:
+@router.post("/load/prepare", response_model=LoadLeaseOut, openapi_extra=json_body(PrepareRequest))
+async def prepare_load(request: Request) -> FastJSONResponse:
     """Pin ready blocks for reading under a lease; 409 if any is not ready."""
-    keys = resolve_keys(body, config.max_keys_per_request)
-    lease = await engine.prepare_load(keys, request_context(body), ttl_s=body.ttl_s)
+    body = await parse_body(request, PrepareRequest)
+    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    lease = await engine_of(request).prepare_load(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(
         {
             "lease_id": lease.lease_id,
@@ -66,8 +70,11 @@ async def prepare_load(body: PrepareRequest, engine: Engine, config: Config) -> 
     )
 
 
-@router.post("/load/complete", response_model=LoadCompleted)
-async def complete_load(body: LoadCompleteRequest, engine: Engine) -> FastJSONResponse:
+@router.post(
+    "/load/complete", response_model=LoadCompleted, openapi_extra=json_body(LoadCompleteRequest)
+)
+async def complete_load(request: Request) -> FastJSONResponse:
     """Unpin the lease's blocks."""
-    await engine.complete_load(body.lease_id)
+    body = await parse_body(request, LoadCompleteRequest)
+    await engine_of(request).complete_load(body.lease_id)
     return FastJSONResponse({"lease_id": body.lease_id})
