@@ -495,13 +495,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     lats: list[Latency] = []
     for spin_s in args.spin_s:
-        for delay in (0.0002, 0.001, 0.005):
+        for delay in (0.0002, 0.001, 0.01):
             lats.append(await latency_deadline(args.jobs, delay, spin_s))
         cpu = await latency_cpu_backend(args.jobs, spin_s)
         if cpu is not None:
             lats.append(cpu)
         if device == "cuda":
-            for job_s in (0.0001, 0.001, 0.005):
+            for job_s in (0.0001, 0.001, 0.01):
                 lats.append(await latency_cuda(args.jobs, job_s, spin_s))
     results["latency"] = [lat.row() for lat in lats]
 
@@ -564,9 +564,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.aio", description=__doc__)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--jobs", type=int, default=2000, help="transfers per latency run")
+    parser.add_argument("--jobs", type=int, default=1000, help="transfers per latency run")
     parser.add_argument(
-        "--spin-s", type=float, nargs="+", default=[0.002], help="poller spin windows to try"
+        "--spin-s", type=float, nargs="+", default=[0.005], help="poller spin windows to try"
     )
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)

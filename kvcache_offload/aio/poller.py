@@ -43,7 +43,7 @@ class TransferPoller:
     """Owns job ids and in-flight futures for one worker; :meth:`run` is its task."""
 
     def __init__(
-        self, worker: OffloadingWorker, *, spin_s: float = 0.002, backoff_s: float = 0.001
+        self, worker: OffloadingWorker, *, spin_s: float = 0.005, backoff_s: float = 0.001
     ) -> None:
         self.worker = worker
         self.spin_s = spin_s
