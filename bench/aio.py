@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,18 +176,22 @@ class Latency:
 
 
 async def _engine_load_latencies(
-    engine: OffloadEngine, jobs: int, since_submit: Callable[[int, float, float], float]
+    engine: OffloadEngine,
+    jobs: int,
+    since_submit: Callable[[int, float, float], float],
+    blocks: int = 1,
 ) -> list[float]:
-    """Load one stored key ``jobs`` times; ``since_submit(job_id, t_submit, t_resume)``."""
-    key = key_of(0)
-    await engine.store([key], [0])
+    """Load ``blocks`` stored keys ``jobs`` times; ``since_submit(job_id, t_submit, t_resume)``."""
+    ks = [key_of(i) for i in range(blocks)]
+    await engine.store(ks, list(range(blocks)))
+    dst = list(range(blocks, 2 * blocks))
     out = []
     poller = engine._poller
     assert poller is not None
     for _ in range(jobs):
         job_id = poller._next_job_id
         t0 = time.perf_counter()
-        await engine.load([key], [1])
+        await engine.load(ks, dst)
         t1 = time.perf_counter()
         out.append(since_submit(job_id, t0, t1))
     return out
@@ -263,42 +268,107 @@ async def latency_cuda(jobs: int, job_s: float, spin_s: float) -> Latency:
     return Latency(f"cuda event (spin {spin_s * 1e3:g} ms)", job_s, lat, base)
 
 
-async def latency_cpu_backend(jobs: int, spin_s: float) -> Latency | None:
+class PairSpec(CPUOffloadingSpec):
+    """The CPU manager plus a data-plane handler pair built from the KV caches."""
+
+    def __init__(self, config: OffloadConfig, handlers_cls: Any) -> None:
+        super().__init__(config, config.layout)
+        self.handlers_cls = handlers_cls
+
+    def get_handlers(
+        self, kv_caches: CanonicalKVCaches
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        pair = self.handlers_cls(kv_caches, self.block_size_factor, self.num_blocks)
+        yield GPULoadStoreSpec, CPULoadStoreSpec, pair.gpu_to_cpu_handler
+        yield CPULoadStoreSpec, GPULoadStoreSpec, pair.cpu_to_gpu_handler
+
+
+async def latency_real_backend(
+    jobs: int, spin_s: float, device: str, blocks: int = 16, page: int = 256 * 1024
+) -> Latency | None:
+    """Loads of ``blocks`` x ``page`` bytes through the data plane's own handlers."""
     try:
-        from kvcache_offload.cpu import cpu_backend, layouts  # type: ignore[attr-defined]
-    except ImportError:
-        console.print("[yellow]kvcache_offload.cpu.cpu_backend not available: skipped[/]")
+        import torch
+
+        if device == "cuda":
+            from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers as pair_cls
+        else:
+            from kvcache_offload.cpu.cpu_backend import CpuBackendOffloadingHandlers as pair_cls
+    except ImportError as exc:
+        console.print(f"[yellow]{device} handlers not available ({exc}): skipped[/]")
         return None
-    return await _latency_cpu_backend(cpu_backend, layouts, jobs, spin_s)
-
-
-async def _latency_cpu_backend(cpu_backend: Any, layouts: Any, jobs: int, spin_s: float) -> Latency:
-    import torch
-
-    num_blocks, page = 64, 64 * 1024
-    kv = torch.zeros((num_blocks, page), dtype=torch.int8)
     from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
 
+    num_blocks = 4 * blocks
+    tensor = torch.zeros((num_blocks, page), dtype=torch.int8, device=device)
     kv_caches = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(kv, page)], [[CanonicalKVCacheRef(0, page)]]
+        [CanonicalKVCacheTensor(tensor, page)], [[CanonicalKVCacheRef(0, page)]]
     )
     config = OffloadConfig(
         cpu_bytes_to_use=num_blocks * page,
         layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=num_blocks),
-        backend="cpu",
+        backend=device,
+    )  # type: ignore[arg-type]
+    spec = (CPULoadStoreSpec(list(range(blocks))), GPULoadStoreSpec(
+        list(range(blocks, 2 * blocks)), [blocks], [0]
+    ))  # fmt: skip
+    pair = pair_cls(kv_caches, 1, num_blocks)
+    exact = callable(getattr(pair.cpu_to_gpu_handler, "set_completion_callback", None))
+    done_at = [0.0]
+    if exact:
+        # The copy thread reports the completion instant itself: latencies are exact.
+        # Baseline: a thread blocked on a threading.Event set by that callback.
+        flag = threading.Event()
+
+        def on_complete() -> None:
+            done_at[0] = time.perf_counter()
+            flag.set()
+
+        load = pair.cpu_to_gpu_handler
+        load.set_completion_callback(on_complete)
+        base = []
+        for job_id in range(jobs + 20):
+            flag.clear()
+            load.transfer_async(job_id, spec)
+            flag.wait()
+            t1 = time.perf_counter()
+            load.get_finished()
+            if job_id >= 20:
+                base.append(t1 - done_at[0])
+    else:
+        # Baseline: the same handlers driven by a bare spin loop on get_finished, no asyncio.
+        _baseline_latencies(pair.cpu_to_gpu_handler, 20, spec)
+        base = _baseline_latencies(pair.cpu_to_gpu_handler, jobs, spec)
+    pair.shutdown()
+    engine = OffloadEngine(
+        config, spec=PairSpec(config, pair_cls), kv_caches=kv_caches, poll_spin_s=spin_s
     )
-    # Baseline: the same handlers driven without asyncio.
-    handlers = cpu_backend.CpuBackendOffloadingHandlers(kv_caches, 1, num_blocks)
-    load = handlers.cpu_to_gpu_handler
-    spec = (CPULoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
-    _baseline_latencies(load, 20, spec)
-    base = _baseline_latencies(load, jobs, spec)
-    load.shutdown()
-    handlers.gpu_to_cpu_handler.shutdown()
-    engine = OffloadEngine(config, kv_caches=kv_caches, poll_spin_s=spin_s)
     async with engine:
-        lat = await _engine_load_latencies(engine, jobs, lambda job, t0, t1: t1 - t0)
-    return Latency(f"cpu backend 64 KiB (spin {spin_s * 1e3:g} ms)", 0.0, lat, base)
+        if exact:
+            assert engine.worker is not None and engine._poller is not None
+            wake = engine._poller.wake_threadsafe
+            load = engine.worker.transfer_type_to_handler[("CPU", "GPU")]
+
+            def record_and_wake() -> None:
+                done_at[0] = time.perf_counter()
+                wake()
+
+            load.set_completion_callback(record_and_wake)  # type: ignore[attr-defined]
+            lat = await _engine_load_latencies(
+                engine, jobs, lambda job, t0, t1: t1 - done_at[0], blocks=blocks
+            )
+        else:
+            lat = await _engine_load_latencies(
+                engine, jobs, lambda job, t0, t1: t1 - t0, blocks=blocks
+            )
+    size = blocks * page
+    return Latency(
+        f"{device} handlers {size >> 20} MiB load{' (exact)' if exact else ''} "
+        f"(spin {spin_s * 1e3:g} ms)",
+        0.0 if exact else pct(base, 50),
+        lat,
+        base,
+    )
 
 
 # -- 2. idle CPU --------------------------------------------------------------------------------
@@ -497,9 +567,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for spin_s in args.spin_s:
         for delay in (0.0002, 0.001, 0.01):
             lats.append(await latency_deadline(args.jobs, delay, spin_s))
-        cpu = await latency_cpu_backend(args.jobs, spin_s)
-        if cpu is not None:
-            lats.append(cpu)
+        for backend in ("cpu", "cuda") if device == "cuda" else ("cpu",):
+            real = await latency_real_backend(args.jobs, spin_s, backend)
+            if real is not None:
+                lats.append(real)
         if device == "cuda":
             for job_s in (0.0001, 0.001, 0.01):
                 lats.append(await latency_cuda(args.jobs, job_s, spin_s))
