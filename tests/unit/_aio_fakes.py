@@ -27,6 +27,8 @@ class FakeHandler(OffloadingHandler):
         self.fail_ids: set[int] = set()
         self.refuse = False
         self.fail_all = False
+        self.fail_next = 0
+        """How many of the next submitted jobs fail."""
         self.shutdown_called = False
         self._lock = threading.Lock()
 
@@ -34,6 +36,9 @@ class FakeHandler(OffloadingHandler):
         if self.refuse:
             return False
         with self._lock:
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                self.fail_ids.add(job_id)
             self.submitted.append((job_id, spec))
             self.pending.append(job_id)
         return True

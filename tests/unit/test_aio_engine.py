@@ -375,3 +375,13 @@ async def test_concurrent_stores_and_loads_from_many_tasks_leave_nothing_pinned(
         assert stats.store_blocks_completed == 60 and stats.load_blocks_completed == 60
         assert stats.blocks_reading == 0 and stats.blocks_writing == 0
         assert stats.transfers_in_flight == 0
+
+
+async def test_prefix_only_lookup_stops_at_the_first_absent_key() -> None:
+    async with make_engine() as engine:
+        await engine.store(keys(1, 3), [0, 1])
+        full = await engine.lookup(keys(1, 2, 3))
+        short = await engine.lookup(keys(1, 2, 3), prefix_only=True)
+        assert full.states == [KeyState.READY, KeyState.ABSENT, KeyState.READY]
+        assert short.states == [KeyState.READY, KeyState.ABSENT]
+        assert full.hits == short.hits == 1
