@@ -11,7 +11,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, Self
 
 import numpy as np
 
@@ -105,7 +105,33 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """A spec addressing blocks by integer id; ids live in an int64 numpy array."""
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
-        self.block_ids: np.ndarray = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self._owned_ids: list[int] | None = None
+        self._block_ids: np.ndarray | None = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+
+    @classmethod
+    def from_owned_list(cls, block_ids: list[int]) -> Self:
+        """Wrap a list nobody will modify again; the array is built on first access.
+
+        The scheduler-side manager returns a spec from every prepare call, many of which never
+        reach a worker (replays, lookups-only clients): converting eagerly cost ~1 us each.
+        """
+        spec = cls.__new__(cls)
+        spec._owned_ids = block_ids
+        spec._block_ids = None
+        return spec
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        array = self._block_ids
+        if array is None:
+            array = self._block_ids = np.asarray(self._owned_ids, dtype=np.int64).reshape(-1)
+            self._owned_ids = None
+        return array
+
+    @block_ids.setter
+    def block_ids(self, value: Sequence[int] | np.ndarray) -> None:
+        self._owned_ids = None
+        self._block_ids = np.asarray(value, dtype=np.int64).reshape(-1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids!r})"

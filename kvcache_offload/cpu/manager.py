@@ -155,7 +155,7 @@ class CPUOffloadingManager(OffloadingManager):
                 newly_read += 1
             block.ref_cnt += 1
         self._reading += newly_read
-        return CPULoadStoreSpec([block.block_id for block in blocks])
+        return CPULoadStoreSpec.from_owned_list([block.block_id for block in blocks])
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         _check_keys(keys)
@@ -195,7 +195,7 @@ class CPUOffloadingManager(OffloadingManager):
         keys_to_store = [key for key in keys if key not in table]
         if not keys_to_store:
             _check_keys(keys)
-            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
+            return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
         _check_keys(keys_to_store)
         if len(set(keys_to_store)) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
@@ -222,7 +222,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.insert_many(pairs)
         self._writing += len(keys_to_store)
         block_ids = [block.block_id for block in new_blocks]
-        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(block_ids), evicted_keys)
+        return PrepareStoreOutput(
+            keys_to_store, CPULoadStoreSpec.from_owned_list(block_ids), evicted_keys
+        )
 
     def _allocate(self, count: int) -> list[BlockStatus]:
         """Fresh slots in ascending order first, then freed slots, most recently freed first.

@@ -17,12 +17,20 @@ from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
 __all__ = ["ARCCachePolicy"]
 
 
-def _evictable(
-    entries: OrderedDict[OffloadKey, BlockStatus], protected: Collection[OffloadKey]
-) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-    for key, block in entries.items():
+def _take(
+    entries: Iterator[tuple[OffloadKey, BlockStatus]], count: int, protected: Collection[OffloadKey]
+) -> list[tuple[OffloadKey, BlockStatus]]:
+    """Up to ``count`` idle, unprotected entries from ``entries``, which is left positioned
+    after the last one taken so a later call continues the same pass."""
+    taken: list[tuple[OffloadKey, BlockStatus]] = []
+    if count <= 0:
+        return taken
+    for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:
-            yield key, block
+            taken.append((key, block))
+            if len(taken) == count:
+                break
+    return taken
 
 
 class ARCCachePolicy(CachePolicy):
@@ -89,42 +97,42 @@ class ARCCachePolicy(CachePolicy):
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        t1_candidates = _evictable(self.t1, protected)
-        t2_candidates = _evictable(self.t2, protected)
-        from_t1: list[tuple[OffloadKey, BlockStatus]] = []
-        from_t2: list[tuple[OffloadKey, BlockStatus]] = []
-        selected: list[tuple[OffloadKey, BlockStatus]] = []
-        virtual_t1 = len(self.t1)
-        target = int(self.target_t1_size)
-        for _ in range(n):
-            victim = None
-            if virtual_t1 >= target:
-                victim = next(t1_candidates, None)
-                if victim is not None:
-                    virtual_t1 -= 1
-                    from_t1.append(victim)
-            if victim is None:
-                victim = next(t2_candidates, None)
-                if victim is not None:
-                    from_t2.append(victim)
-            if victim is None:
-                # vLLM #55461: T2 has nothing evictable left, so take from T1 after all.
-                victim = next(t1_candidates, None)
-                if victim is None:
-                    return None
-                virtual_t1 -= 1
-                from_t1.append(victim)
-            selected.append(victim)
+        t1, t2 = self.t1, self.t2
+        # Victim i comes from T1 while |T1| - (T1 victims so far) >= int(p): that is, the
+        # first len(T1) - int(p) + 1 victims (capped to n), the rest from T2; when T2 has no
+        # evictable block left, from T1 after all (vLLM #55461). Each list is walked once.
+        from_t1_target = len(t1) - int(self.target_t1_size) + 1
+        from_t1_target = 0 if from_t1_target < 0 else min(from_t1_target, n)
+        t1_iter = iter(t1.items())
+        from_t1 = _take(t1_iter, from_t1_target, protected)
+        from_t2 = _take(iter(t2.items()), n - len(from_t1), protected)
+        fallback: list[tuple[OffloadKey, BlockStatus]] = []
+        missing = n - len(from_t1) - len(from_t2)
+        if missing:
+            fallback = _take(t1_iter, missing, protected)
+            if len(fallback) < missing:
+                return None
+        b1, b2 = self.b1, self.b2
         for key, _ in from_t1:
-            del self.t1[key]
-            self.b1[key] = None
+            del t1[key]
+            b1[key] = None
+        for key, _ in fallback:
+            del t1[key]
+            b1[key] = None
         for key, _ in from_t2:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghosts in (self.b1, self.b2):
-            while len(ghosts) > self.cache_capacity:
-                ghosts.popitem(last=False)
-        return selected
+            del t2[key]
+            b2[key] = None
+        capacity = self.cache_capacity
+        for ghosts in (b1, b2):
+            excess = len(ghosts) - capacity
+            popitem = ghosts.popitem
+            for _ in range(excess):
+                popitem(last=False)
+        if fallback:
+            return from_t1 + from_t2 + fallback
+        if from_t2:
+            return from_t1 + from_t2
+        return from_t1
 
     def clear(self) -> None:
         self.t1.clear()
