@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from api.auth import BearerAuthMiddleware, document_bearer
+from api.broadcast import EventBroadcaster
 from api.deps import EngineLike
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
@@ -21,7 +22,6 @@ from api.metrics import HttpMetricsMiddleware, build_registry
 from api.routes import blocks, events, info, keys, leases
 from api.routes import metrics as metrics_route
 from api.schemas import ErrorBody
-from api.sse import EventEncoder
 from kvcache_offload.aio.types import EngineStats
 from kvcache_offload.config import OffloadConfig, load_config
 
@@ -66,7 +66,7 @@ def create_app(
             try:
                 yield
             finally:
-                app.state.engine = None
+                await _stop_serving(app)
             return
         from kvcache_offload.aio import OffloadEngine
 
@@ -75,7 +75,7 @@ def create_app(
             try:
                 yield
             finally:
-                app.state.engine = None
+                await _stop_serving(app)
 
     app = FastAPI(
         title="kvcache-offload",
@@ -87,11 +87,18 @@ def create_app(
     app.state.engine = given_engine  # serving a given engine works without a lifespan too
     token = cfg.api_token.get_secret_value() if cfg.api_token is not None else ""
     app.state.api_token = token.encode() if token else None
-    app.state.event_encoder = EventEncoder()
+    app.state.broadcaster = None
 
     def stats() -> EngineStats | None:
         engine: EngineLike | None = app.state.engine
-        return engine.stats() if engine is not None else None
+        if engine is None:
+            return None
+        broadcaster: EventBroadcaster | None = app.state.broadcaster
+        if broadcaster is not None and broadcaster.engine is engine:
+            return broadcaster.adjust(engine.stats())
+        return engine.stats()
+
+    app.state.stats = stats
 
     registry, http_metrics = build_registry(stats)
     app.state.registry = registry
@@ -109,6 +116,15 @@ def create_app(
         document_bearer(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=http_metrics)
     return app
+
+
+async def _stop_serving(app: FastAPI) -> None:
+    """Detach the engine and end the SSE streams, before the engine itself closes."""
+    app.state.engine = None
+    broadcaster: EventBroadcaster | None = app.state.broadcaster
+    app.state.broadcaster = None
+    if broadcaster is not None:
+        await broadcaster.aclose()
 
 
 def _version() -> str:

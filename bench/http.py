@@ -233,7 +233,6 @@ async def bench_lookup(port: int, connections: int, duration: float, warmup: flo
     }
 
 
-_ID = re.compile(rb"^id: (\d+)$", re.M)
 _TS = re.compile(rb'"timestamp":([0-9.e+]+)')
 _GAP = re.compile(rb'event: gap\ndata: \{"missed":(\d+)')
 
@@ -261,7 +260,7 @@ class _Subscriber:
     async def _stream(self, until_seq: asyncio.Future[int]) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         writer.write(
-            f"GET /v1/events?queue_size=100000 HTTP/1.1\r\nHost: bench\r\n"
+            f"GET /v1/events HTTP/1.1\r\nHost: bench\r\n"
             f"Accept: text/event-stream\r\nLast-Event-ID: {self.last_id}\r\n\r\n".encode()
         )
         await reader.readuntil(b"\r\n\r\n")
@@ -280,13 +279,13 @@ class _Subscriber:
                 if cut < 0:
                     continue
                 chunk, buffer = buffer[: cut + 2], buffer[cut + 2 :]
-                ids = _ID.findall(chunk)
-                if not ids:
+                last = chunk.rfind(b"id: ")
+                if last < 0:
                     continue
-                gaps = _GAP.findall(chunk)
-                self.missed += sum(int(g) for g in gaps)
+                if b"event: gap" in chunk:
+                    self.missed += sum(int(g) for g in _GAP.findall(chunk))
                 self.received += chunk.count(b"event: stored\n")
-                self.last_id = int(ids[-1])
+                self.last_id = int(chunk[last + 4 : chunk.index(b"\n", last)])
                 ts = _TS.search(chunk)
                 if ts:
                     self.lags.append(now - float(ts.group(1)))
@@ -358,7 +357,7 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=140)
     if lookup:
         t = Table(title=f"POST /v1/lookup, {LOOKUP_KEYS} keys, {lookup['connections']} connections")
         for col in ("req/s", "p50 ms", "p99 ms", "max ms", "requests", "errors"):

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse
 
-from api.deps import EngineLike, get_config, get_engine
-from api.sse import sse_stream
+from api.broadcast import EventBroadcaster
+from api.routes._state import config_of, engine_of
 from kvcache_offload.aio.types import EventType
-from kvcache_offload.config import OffloadConfig
 from kvcache_offload.errors import ConfigError
 
-__all__ = ["router"]
+__all__ = ["broadcaster_of", "router"]
 
 router = APIRouter(prefix="/v1", tags=["events"])
-
-Engine = Annotated[EngineLike, Depends(get_engine)]
-Config = Annotated[OffloadConfig, Depends(get_config)]
 
 _TYPES = ", ".join(t.value for t in EventType)
 
@@ -28,7 +24,7 @@ def _parse_types(raw: list[str] | None) -> list[EventType] | None:
         return None
     names = [n.strip() for part in raw for n in part.split(",") if n.strip()]
     try:
-        return [EventType(n) for n in names]
+        return [EventType(n) for n in names] or None
     except ValueError:
         raise ConfigError(f"unknown event type in {names}: expected some of {_TYPES}") from None
 
@@ -41,6 +37,17 @@ def _parse_seq(raw: str | None) -> int | None:
     return int(raw)
 
 
+def broadcaster_of(request: Request) -> EventBroadcaster:
+    """The app's broadcaster for its current engine (made on first use)."""
+    engine = engine_of(request)
+    state = request.app.state
+    broadcaster: EventBroadcaster | None = state.broadcaster
+    if broadcaster is None or broadcaster.engine is not engine:
+        broadcaster = EventBroadcaster(engine, config_of(request).event_buffer_size)
+        state.broadcaster = broadcaster
+    return broadcaster
+
+
 @router.get(
     "/events",
     response_class=EventSourceResponse,
@@ -48,16 +55,11 @@ def _parse_seq(raw: str | None) -> int | None:
 )
 async def events(
     request: Request,
-    engine: Engine,
-    config: Config,
     types: Annotated[
         list[str] | None, Query(description=f"Only these event types ({_TYPES}), comma-separated.")
     ] = None,
     last_event_id: Annotated[
         str | None, Query(max_length=64, description="Resume after this sequence number.")
-    ] = None,
-    queue_size: Annotated[
-        int | None, Query(ge=1, le=1_000_000, description="Events buffered for this subscriber.")
     ] = None,
     last_event_id_header: Annotated[
         str | None, Header(alias="Last-Event-ID", max_length=64, include_in_schema=False)
@@ -65,15 +67,12 @@ async def events(
 ) -> EventSourceResponse:
     """Live events; ``Last-Event-ID`` (header) or ``last_event_id`` (query) replays newer ones.
 
-    A ``gap`` event (data: ``missed``, ``next_seq``) replaces events this subscriber missed.
+    A ``gap`` event (data: ``missed``, ``next_seq``) replaces events this client missed.
     """
     since = _parse_seq(last_event_id_header or last_event_id)
     wanted = _parse_types(types)
-
-    def subscribe() -> object:
-        return engine.subscribe(wanted, since_seq=since, queue_size=queue_size)
-
+    broadcaster = broadcaster_of(request)
     return EventSourceResponse(
-        sse_stream(subscribe, request.app.state.event_encoder),
-        ping=config.sse_heartbeat_s,
+        broadcaster.stream(wanted, since),
+        ping=config_of(request).sse_heartbeat_s,
     )

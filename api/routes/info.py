@@ -38,9 +38,10 @@ def _plain(value: Any) -> Any:
 
 
 @router.get("/stats")
-async def stats(engine: Engine) -> FastJSONResponse:
+async def stats(request: Request, engine: Engine) -> FastJSONResponse:
     """Every counter and gauge of the engine as one JSON document."""
-    return FastJSONResponse(_plain(dataclasses.asdict(engine.stats())))
+    snapshot = request.app.state.stats() or engine.stats()
+    return FastJSONResponse(_plain(dataclasses.asdict(snapshot)))
 
 
 @router.post("/reset")

@@ -13,6 +13,9 @@ from tests.integration._server import Server, running_server
 
 MAX_EXAMPLES = 50
 SKIP = {("GET", "/v1/events")}  # an endless stream: covered by test_server_events.py
+CAPACITY_FULL = 507
+"""Documented answer when every slot is pinned: the fuzz prepares stores it never completes,
+so it fills the tier (until the leases expire). A state, not a server fault."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def test_no_generated_request_gets_a_server_error(server: Server) -> None:
         )
         def call(case: schemathesis.Case) -> None:
             response = case.call(base_url=server.url, timeout=10)
-            if response.status_code >= 500:
+            if response.status_code >= 500 and response.status_code != CAPACITY_FULL:
                 failures.append(
                     f"{case.method} {case.formatted_path} -> {response.status_code}: "
                     f"{response.text[:200]} (body {str(case.body)[:200]!r})"

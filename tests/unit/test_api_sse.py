@@ -1,15 +1,19 @@
-"""SSE framing of engine events: ids, names, gaps, batching and closing the subscription."""
+"""SSE framing of engine events and the broadcaster: order, resume, gaps, filters, closing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anyio
+import pytest
 
-from api.sse import EventEncoder, sse_stream
-from kvcache_offload.aio import EventHub, EventType, GapMarker
+from api.broadcast import EventBroadcaster
+from api.sse import EventEncoder
+from kvcache_offload.aio import EventHub, EventType, GapMarker, OffloadEngine
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.client import parse_event
+from tests.unit._api_app import small_config
 
 KEY = OffloadKey(b"\x01" * 8 + b"\0\0\0\0")
 
@@ -57,37 +61,118 @@ def test_encoder_reuses_one_encoding_per_event() -> None:
     assert len(encoder._cache) == 2
 
 
-async def test_stream_batches_queued_events_in_order_and_closes_the_subscription() -> None:
-    hub = EventHub()
-    stream = sse_stream(lambda: hub.subscribe(), EventEncoder())
-    first = anyio.Event()
-    chunks: list[bytes] = []
+async def _started(engine: OffloadEngine, broadcaster: EventBroadcaster) -> None:
+    broadcaster.start()
+    with anyio.fail_after(5):
+        while not broadcaster.running or engine.stats().event_subscribers < 1:
+            await anyio.sleep(0.001)
 
-    async def consume() -> None:
+
+async def _read(stream, count: int) -> list[dict[str, str]]:
+    messages: list[dict[str, str]] = []
+    if count <= 0:
+        return messages
+    with anyio.fail_after(5):
         async for chunk in stream:
-            chunks.append(chunk)
-            first.set()
-            if sum(c.count(b"\n\n") for c in chunks) >= 101:
+            messages.extend(_messages(chunk))
+            if len(messages) >= count:
                 break
-        await stream.aclose()
+    return messages
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(consume)
-        with anyio.fail_after(5):
-            while hub.subscribers == 0:
-                await anyio.sleep(0.001)
-        hub.publish(EventType.STORED, [KEY])
-        await first.wait()
-        for _ in range(100):
+
+async def _wait_for_frames(broadcaster: EventBroadcaster, engine: OffloadEngine) -> None:
+    last = engine.event_hub.last_seq
+    with anyio.fail_after(5):
+        while not broadcaster._seqs or broadcaster._seqs[-1] < last:
+            await anyio.sleep(0.001)
+
+
+async def test_live_clients_get_every_new_event_in_order_in_few_chunks() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        hub = engine.event_hub
+        hub.publish(EventType.STORED, [KEY])  # before the client: not sent to it
+        broadcaster = EventBroadcaster(engine, capacity=1000)
+        await _started(engine, broadcaster)
+        streams = [broadcaster.stream() for _ in range(3)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0)  # let the clients register their starting point
+        for _ in range(200):
             hub.publish(EventType.STORED, [KEY])
-    ids = [int(m["id"]) for c in chunks for m in _messages(c)]
-    assert ids == list(range(1, 102))
-    assert len(chunks) < 10  # queued events travel together
-    assert hub.subscribers == 0
+        chunks = [await f for f in firsts]
+        for stream, chunk in zip(streams, chunks, strict=True):
+            messages = _messages(chunk) + await _read(stream, 200 - len(_messages(chunk)))
+            assert [int(m["id"]) for m in messages] == list(range(2, 202))
+            await stream.aclose()
+        assert broadcaster.subscribers == 0
+        await broadcaster.aclose()
 
 
-async def test_stream_that_never_started_holds_no_subscription() -> None:
-    hub = EventHub()
-    stream = sse_stream(lambda: hub.subscribe(), EventEncoder())
-    await stream.aclose()
-    assert hub.subscribers == 0
+async def test_resume_replays_exactly_the_events_after_since_seq() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        for _ in range(10):
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        broadcaster = EventBroadcaster(engine, capacity=1000)
+        await _started(engine, broadcaster)
+        await _wait_for_frames(broadcaster, engine)
+        stream = broadcaster.stream(since_seq=6)
+        assert [int(m["id"]) for m in await _read(stream, 4)] == [7, 8, 9, 10]
+        await stream.aclose()
+        await broadcaster.aclose()
+
+
+async def test_resume_older_than_the_ring_starts_with_a_gap() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine, capacity=10)
+        await _started(engine, broadcaster)
+        for _ in range(50):
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        await _wait_for_frames(broadcaster, engine)
+        oldest = broadcaster._seqs[0]
+        stream = broadcaster.stream(since_seq=3)
+        gap, first = (await _read(stream, 2))[:2]
+        assert gap["event"] == "gap" and json.loads(gap["data"]) == {
+            "missed": oldest - 4,
+            "next_seq": oldest,
+        }
+        assert int(first["id"]) == oldest
+        assert broadcaster.adjust(engine.stats()).events_dropped >= oldest - 4
+        await stream.aclose()
+        await broadcaster.aclose()
+
+
+async def test_a_client_that_falls_behind_gets_a_gap_then_continues() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine, capacity=10)
+        await _started(engine, broadcaster)
+        stream = broadcaster.stream()
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        engine.event_hub.publish(EventType.STORED, [KEY])
+        assert [int(m["id"]) for m in _messages(await first)] == [1]
+        for _ in range(100):  # the client reads nothing meanwhile
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        await _wait_for_frames(broadcaster, engine)
+        messages = await _read(stream, 2)
+        assert messages[0]["event"] == "gap"
+        gap = json.loads(messages[0]["data"])
+        assert int(messages[1]["id"]) == gap["next_seq"] == broadcaster._seqs[0]
+        assert gap["missed"] == gap["next_seq"] - 2
+        await stream.aclose()
+        await broadcaster.aclose()
+
+
+async def test_type_filter_and_closing_end_the_stream() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine, capacity=100)
+        await _started(engine, broadcaster)
+        stream = broadcaster.stream(types=[EventType.EVICTED])
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        engine.event_hub.publish(EventType.STORED, [KEY])
+        engine.event_hub.publish(EventType.EVICTED, [KEY])
+        assert [m["event"] for m in _messages(await first)] == ["evicted"]
+        assert broadcaster.adjust(engine.stats()).event_subscribers == 1
+        rest = asyncio.ensure_future(stream.__anext__())
+        await broadcaster.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(rest, 5)
