@@ -86,6 +86,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy: CachePolicy = policy_cls(cache_capacity=num_blocks)
         # Every present key -> its block, whatever the policy: lookups stay one dict probe.
         self._blocks: dict[OffloadKey, BlockStatus] = {}
+        # A policy with one key -> block dict (LRU) lends it: no second copy to maintain.
+        shared = self._policy.block_table()
+        self._shared_table = shared is not None
+        if shared is not None:
+            self._blocks = shared
         self._policy_name = policy_cls.name or policy_cls.__name__
         self._num_allocated = 0
         self._free_list: list[BlockStatus] = []
@@ -210,15 +215,17 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             evicted_keys = [key for key, _ in victims]
             self._free_list.extend([block for _, block in victims])
-            for key in evicted_keys:
-                del table[key]
+            if not self._shared_table:
+                for key in evicted_keys:
+                    del table[key]
             self._evictions += len(victims)
             if self.events is not None:
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
         new_blocks = self._allocate(len(keys_to_store))
         pairs = list(zip(keys_to_store, new_blocks, strict=True))
-        table.update(pairs)
+        if not self._shared_table:
+            table.update(pairs)
         self._policy.insert_many(pairs)
         self._writing += len(keys_to_store)
         block_ids = [block.block_id for block in new_blocks]
@@ -276,7 +283,8 @@ class CPUOffloadingManager(OffloadingManager):
             block = get(key)
             if block is not None and block.ref_cnt == -1:
                 remove(key)
-                del table[key]
+                if not self._shared_table:
+                    del table[key]
                 free_list.append(block)
                 failed += 1
         self._writing -= failed

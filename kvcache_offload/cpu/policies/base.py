@@ -60,6 +60,15 @@ class CachePolicy(ABC):
         for key, block in pairs:
             self.insert(key, block)
 
+    def block_table(self) -> dict[OffloadKey, BlockStatus] | None:
+        """The policy's own key -> block dict holding exactly its blocks, if it has one.
+
+        A manager may then use it as its lookup table instead of keeping a copy; it never
+        mutates it, so it must stay the same object for the policy's lifetime (``clear``
+        empties it in place). None (the default) makes the manager keep its own table.
+        """
+        return None
+
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
         """Drop a block whose store failed (``key`` is present)."""

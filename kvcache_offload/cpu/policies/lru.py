@@ -37,6 +37,9 @@ class LRUCachePolicy(CachePolicy):
     def remove(self, key: OffloadKey) -> None:
         del self.blocks[key]
 
+    def block_table(self) -> dict[OffloadKey, BlockStatus]:
+        return self.blocks
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         blocks = self.blocks
         move = blocks.move_to_end
