@@ -1,0 +1,184 @@
+"""One batched DMA per job: ``cudaMemcpyBatchAsync`` through ctypes on the CUDA runtime.
+
+The copy engines move the fragments without using SMs; one call enqueues the whole job. The
+pointer and size arrays are passed straight from numpy (no per-fragment Python). The runtime
+is the ``libcudart`` that torch already loaded (found through ``/proc/self/maps``), so the
+calls share torch's context and streams. CUDA 12.8 added the call; CUDA 13 dropped its
+``failIdx`` argument, so the signature follows ``cudaRuntimeGetVersion``.
+
+Also here: ``cudaPointerGetAttributes`` (is a host range mapped for the GPU at the same
+address, i.e. usable by the UVA kernel?) and ``cudaHostRegister``/``cudaHostUnregister``
+for pinning the shared region when torch's ``cudart()`` binding lacks them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["CudaRuntime", "get_cuda_runtime"]
+
+logger = logging.getLogger(__name__)
+
+_SRC_ACCESS_ORDER_STREAM = 1
+_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+_MEMORY_TYPE_HOST = 1
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class _PointerAttributes(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+        ("_reserved", ctypes.c_byte * 64),
+    ]
+
+
+def _find_cudart() -> ctypes.CDLL:
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcudart.so" in line:
+                    path = line.split()[-1]
+                    if path not in paths:
+                        paths.append(path)
+    except OSError:
+        pass
+    names = [*paths, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    raise OSError("cannot load the CUDA runtime: " + "; ".join(errors))
+
+
+class CudaRuntime:
+    """The few runtime calls the data plane needs beyond torch."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.init()  # make sure torch's runtime (and its context) is loaded first
+        self.lib = _find_cudart()
+        version = ctypes.c_int(0)
+        self._check(self.lib.cudaRuntimeGetVersion(ctypes.byref(version)), "version")
+        self.version = version.value
+        self.lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._batch = getattr(self.lib, "cudaMemcpyBatchAsync", None)
+        if self._batch is not None:
+            self._batch.restype = ctypes.c_int
+        self._attrs = _MemcpyAttributes()
+        self._attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
+        self._attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._fail_idx = ctypes.c_size_t(0)
+
+    def error_string(self, code: int) -> str:
+        msg = self.lib.cudaGetErrorString(int(code))
+        return msg.decode() if msg else f"cudaError {code}"
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"{what} failed: {self.error_string(code)} ({code})")
+
+    @property
+    def has_batch_memcpy(self) -> bool:
+        return self._batch is not None and self.version >= 12080
+
+    def memcpy_batch_async(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
+    ) -> None:
+        """Enqueue ``len(dsts)`` copies on ``stream`` (a ``cudaStream_t`` as int).
+
+        Arrays are 1-D, contiguous, 8-byte integers; the runtime reads them during the call.
+        """
+        n = len(dsts)
+        if n == 0:
+            return
+        if self._batch is None:
+            raise RuntimeError("cudaMemcpyBatchAsync is not available in this CUDA runtime")
+        args: list[object] = [
+            ctypes.c_void_p(dsts.ctypes.data),
+            ctypes.c_void_p(srcs.ctypes.data),
+            ctypes.c_void_p(sizes.ctypes.data),
+            ctypes.c_size_t(n),
+            ctypes.byref(self._attrs),
+            self._attr_idx,
+            ctypes.c_size_t(1),
+        ]
+        if self.version < 13000:
+            args.append(ctypes.byref(self._fail_idx))
+        args.append(ctypes.c_void_p(stream))
+        self._check(self._batch(*args), f"cudaMemcpyBatchAsync of {n} copies")
+
+    def is_uva_mapped(self, ptr: int) -> bool:
+        """Whether host address ``ptr`` is pinned and usable by kernels at that address."""
+        attrs = _PointerAttributes()
+        code = self.lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr))
+        if code != 0:
+            self.lib.cudaGetLastError()  # clear the sticky-free error
+            return False
+        return attrs.type == _MEMORY_TYPE_HOST and attrs.devicePointer == ptr
+
+    def host_register(self, ptr: int, nbytes: int) -> tuple[bool, str]:
+        """Pin (and map) a host range; (success, message)."""
+        for flags in (_HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED, 0):
+            code = self.lib.cudaHostRegister(
+                ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(flags)
+            )
+            if code == 0:
+                return True, f"flags={flags}"
+            self.lib.cudaGetLastError()
+            last = self.error_string(code)
+        return False, last
+
+    def host_unregister(self, ptr: int) -> tuple[bool, str]:
+        code = self.lib.cudaHostUnregister(ctypes.c_void_p(ptr))
+        if code != 0:
+            self.lib.cudaGetLastError()
+            return False, self.error_string(code)
+        return True, ""
+
+
+_runtime: CudaRuntime | None = None
+_runtime_error: str | None = None
+_lock = threading.Lock()
+
+
+def get_cuda_runtime() -> CudaRuntime | None:
+    """The process-wide :class:`CudaRuntime`, or None when CUDA's runtime cannot be loaded."""
+    global _runtime, _runtime_error
+    with _lock:
+        if _runtime is None and _runtime_error is None:
+            if os.environ.get("KVCACHE_OFFLOAD_DISABLE_CUDART"):
+                _runtime_error = "disabled by KVCACHE_OFFLOAD_DISABLE_CUDART"
+            else:
+                try:
+                    _runtime = CudaRuntime()
+                except Exception as exc:
+                    _runtime_error = f"{type(exc).__name__}: {exc}"
+                    logger.info("CUDA runtime calls unavailable: %s", _runtime_error)
+        return _runtime

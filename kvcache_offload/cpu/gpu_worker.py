@@ -1,0 +1,482 @@
+"""GPU<->CPU transfer handlers: vLLM's ``cpu/gpu_worker.py`` semantics at PCIe link speed.
+
+One :class:`SingleDirectionOffloadingHandler` per direction over the same tensor lists:
+
+* canonical int8 page views of the GPU KV cache; one CPU tensor per canonical tensor whose
+  slot holds ``block_size_factor`` GPU pages back to back; per-group ``group_sizes`` and
+  ``block_indices`` with skip counts; un-padded page sizes (padding is never copied); all of
+  it computed once per job, vectorised (:mod:`kvcache_offload.cpu.copy.plan`);
+* one copy per job, picked per job by mean fragment size: the Triton UVA kernel (one launch;
+  small fragments) or one ``cudaMemcpyBatchAsync`` (copy engines; large fragments). Without
+  Triton or pinned/mapped host memory the handler uses the DMA; without either it falls back
+  to plain torch ops (:mod:`kvcache_offload.cpu.copy.torch_copy`) on a worker thread;
+* stores wait on the compute stream that is current at submission, so the KV is copied
+  only after the model wrote it; each job waits on the previous job's end event, so jobs of
+  one direction complete strictly in submission order; ``get_finished`` pops from the head
+  only while the head's end event has fired, never blocking;
+* streams, CUDA events and pointer tables (a pinned host table plus its device copy) are
+  pooled and reused; times come from CUDA events.
+
+Import this module only where torch is installed; ``kvcache_offload`` itself does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCaches
+from kvcache_offload.cpu.copy.dma import get_cuda_runtime
+from kvcache_offload.cpu.copy.plan import (
+    SideGeometry,
+    TransferPlan,
+    build_plan,
+    geometry_alignment,
+    parse_job,
+    refs_arrays,
+)
+from kvcache_offload.cpu.copy.torch_copy import TorchCopier
+from kvcache_offload.cpu.copy.triton_kernel import (
+    DEFAULT_KERNEL_CONFIG,
+    KernelConfig,
+    launch_copy_kernel,
+    triton_available,
+)
+from kvcache_offload.cpu.cpu_backend import (
+    CPU_TO_GPU,
+    GPU_TO_CPU,
+    ThreadedOffloadingHandler,
+    allocate_cpu_tensors,
+    canonical_int8_views,
+)
+from kvcache_offload.errors import ConfigError, TransferError
+from kvcache_offload.worker.worker import (
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+    TransferType,
+)
+
+if TYPE_CHECKING:
+    from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+__all__ = [
+    "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
+    "CpuGpuOffloadingHandlers",
+    "Mechanism",
+    "SingleDirectionOffloadingHandler",
+]
+
+logger = logging.getLogger(__name__)
+
+Mechanism = Literal["auto", "kernel", "dma", "torch"]
+
+DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
+"""Jobs whose mean fragment is at least this large use the batched DMA, smaller ones the
+kernel (measured on an H200, see bench/RESULTS.md)."""
+
+
+class _TableSlot:
+    """A pinned host pointer table and its device copy, owned by one job at a time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capacity = 0
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.dev: torch.Tensor | None = None
+
+    def ensure(self, entries: int, need_device: bool) -> np.ndarray:
+        if entries > self.capacity:
+            cap = max(entries, 3 * 4096)
+            cap = 1 << (cap - 1).bit_length()
+            self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self.host_np = self.host.numpy()
+            self.dev = None
+            self.capacity = cap
+        if need_device and self.dev is None:
+            self.dev = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        assert self.host_np is not None
+        return self.host_np
+
+
+@dataclass
+class _Transfer:
+    job_id: int
+    num_bytes: int
+    stream: torch.cuda.Stream
+    start_event: torch.cuda.Event
+    end_event: torch.cuda.Event
+    slot: _TableSlot | None
+    mechanism: str
+
+
+class SingleDirectionOffloadingHandler(OffloadingHandler):
+    """Copies jobs of one direction between GPU canonical tensors and CPU tensors."""
+
+    def __init__(
+        self,
+        gpu_tensors: Sequence[torch.Tensor],
+        cpu_tensors: Sequence[torch.Tensor],
+        block_size_factor: int,
+        kv_cache_groups_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        gpu_to_cpu: bool,
+        *,
+        mechanism: Mechanism = "auto",
+        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+        kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        max_staging_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        if not gpu_tensors or len(gpu_tensors) != len(cpu_tensors):
+            raise ConfigError(
+                f"need equal, non-empty tensor lists, got {len(gpu_tensors)} GPU and "
+                f"{len(cpu_tensors)} CPU tensors"
+            )
+        factor = int(block_size_factor)
+        if factor < 1:
+            raise ConfigError(f"block_size_factor must be >= 1, got {block_size_factor}")
+        for i, (g, c) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
+            if g.dtype != torch.int8 or g.dim() != 2 or g.device.type != "cuda":
+                raise ConfigError(
+                    f"GPU tensor {i} must be a 2-D int8 CUDA tensor, got {g.dtype} "
+                    f"{tuple(g.shape)} on {g.device}"
+                )
+            if c.dtype != torch.int8 or c.dim() != 2 or c.device.type != "cpu":
+                raise ConfigError(
+                    f"CPU tensor {i} must be a 2-D int8 CPU tensor, got {c.dtype} "
+                    f"{tuple(c.shape)} on {c.device}"
+                )
+            if c.shape[1] != g.shape[1] * factor:
+                raise ConfigError(
+                    f"CPU tensor {i}'s page of {c.shape[1]} bytes must be {factor} x the GPU "
+                    f"page of {g.shape[1]} bytes"
+                )
+        self.gpu_to_cpu = gpu_to_cpu
+        self.transfer_type: TransferType = GPU_TO_CPU if gpu_to_cpu else CPU_TO_GPU
+        self.device = gpu_tensors[0].device
+        self.gpu_tensors = list(gpu_tensors)
+        self.cpu_tensors = list(cpu_tensors)
+        self.block_size_factor = factor
+        src, dst = (gpu_tensors, cpu_tensors) if gpu_to_cpu else (cpu_tensors, gpu_tensors)
+        src_factor, dst_factor = (1, factor) if gpu_to_cpu else (factor, 1)
+        self.src_geom = SideGeometry.from_tensors(src, src_factor)
+        self.dst_geom = SideGeometry.from_tensors(dst, dst_factor)
+        self._geom_align = geometry_alignment(self.src_geom, self.dst_geom)
+        self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
+        self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
+        self.kernel_config = kernel_config
+
+        self._runtime = get_cuda_runtime()
+        self.kernel_ok, self.dma_ok, reasons = self._probe(cpu_tensors)
+        self.mechanism = self._resolve(mechanism, reasons)
+
+        self._lock = threading.Lock()
+        self._transfers: deque[_Transfer] = deque()
+        self._transfer_events: dict[int, torch.cuda.Event] = {}
+        self._stream_pool: list[torch.cuda.Stream] = []
+        self._event_pool: list[torch.cuda.Event] = []
+        self._slot_pool: list[_TableSlot] = []
+        self._closed = False
+        self.jobs_by_mechanism: dict[str, int] = {"kernel": 0, "dma": 0, "torch": 0}
+
+        self._fallback: ThreadedOffloadingHandler | None = None
+        if self.mechanism == "torch":
+            self._fallback = self._make_fallback(
+                src, dst, src_factor, dst_factor, kv_cache_groups_data_refs, max_staging_bytes
+            )
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _probe(self, cpu_tensors: Sequence[torch.Tensor]) -> tuple[bool, bool, dict[str, str]]:
+        reasons: dict[str, str] = {}
+        triton_ok, why = triton_available()
+        mapped = all(self._is_mapped(t) for t in cpu_tensors)
+        kernel_ok = triton_ok and mapped
+        if not triton_ok:
+            reasons["kernel"] = why or "triton unavailable"
+        elif not mapped:
+            reasons["kernel"] = "CPU tensors are not pinned and mapped for the GPU"
+        dma_ok = self._runtime is not None and self._runtime.has_batch_memcpy
+        if not dma_ok:
+            reasons["dma"] = (
+                "cudaMemcpyBatchAsync unavailable (needs CUDA runtime >= 12.8)"
+                if self._runtime is not None
+                else "the CUDA runtime library could not be loaded"
+            )
+        return kernel_ok, dma_ok, reasons
+
+    def _is_mapped(self, t: torch.Tensor) -> bool:
+        if t.numel() == 0:
+            return True
+        if self._runtime is not None:
+            return self._runtime.is_uva_mapped(t.data_ptr())
+        return bool(t.is_pinned())
+
+    def _resolve(self, wanted: Mechanism, reasons: dict[str, str]) -> str:
+        if wanted == "kernel" and not self.kernel_ok:
+            raise ConfigError(f"mechanism 'kernel' is unavailable: {reasons['kernel']}")
+        if wanted == "dma" and not self.dma_ok:
+            raise ConfigError(f"mechanism 'dma' is unavailable: {reasons['dma']}")
+        if wanted not in ("auto", "kernel", "dma", "torch"):
+            raise ConfigError(f"mechanism must be auto, kernel, dma or torch, got {wanted!r}")
+        if wanted == "auto" and not (self.kernel_ok or self.dma_ok):
+            logger.warning(
+                "GPU<->CPU %s: no fast copy path (%s); using the plain-torch fallback",
+                "store" if self.gpu_to_cpu else "load",
+                "; ".join(f"{k}: {v}" for k, v in reasons.items()),
+            )
+            return "torch"
+        return wanted
+
+    def _make_fallback(
+        self,
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        src_factor: int,
+        dst_factor: int,
+        refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        max_staging_bytes: int,
+    ) -> ThreadedOffloadingHandler:
+        copier = TorchCopier(src, dst, src_factor, dst_factor, max_staging_bytes=max_staging_bytes)
+        stream = torch.cuda.Stream(self.device)
+        device = self.device
+        gpu_to_cpu = self.gpu_to_cpu
+
+        def prepare() -> torch.cuda.Event | None:
+            if not gpu_to_cpu:
+                return None
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            return ready
+
+        def run(plan: TransferPlan, ready: torch.cuda.Event | None) -> None:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                copier.run(plan, stream)
+                stream.synchronize()
+
+        return ThreadedOffloadingHandler(
+            src_tensors=src,
+            dst_tensors=dst,
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            group_data_refs=refs,
+            gpu_to_cpu=gpu_to_cpu,
+            run_plan=run,
+            prepare=prepare,
+            thread_name="kvoffload-cuda-" + ("store" if gpu_to_cpu else "load"),
+        )
+
+    # -- the handler contract ---------------------------------------------------------------
+    def plan(self, spec: TransferSpec) -> TransferPlan:
+        src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
+        return build_plan(
+            src_ids,
+            dst_ids,
+            group_sizes,
+            block_indices,
+            self._group_refs,
+            self.src_geom,
+            self.dst_geom,
+        )
+
+    def choose_mechanism(self, plan: TransferPlan) -> str:
+        if self.mechanism != "auto":
+            return self.mechanism
+        if self.dma_ok and (
+            not self.kernel_ok or plan.mean_fragment_bytes >= self.dma_min_fragment_bytes
+        ):
+            return "dma"
+        return "kernel"
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        if self._fallback is not None:
+            ok = self._fallback.transfer_async(job_id, spec)
+            self.jobs_by_mechanism["torch"] += 1
+            return ok
+        plan = self.plan(spec)
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"job {job_id}: the handler is shut down")
+            if job_id in self._transfer_events:
+                raise TransferError(f"job {job_id} is already in flight on this handler")
+            mechanism = self.choose_mechanism(plan)
+            self._submit(job_id, plan, mechanism)
+            self.jobs_by_mechanism[mechanism] += 1
+        return True
+
+    def _submit(self, job_id: int, plan: TransferPlan, mechanism: str) -> None:
+        n = plan.num_fragments
+        # Every address is base + row * stride + sub * page: aligned as the geometry is.
+        alignment = min(plan.alignment, self._geom_align)
+        slot: _TableSlot | None = None
+        table: np.ndarray | None = None
+        rows = 3 if (mechanism == "dma" or plan.uniform_size is None) else 2
+        if n:
+            slot = self._slot_pool.pop() if self._slot_pool else _TableSlot(self.device)
+            flat = slot.ensure(rows * n, need_device=mechanism == "kernel")
+            table = plan.fill_pointer_table(
+                self.src_geom, self.dst_geom, flat[: rows * n].reshape(rows, n)
+            )
+        stream = self._stream_pool.pop() if self._stream_pool else torch.cuda.Stream(self.device)
+        start = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+        end = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                if mechanism == "kernel" and slot is not None:
+                    assert slot.host is not None and slot.dev is not None
+                    slot.dev[: rows * n].copy_(slot.host[: rows * n], non_blocking=True)
+                if self.gpu_to_cpu:
+                    stream.wait_stream(compute)
+                if self._transfers:
+                    stream.wait_event(self._transfers[-1].end_event)
+                start.record(stream)
+                if n and table is not None:
+                    if mechanism == "kernel":
+                        assert slot is not None and slot.dev is not None
+                        launch_copy_kernel(
+                            slot.dev,
+                            n,
+                            plan.uniform_size if rows == 2 else None,
+                            plan.max_size,
+                            alignment,
+                            self.kernel_config,
+                        )
+                    else:
+                        assert self._runtime is not None
+                        self._runtime.memcpy_batch_async(
+                            table[1], table[0], table[2], stream.cuda_stream
+                        )
+                end.record(stream)
+        transfer = _Transfer(job_id, plan.num_bytes, stream, start, end, slot, mechanism)
+        self._transfers.append(transfer)
+        self._transfer_events[job_id] = end
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._fallback is not None:
+            return self._fallback.get_finished()
+        results = []
+        with self._lock:
+            while self._transfers and self._transfers[0].end_event.query():
+                t = self._transfers.popleft()
+                seconds = t.start_event.elapsed_time(t.end_event) * 1e-3
+                results.append(
+                    TransferResult(t.job_id, True, t.num_bytes, seconds, self.transfer_type)
+                )
+                self._recycle(t)
+        return results
+
+    def _recycle(self, t: _Transfer) -> None:
+        self._stream_pool.append(t.stream)
+        self._event_pool.extend((t.start_event, t.end_event))
+        if t.slot is not None:
+            self._slot_pool.append(t.slot)
+        self._transfer_events.pop(t.job_id, None)
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._fallback is not None:
+            self._fallback.wait(job_ids)
+            return
+        with self._lock:
+            events = [self._transfer_events[j] for j in job_ids if j in self._transfer_events]
+        for event in events:
+            event.synchronize()
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        """Forwarded to the torch fallback's thread; CUDA-event jobs are polled instead."""
+        if self._fallback is not None:
+            self._fallback.set_completion_callback(callback)
+
+    def pending_job_ids(self) -> list[int]:
+        if self._fallback is not None:
+            return self._fallback.pending_job_ids()
+        with self._lock:
+            return [t.job_id for t in self._transfers]
+
+    def shutdown(self) -> None:
+        """Wait for in-flight jobs, then drop them with every pooled resource. Idempotent."""
+        if self._fallback is not None:
+            self._fallback.shutdown()
+        with self._lock:
+            self._closed = True
+            for t in self._transfers:
+                t.end_event.synchronize()
+            self._transfers.clear()
+            self._transfer_events.clear()
+            self._stream_pool.clear()
+            self._event_pool.clear()
+            self._slot_pool.clear()
+            self.gpu_tensors = []
+            self.cpu_tensors = []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "direction": "store" if self.gpu_to_cpu else "load",
+            "mechanism": self.mechanism,
+            "kernel_available": self.kernel_ok,
+            "dma_available": self.dma_ok,
+            "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
+            "jobs_by_mechanism": dict(self.jobs_by_mechanism),
+        }
+
+
+class CpuGpuOffloadingHandlers:
+    """The store (GPU->CPU) and load (CPU->GPU) handlers over one set of CPU tensors.
+
+    ``cpu_tensors`` are pinned ``torch.zeros`` (one per canonical tensor, ``(num_cpu_blocks,
+    gpu_page * block_size_factor)``) or views of ``mmap_region``, which is pinned (and mapped
+    for the UVA kernel) here if it is not already; a pinning failure only warns.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        block_size_factor: int,
+        num_cpu_blocks: int,
+        mmap_region: SharedOffloadRegion | None = None,
+        *,
+        mechanism: Mechanism = "auto",
+        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+        kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        pin_memory: bool = True,
+    ) -> None:
+        self.gpu_tensors = canonical_int8_views(kv_caches)
+        for i, t in enumerate(self.gpu_tensors):
+            if t.device.type != "cuda":
+                raise ConfigError(
+                    f"CUDA handlers need CUDA tensors, canonical tensor {i} is on {t.device}; "
+                    "use CpuBackendOffloadingHandlers for CPU tensors"
+                )
+        if mmap_region is not None and pin_memory and not mmap_region.is_pinned:
+            mmap_region.pin()
+        self.cpu_tensors = allocate_cpu_tensors(
+            self.gpu_tensors, block_size_factor, num_cpu_blocks, mmap_region, pin_memory
+        )
+        kwargs: dict[str, Any] = {
+            "mechanism": mechanism,
+            "dma_min_fragment_bytes": dma_min_fragment_bytes,
+            "kernel_config": kernel_config,
+        }
+        refs = kv_caches.group_data_refs
+        self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
+            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, True, **kwargs
+        )
+        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
+            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, False, **kwargs
+        )
+
+    @property
+    def handlers(self) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
+        return self.gpu_to_cpu_handler, self.cpu_to_gpu_handler
+
+    def shutdown(self) -> None:
+        for handler in self.handlers:
+            handler.shutdown()

@@ -1,0 +1,363 @@
+"""CUDA handlers: byte-exact round trips for every copy mechanism, ordering and shutdown."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from kvcache_offload.errors import TransferError  # noqa: E402
+from tests._roundtrip import (  # noqa: E402
+    assert_same,
+    expected_after_load,
+    expected_after_store,
+    finish,
+    job_bytes,
+    make_caches,
+    poison,
+    random_job,
+    round_trip,
+    snapshot,
+)
+
+MECHANISMS = ["kernel", "dma", "torch", "auto"]
+
+
+def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
+    from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
+
+    return CpuGpuOffloadingHandlers(kv, factor, num_cpu, region, mechanism=mechanism, **kw)
+
+
+def _skip_unavailable(mechanism: str) -> None:
+    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
+    from kvcache_offload.cpu.copy.triton_kernel import triton_available
+
+    if mechanism == "kernel" and not triton_available()[0]:
+        pytest.skip("triton unavailable")
+    if mechanism == "dma":
+        rt = get_cuda_runtime()
+        if rt is None or not rt.has_batch_memcpy:
+            pytest.skip("cudaMemcpyBatchAsync unavailable")
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("factor", [1, 4])
+def test_cuda_round_trip_is_byte_exact_with_groups_skips_and_padding(mechanism, factor):
+    _skip_unavailable(mechanism)
+    gen = torch.Generator().manual_seed(10 + factor)
+    rng = np.random.default_rng(factor)
+    kv = make_caches(
+        num_tensors=3,
+        num_gpu_blocks=96,
+        page=4096,
+        # padded refs (4000 < 4096), a group sharing tensor 0, an empty group
+        group_layers=[[(0, 4096), (1, 4000)], [(2, 4096)], [(0, 1024)], []],
+        gen=gen,
+        device="cuda",
+    )
+    job = random_job(
+        rng,
+        group_sizes=[13, 7, 0, 9],
+        block_indices=[factor - 1, 2, 0, 5],
+        factor=factor,
+        num_gpu_blocks=96,
+        num_cpu_blocks=40,
+    )
+    # group 3 has no refs: its ids are consumed, nothing is copied
+    h = _handlers(kv, factor, 40, mechanism)
+    try:
+        store, load = round_trip(h, kv, job)
+        assert store.success and load.success
+        assert store.transfer_type == ("GPU", "CPU") and load.transfer_type == ("CPU", "GPU")
+        assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
+        assert store.transfer_time > 0 and load.transfer_time > 0
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "torch"])
+def test_cuda_odd_page_sizes_copy_exactly(mechanism):
+    """Unaligned sizes force the byte-granular kernel variant."""
+    _skip_unavailable(mechanism)
+    gen = torch.Generator().manual_seed(3)
+    kv = make_caches(
+        num_tensors=2,
+        num_gpu_blocks=32,
+        page=1000,
+        group_layers=[[(0, 999), (1, 1000)]],
+        gen=gen,
+        device="cuda",
+    )
+    job = random_job(
+        np.random.default_rng(3),
+        group_sizes=[11],
+        block_indices=[1],
+        factor=2,
+        num_gpu_blocks=32,
+        num_cpu_blocks=16,
+    )
+    h = _handlers(kv, 2, 16, mechanism)
+    try:
+        round_trip(h, kv, job)
+    finally:
+        h.shutdown()
+
+
+def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
+    from kvcache_offload.cpu.copy.triton_kernel import triton_available
+
+    _skip_unavailable("dma")
+    if not triton_available()[0]:
+        pytest.skip("triton unavailable")
+    gen = torch.Generator().manual_seed(4)
+    kv = make_caches(
+        num_tensors=1,
+        num_gpu_blocks=16,
+        page=1 << 20,
+        group_layers=[[(0, 1 << 20)], [(0, 4096)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 16, "auto", dma_min_fragment_bytes=256 * 1024)
+    try:
+        big = random_job(
+            np.random.default_rng(0),
+            group_sizes=[4, 0],
+            block_indices=[0, 0],
+            factor=1,
+            num_gpu_blocks=16,
+            num_cpu_blocks=16,
+        )
+        small = random_job(
+            np.random.default_rng(1),
+            group_sizes=[0, 4],
+            block_indices=[0, 0],
+            factor=1,
+            num_gpu_blocks=16,
+            num_cpu_blocks=16,
+        )
+        round_trip(h, kv, big, job_ids=(1, 2))
+        round_trip(h, kv, small, job_ids=(3, 4))
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism == {"kernel": 1, "dma": 1, "torch": 0}
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
+    _skip_unavailable(mechanism)
+    gen = torch.Generator().manual_seed(5)
+    kv = make_caches(
+        num_tensors=4,
+        num_gpu_blocks=256,
+        page=32768,
+        group_layers=[[(0, 32768), (1, 32768), (2, 32768), (3, 32768)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 256, mechanism)
+    try:
+        gpu_tensors = [t.tensor for t in kv.tensors]
+        rng = np.random.default_rng(5)
+        perm_gpu = rng.permutation(256)
+        perm_cpu = rng.permutation(256)
+        from kvcache_offload.base import GPULoadStoreSpec
+
+        a_gpu = GPULoadStoreSpec(perm_gpu[:128], [128], [0])
+        a_cpu = CPULoadStoreSpec(perm_cpu[:128])
+        b_gpu = GPULoadStoreSpec(perm_gpu[128:], [128], [0])
+        b_cpu = CPULoadStoreSpec(perm_cpu[128:])
+        # Fill CPU slots of B with known bytes to load, poison A's slots.
+        poison(h.cpu_tensors)
+        for t in h.cpu_tensors:
+            t[torch.from_numpy(perm_cpu[128:])] = torch.randint(
+                -128, 128, (128, t.shape[1]), dtype=torch.int8, generator=gen
+            )
+        gpu_before, cpu_before = snapshot(gpu_tensors), snapshot(h.cpu_tensors)
+        jobs_store, jobs_load = [], []
+        for i in range(3):  # several rounds, both directions in flight at once
+            assert h.gpu_to_cpu_handler.transfer_async(10 + i, (a_gpu, a_cpu))
+            assert h.cpu_to_gpu_handler.transfer_async(20 + i, (b_cpu, b_gpu))
+            jobs_store.append(10 + i)
+            jobs_load.append(20 + i)
+        rs = finish(h.gpu_to_cpu_handler, jobs_store)
+        rl = finish(h.cpu_to_gpu_handler, jobs_load)
+        assert [r.job_id for r in rs] == jobs_store and all(r.success for r in rs)
+        assert [r.job_id for r in rl] == jobs_load and all(r.success for r in rl)
+
+        from tests._roundtrip import Job
+
+        frag_a = [
+            (0, int(g), int(c), 0) for g, c in zip(perm_gpu[:128], perm_cpu[:128], strict=True)
+        ]
+        frag_b = [
+            (0, int(g), int(c), 0) for g, c in zip(perm_gpu[128:], perm_cpu[128:], strict=True)
+        ]
+        want_cpu = expected_after_store(kv, cpu_before, Job(a_gpu, a_cpu, frag_a))
+        # gpu_before with B loaded from the (unchanged) B slots
+        kv_before = type(kv)(
+            [type(kv.tensors[0])(t, kv.tensors[0].page_size_bytes) for t in gpu_before],
+            kv.group_data_refs,
+        )
+        want_gpu = expected_after_load(kv_before, gpu_before, cpu_before, Job(b_gpu, b_cpu, frag_b))
+        assert_same(h.cpu_tensors, want_cpu)
+        assert_same(gpu_tensors, want_gpu)
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+def test_cuda_store_waits_for_the_compute_stream(mechanism):
+    """The KV written by a slow kernel on the compute stream is what gets stored."""
+    _skip_unavailable(mechanism)
+    gen = torch.Generator().manual_seed(6)
+    kv = make_caches(
+        num_tensors=1,
+        num_gpu_blocks=64,
+        page=65536,
+        group_layers=[[(0, 65536)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 64, mechanism)
+    try:
+        from kvcache_offload.base import GPULoadStoreSpec
+
+        gpu = kv.tensors[0].tensor
+        ids = np.arange(0, 64, 2)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
+        gpu[torch.from_numpy(ids).cuda()] = 42
+        assert h.gpu_to_cpu_handler.transfer_async(
+            1, (GPULoadStoreSpec(ids, [len(ids)], [0]), CPULoadStoreSpec(ids))
+        )
+        finish(h.gpu_to_cpu_handler, [1])
+        assert bool((h.cpu_tensors[0][torch.from_numpy(ids)] == 42).all())
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
+    _skip_unavailable(mechanism)
+    gen = torch.Generator().manual_seed(7)
+    kv = make_caches(
+        num_tensors=2,
+        num_gpu_blocks=128,
+        page=65536,
+        group_layers=[[(0, 65536), (1, 65536)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 128, mechanism)
+    store = h.gpu_to_cpu_handler
+    try:
+        rng = np.random.default_rng(7)
+        t0 = time.perf_counter()
+        ids = list(range(100, 108))
+        for j in ids:
+            job = random_job(
+                rng,
+                group_sizes=[int(rng.integers(1, 64))],
+                block_indices=[0],
+                factor=1,
+                num_gpu_blocks=128,
+                num_cpu_blocks=128,
+            )
+            assert store.transfer_async(j, (job.gpu_spec, job.cpu_spec))
+        seen = []
+        deadline = time.monotonic() + 30
+        while len(seen) < len(ids) and time.monotonic() < deadline:
+            seen.extend(store.get_finished())
+        elapsed = time.perf_counter() - t0
+        assert [r.job_id for r in seen] == ids
+        assert all(r.success and 0 < r.transfer_time < elapsed for r in seen)
+        assert store.get_finished() == []
+        store.wait({999})  # unknown ids are ignored
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
+    _skip_unavailable(mechanism)
+    from kvcache_offload.base import GPULoadStoreSpec
+    from kvcache_offload.worker.worker import OffloadingWorker
+
+    gen = torch.Generator().manual_seed(8)
+    kv = make_caches(
+        num_tensors=1,
+        num_gpu_blocks=512,
+        page=1 << 20,
+        group_layers=[[(0, 1 << 20)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 512, mechanism)
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, h.gpu_to_cpu_handler)
+    worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, h.cpu_to_gpu_handler)
+    # block id out of range -> the router turns the handler's error into False
+    bad = (GPULoadStoreSpec([0, 600], [2], [0]), CPULoadStoreSpec([0, 1]))
+    assert worker.transfer_async(1, bad) is False
+    ids = np.arange(512)
+    for j in range(2, 6):
+        assert worker.transfer_async(j, (GPULoadStoreSpec(ids, [512], [0]), CPULoadStoreSpec(ids)))
+    worker.shutdown()  # 4 x 512 MiB in flight
+    with pytest.raises(TransferError):
+        h.gpu_to_cpu_handler.transfer_async(
+            9, (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
+        )
+    assert h.gpu_to_cpu_handler.get_finished() == []
+
+
+def test_cuda_round_trip_through_a_pinned_shared_region(tmp_path):
+    region_mod = pytest.importorskip("kvcache_offload.cpu.shared_offload_region")
+    from kvcache_offload.cpu.layouts import block_nbytes
+
+    gen = torch.Generator().manual_seed(9)
+    kv = make_caches(
+        num_tensors=3,
+        num_gpu_blocks=64,
+        page=8192,
+        group_layers=[[(0, 8192), (1, 8000)], [(2, 8192)]],
+        gen=gen,
+        device="cuda",
+    )
+    factor = 2
+    region = region_mod.SharedOffloadRegion(
+        "cudatest",
+        num_blocks=24,
+        cpu_page_size=block_nbytes(kv) * factor,
+        num_workers=1,
+        rank=0,
+        shm_dir=str(tmp_path),
+    )
+    try:
+        h = _handlers(kv, factor, 24, "auto", region=region)
+        assert region.is_pinned
+        job = random_job(
+            np.random.default_rng(9),
+            group_sizes=[9, 6],
+            block_indices=[1, 0],
+            factor=factor,
+            num_gpu_blocks=64,
+            num_cpu_blocks=24,
+        )
+        round_trip(h, kv, job)
+        assert h.gpu_to_cpu_handler.mechanism == "auto"
+        assert h.gpu_to_cpu_handler.kernel_ok  # the region is mapped for the UVA kernel
+        h.shutdown()
+        del h
+    finally:
+        region.cleanup()
