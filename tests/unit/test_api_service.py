@@ -96,3 +96,11 @@ async def test_unknown_route_answers_404_json() -> None:
         r = await s.client.get("/v1/nope")
         assert r.status_code == 404
         assert r.json()["error"] == "HTTPError"
+
+
+async def test_openapi_declares_bearer_auth_on_v1_routes_when_a_token_is_set() -> None:
+    async with served(small_config(api_token=TOKEN)) as s:
+        doc = (await s.client.get("/openapi.json")).json()
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert doc["paths"]["/v1/lookup"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/healthz"]["get"]

@@ -1,0 +1,48 @@
+"""``serve``: flags override environment, environment overrides the config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from api.cli import build_config, serve
+
+
+def test_flags_beat_environment_which_beats_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_file = tmp_path / "offload.toml"
+    config_file.write_text('port = 7001\neviction_policy = "arc"\nlease_ttl_s = 5.0\n')
+    monkeypatch.setenv("KVCACHE_OFFLOAD_PORT", "7002")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_LEASE_TTL_S", "6.0")
+    config = build_config(config_file, port=7003, eviction_policy=None)
+    assert config.port == 7003  # flag
+    assert config.lease_ttl_s == 6.0  # environment
+    assert config.eviction_policy == "arc"  # file
+
+
+def test_api_token_flag_becomes_a_secret() -> None:
+    config = build_config(None, api_token="t0k")
+    assert config.api_token is not None
+    assert config.api_token.get_secret_value() == "t0k"
+    assert "t0k" not in repr(config)
+
+
+def test_bad_settings_exit_with_a_message_instead_of_a_traceback() -> None:
+    app = typer.Typer()
+    app.command()(serve)
+    result = CliRunner().invoke(app, ["--cpu-bytes", "lots"])
+    assert result.exit_code == 2
+    assert "cpu_bytes_to_use" in result.output
+
+
+def test_help_lists_the_main_flags() -> None:
+    app = typer.Typer()
+    app.command()(serve)
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for flag in ("--host", "--port", "--config", "--cpu-bytes", "--policy", "--api-token"):
+        assert flag in result.output
