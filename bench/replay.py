@@ -57,7 +57,7 @@ def _rows(result: SweepResult, policies: list[str]) -> list[dict[str, Any]]:
         row["hit"][p.policy] = p.counts.block_hit_rate
     for row in rows.values():
         hits = row["hit"]
-        best = max(hits, key=hits.get)
+        best = max(policies, key=hits.__getitem__)
         row["best"] = best
         row["best_minus_lru"] = hits[best] - hits.get("lru", hits[best])
         baseline = max(hits.get("lru", 0.0), hits.get("arc", 0.0))
@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--traces", type=Path, nargs="*", default=None)
     parser.add_argument("--policies", default="all")
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%")
+    parser.add_argument(
+        "--variants",
+        default="lru+reuse2",
+        help="extra columns not counted as policies, e.g. lru+reuse2 (reuse filter in front)",
+    )
     parser.add_argument("--docs", type=Path, default=None, help="write PNG + markdown here")
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # LRU and ARC first: they are the baselines every other column is compared with.
     policies = sorted(policies, key=lambda p: (p not in ("lru", "arc"), p != "lru", p))
     capacities = parse_capacities(args.capacities)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for t in traces:
         console.print(
             f"{t.name}: {t.num_requests:,} requests, {t.num_block_accesses:,} block accesses, "
@@ -186,10 +192,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{100 * t.infinite_cache_hit_rate():.2f}%"
         )
     started = time.perf_counter()
-    result = run_sweep(traces, policies, capacities)
+    result = run_sweep(traces, [*policies, *variants], capacities)
     sweep_s = time.perf_counter() - started
     rows = _rows(result, policies)
-    console.print(_table(rows, policies))
+    console.print(_table(rows, [*policies, *variants]))
 
     conversation = next((t for t in traces if "conversation" in t.name), traces[0])
     timing = _time_one(conversation)
@@ -219,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for t, p in zip(traces, paths, strict=True)
         ],
         "policies": policies,
+        "variants": variants,
         "capacities": [c.label() for c in capacities],
         "sweep_s": sweep_s,
         "timing": timing,
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         png = args.docs / "policy-lab-hit-rates.png"
         plot_result(result, png)
         md = args.docs / "policy-lab-results.md"
-        md.write_text(_markdown(rows, policies, timing))
+        md.write_text(_markdown(rows, [*policies, *variants], timing))
         console.print(f"plot written to {png}, table to {md}")
     return payload
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvcache_offload.cpu.policies.registry import available_cache_policies, get_cache_policy_cls
 from kvcache_offload.errors import OffloadError
-from kvcache_offload.replay.sweep import SweepResult, parse_capacities, run_sweep
+from kvcache_offload.replay.sweep import SweepResult, parse_capacities, run_sweep, split_policy
 from kvcache_offload.replay.trace import Trace, default_trace_paths, load_trace
 
 __all__ = ["plot_result", "replay", "result_json", "result_tables"]
@@ -31,7 +31,7 @@ def _policies(text: str | None) -> list[str]:
         return available_cache_policies()
     names = [p.strip() for p in text.split(",") if p.strip()]
     for name in names:
-        get_cache_policy_cls(name)  # raises a clear UnknownPolicyError
+        get_cache_policy_cls(split_policy(name)[0])  # raises a clear UnknownPolicyError
     return names
 
 
@@ -131,7 +131,12 @@ def replay(
     ] = None,
     policy: Annotated[
         str | None,
-        typer.Option("--policy", "-p", help="Comma-separated policies (default: all registered)."),
+        typer.Option(
+            "--policy",
+            "-p",
+            help="Comma-separated policies (default: all registered); NAME+reuseN puts the "
+            "reuse filter with store threshold N in front of NAME, e.g. lru+reuse2.",
+        ),
     ] = None,
     capacity: Annotated[
         str,
@@ -156,7 +161,7 @@ def replay(
     ] = None,
 ) -> None:
     """Replay request traces through the real CPU manager for each policy and capacity."""
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)
     try:
         paths = list(traces) if traces else default_trace_paths()
         policies = _policies(policy)

@@ -86,8 +86,13 @@ def replay_trace(
     trace: Trace,
     progress: ProgressFn | None = None,
     block_tokens: int = BLOCK_TOKENS,
+    touch_after_store: bool = True,
 ) -> ReplayCounts:
-    """Replay every request of ``trace`` through ``manager``; see the module docstring."""
+    """Replay every request of ``trace`` through ``manager``; see the module docstring.
+
+    ``touch_after_store=False`` drops the second ``touch`` (step 4) for comparisons with
+    drivers that touch only once per request.
+    """
     lookup = manager.lookup
     touch = manager.touch
     prepare_load = manager.prepare_load
@@ -138,7 +143,8 @@ def replay_trace(
             complete_load(head, ctx)
         out = prepare_store(tail, ctx) if hits < n else None
         if out is not None and out.keys_to_store:
-            touch(keys, ctx)
+            if touch_after_store:
+                touch(keys, ctx)
             complete_store(out.keys_to_store, ctx)
         t1 = clock()
         elapsed += t1 - t0
@@ -155,7 +161,7 @@ def replay_trace(
             else:
                 evictions += len(out.evicted_keys)
                 if out.keys_to_store:
-                    ops += 2
+                    ops += 2 if touch_after_store else 1
                     stored += len(out.keys_to_store)
         if progress is not None:
             since_progress += 1

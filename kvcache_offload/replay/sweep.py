@@ -22,8 +22,10 @@ __all__ = [
     "Capacity",
     "SweepPoint",
     "SweepResult",
+    "make_manager",
     "parse_capacities",
     "run_sweep",
+    "split_policy",
 ]
 
 
@@ -118,10 +120,29 @@ class SweepResult:
         return {key: point.policy for key, point in best.items()}
 
 
-def _make_manager(policy: str, capacity: int, reuse_threshold: int | None) -> OffloadingManager:
-    manager: OffloadingManager = CPUOffloadingManager(capacity, policy)
-    if reuse_threshold is not None:
-        manager = FilterReusedOffloadingManager(manager, store_threshold=reuse_threshold)
+def split_policy(spec: str) -> tuple[str, int | None]:
+    """``"lru"`` -> ("lru", None); ``"lru+reuse2"`` -> ("lru", 2): the policy behind the reuse
+    filter with that store threshold."""
+    name, sep, suffix = spec.partition("+reuse")
+    if not sep:
+        return spec, None
+    try:
+        threshold = int(suffix)
+    except ValueError:
+        raise ConfigError(
+            f"policy {spec!r}: expected NAME+reuseN with an integer N, e.g. 'lru+reuse2'"
+        ) from None
+    return name, threshold
+
+
+def make_manager(spec: str, capacity: int, reuse_threshold: int | None = None) -> OffloadingManager:
+    """A fresh CPU manager for ``spec`` (see :func:`split_policy`), optionally behind the reuse
+    filter (``reuse_threshold`` applies to every policy without its own ``+reuseN``)."""
+    name, own_threshold = split_policy(spec)
+    threshold = own_threshold if own_threshold is not None else reuse_threshold
+    manager: OffloadingManager = CPUOffloadingManager(capacity, name)
+    if threshold is not None:
+        manager = FilterReusedOffloadingManager(manager, store_threshold=threshold)
     return manager
 
 
@@ -145,7 +166,7 @@ def run_sweep(
                 if bound is None:
                     bound = result.belady[(trace.name, blocks)] = belady_hits(trace, blocks)
             for policy in policies:
-                manager = _make_manager(policy, blocks, reuse_threshold)
+                manager = make_manager(policy, blocks, reuse_threshold)
                 start = time.perf_counter()
                 counts = replay_trace(manager, trace, progress=progress)
                 wall = time.perf_counter() - start

@@ -7,11 +7,14 @@ not mix them by accident without being noticed (a mixed file is rejected):
   ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}``
   with one chained hash id per 512-token block (the last block may be partial).
   Key of block ``h`` = ``make_offload_key(str(h).encode(), 0)``.
-* **Recorded log** (written by the service's request recorder): one manager call per line,
+* **Recorded log** (written by :mod:`kvcache_offload.replay.recorder`): one call per line,
   ``{"ts": seconds, "op": "lookup" | "store", "keys": [hex, ...]}`` plus optional ``"req"``
-  (request id) and ``"input_length"``. A ``lookup`` line starts a request whose blocks are its
-  keys; a later ``store`` line with the same ``req`` adds its keys that the request does not
-  have yet; a ``store`` line with no matching request is a request of its own.
+  (request id, int or string), ``"hits"`` (ignored: the replay recomputes hits) and
+  ``"input_length"``. A ``lookup`` line starts a request whose blocks are its keys; a later
+  ``store`` line with the same ``req`` adds the keys that the request does not have yet; a
+  ``store`` line with no matching request is a request of its own. Requests of a recorded
+  log are emitted at the end of the file (a store may come long after its lookup), so such a
+  file is held in memory once; Mooncake files stream line by line.
 
 Files are streamed line by line (:func:`iter_requests`); :func:`load_trace` materialises them
 once as parallel lists with interned keys, because a replay sweep walks the same trace many

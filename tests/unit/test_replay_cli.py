@@ -82,3 +82,24 @@ def test_replay_reports_bad_input_without_a_traceback(tmp_path: Path) -> None:
     assert "nope" in result.output
     result = CliRunner().invoke(_app(), [str(bad), "-p", "lru", "-c", "5 pct"])
     assert result.exit_code == 2
+
+
+def test_policy_plus_reuse_suffix_wraps_the_reuse_filter(tmp_path: Path) -> None:
+    from kvcache_offload.replay.sweep import make_manager, split_policy
+    from kvcache_offload.reuse_manager import FilterReusedOffloadingManager
+
+    assert split_policy("lru") == ("lru", None)
+    assert split_policy("arc+reuse3") == ("arc", 3)
+    manager = make_manager("arc+reuse3", 10)
+    assert isinstance(manager, FilterReusedOffloadingManager)
+    assert manager.store_threshold == 3
+    out_json = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        _app(),
+        [str(sample_trace_path()), "-p", "lru,lru+reuse2", "-c", "2%", "--json", str(out_json)],
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["policy"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert rows["lru+reuse2"]["stored_blocks"] < rows["lru"]["stored_blocks"]
+    bad = CliRunner().invoke(_app(), [str(sample_trace_path()), "-p", "lru+reusex"])
+    assert bad.exit_code == 2

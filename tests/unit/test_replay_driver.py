@@ -94,3 +94,14 @@ def test_progress_reports_every_request_once() -> None:
     seen: list[int] = []
     replay_trace(CPUOffloadingManager(4, "lru"), trace, progress=seen.append)
     assert sum(seen) == 3000
+
+
+def test_without_the_second_touch_new_blocks_keep_insertion_order() -> None:
+    # Capacity 3: R1 stores 1, 2, 3. With vLLM's touch after the store, 1 is most recent and
+    # 3 goes first; without it, insertion order leaves 1 least recent.
+    trace = _trace(([1, 2, 3], 1536), ([4], 512), ([1], 512), ([3], 512))
+    with_touch = replay_trace(CPUOffloadingManager(3, "lru"), trace)
+    without = replay_trace(CPUOffloadingManager(3, "lru"), trace, touch_after_store=False)
+    assert with_touch.block_hits == 1  # 1 hits, 3 was evicted for 4
+    assert without.block_hits == 1  # 1 was evicted for 4, then 3 hits
+    assert with_touch.manager_ops - without.manager_ops == 3  # one touch per storing request
