@@ -17,6 +17,7 @@ from api.auth import BearerAuthMiddleware, document_bearer
 from api.broadcast import EventBroadcaster
 from api.deps import EngineLike
 from api.errors import install_error_handlers
+from api.hot_path import HotPathMiddleware
 from api.limits import BodyLimitMiddleware
 from api.metrics import HttpMetricsMiddleware, build_registry
 from api.routes import blocks, events, info, keys, leases
@@ -110,6 +111,7 @@ def create_app(
     app.include_router(metrics_route.router)
 
     install_error_handlers(app)
+    app.add_middleware(HotPathMiddleware, state=app.state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_body_bytes))
     if app.state.api_token is not None:
         app.add_middleware(BearerAuthMiddleware, token=app.state.api_token)

@@ -25,7 +25,7 @@ from kvcache_offload.errors import (
     TransferError,
 )
 
-__all__ = ["STATUS_BY_ERROR", "install_error_handlers", "status_for"]
+__all__ = ["STATUS_BY_ERROR", "error_response", "install_error_handlers", "status_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,39 +60,35 @@ def _body(
     return FastJSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
-async def _offload_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, OffloadError)
-    return _body(type(exc).__name__, str(exc), status_for(exc))
+def error_response(exc: BaseException) -> Response | None:
+    """The JSON error response for ``exc``, or None when it is not an expected error."""
+    if isinstance(exc, OffloadError):
+        return _body(type(exc).__name__, str(exc), status_for(exc))
+    if isinstance(exc, RequestValidationError):
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        return _body("ValidationError", errors, 422)
+    if isinstance(exc, RequestLimitError):
+        return _body("RequestTooLarge", exc.message, exc.status)
+    if isinstance(exc, EngineNotReady):
+        return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
+    if isinstance(exc, HTTPException):
+        name = "Unauthorized" if exc.status_code == 401 else "HTTPError"
+        return _body(name, exc.detail, exc.status_code, exc.headers)
+    return None
 
 
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    errors = [
-        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-        for e in exc.errors()
-    ]
-    return _body("ValidationError", errors, 422)
-
-
-async def _limit_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestLimitError)
-    return _body("RequestTooLarge", exc.message, exc.status)
-
-
-async def _not_ready(request: Request, exc: Exception) -> Response:
-    return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    name = "Unauthorized" if exc.status_code == 401 else "HTTPError"
-    return _body(name, exc.detail, exc.status_code, exc.headers)
+async def _handle(request: Request, exc: Exception) -> Response:
+    response = error_response(exc)
+    if response is None:  # only registered for the classes error_response knows
+        raise exc
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register every mapping on ``app``."""
-    app.add_exception_handler(OffloadError, _offload_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(RequestLimitError, _limit_error)
-    app.add_exception_handler(EngineNotReady, _not_ready)
-    app.add_exception_handler(HTTPException, _http_error)
+    for cls in (OffloadError, RequestValidationError, RequestLimitError, EngineNotReady):
+        app.add_exception_handler(cls, _handle)
+    app.add_exception_handler(HTTPException, _handle)

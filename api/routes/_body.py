@@ -13,14 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-__all__ = ["json_body", "parse_body"]
+__all__ = ["json_body", "parse_body", "validate_body"]
 
 M = TypeVar("M", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
     """The request body validated as ``model``; 422 with pydantic's messages otherwise."""
-    body = await request.body()
+    return validate_body(await request.body(), model)
+
+
+def validate_body(body: bytes, model: type[M]) -> M:
+    """``body`` (JSON bytes) validated as ``model``; raises ``RequestValidationError``."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
+from starlette.datastructures import State
 
 from api.responses import FastJSONResponse
-from api.routes._body import json_body, parse_body
+from api.routes._body import json_body, parse_body, validate_body
 from api.routes._keys import hex_keys, request_context, resolve_keys
-from api.routes._state import config_of, engine_of
+from api.routes._state import config_of, engine_of, state_config, state_engine
 from api.schemas import KeysRequest, LookupOut, Touched
 
-__all__ = ["router"]
+__all__ = ["LOOKUP_PATH", "lookup_answer", "router"]
 
 router = APIRouter(prefix="/v1", tags=["keys"])
+
+LOOKUP_PATH = "/v1/lookup"
+
+
+async def lookup_answer(state: State, raw_body: bytes) -> dict[str, Any]:
+    """The lookup response for a raw JSON body (shared with the fast path in api/hot_path.py)."""
+    body = validate_body(raw_body, KeysRequest)
+    keys = resolve_keys(body, state_config(state).max_keys_per_request)
+    result = await state_engine(state).lookup(keys, request_context(body))
+    out: dict[str, Any] = {"hits": result.hits, "pending": result.pending, "states": result.states}
+    if body.token_ids is not None:
+        out["keys"] = hex_keys(keys)
+    return out
 
 
 @router.post(
@@ -23,17 +39,7 @@ router = APIRouter(prefix="/v1", tags=["keys"])
 )
 async def lookup(request: Request) -> FastJSONResponse:
     """Length of the longest ready prefix and the state of every key."""
-    body = await parse_body(request, KeysRequest)
-    keys = resolve_keys(body, config_of(request).max_keys_per_request)
-    result = await engine_of(request).lookup(keys, request_context(body))
-    out: dict[str, object] = {
-        "hits": result.hits,
-        "pending": result.pending,
-        "states": result.states,
-    }
-    if body.token_ids is not None:
-        out["keys"] = hex_keys(keys)
-    return FastJSONResponse(out)
+    return FastJSONResponse(await lookup_answer(request.app.state, await request.body()))
 
 
 @router.post("/touch", response_model=Touched, openapi_extra=json_body(KeysRequest))
