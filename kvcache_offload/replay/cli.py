@@ -110,7 +110,7 @@ def plot_result(result: SweepResult, path: Path) -> None:
     all_percent = all(p.capacity.percent for p in result.points)
     for p in result.points:
         x = p.capacity.value if all_percent else float(p.capacity_blocks)
-        series = panels.setdefault(p.trace, {})
+        series = panels.setdefault(_short(p.trace), {})
         series.setdefault(p.policy, []).append((x, p.counts.block_hit_rate))
         if p.belady is not None:
             bound = series.setdefault("belady", [])

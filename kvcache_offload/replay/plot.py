@@ -49,6 +49,13 @@ def plot_hit_rates(
                 markersize=3,
                 label="Belady (optimal)" if is_bound else label,
             )
+        xs_all = sorted({x for points in panels[name].values() for x, _ in points})
+        if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
+            # Capacities usually grow geometrically (1, 2, 5, 10, 20 %): spread them evenly.
+            ax.set_xscale("log")
+            ax.set_xticks(xs_all)
+            ax.set_xticklabels([f"{x:g}" for x in xs_all])
+            ax.minorticks_off()
         ax.set_title(name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{ylabel} (%)")
