@@ -27,10 +27,8 @@ def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig
 
 
 def serve(
-    host: Annotated[
-        str | None, typer.Option(help="Interface to bind [default: 127.0.0.1].")
-    ] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port [default: 8000].")] = None,
+    host: Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", "-c", help="TOML, JSON or YAML config file.", exists=True),

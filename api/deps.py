@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from starlette.requests import Request
 
 from kvcache_offload.aio.types import (
-    EngineEvent,
     EngineStats,
     EventType,
-    GapMarker,
     LoadLease,
     LookupResult,
     StoreLease,
@@ -20,17 +18,7 @@ from kvcache_offload.aio.types import (
 from kvcache_offload.base import OffloadKey, ReqContext
 from kvcache_offload.config import OffloadConfig
 
-__all__ = ["EngineLike", "EventSubscriptionLike", "get_config", "get_engine"]
-
-
-class EventSubscriptionLike(Protocol):
-    """An engine event subscription: async iterator, closed with ``aclose``."""
-
-    def __aiter__(self) -> AsyncIterator[EngineEvent | GapMarker]: ...
-
-    async def __anext__(self) -> EngineEvent | GapMarker: ...
-
-    async def aclose(self) -> None: ...
+__all__ = ["EngineLike", "EngineNotReady", "get_config", "get_engine"]
 
 
 class EngineLike(Protocol):

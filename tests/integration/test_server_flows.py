@@ -115,3 +115,22 @@ def test_sigterm_runs_the_lifespan_shutdown_that_closes_the_engine() -> None:
     # uvicorn re-raises the caught SIGTERM after a clean shutdown, hence -SIGTERM.
     assert code in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
+
+
+def test_sigterm_with_an_open_event_stream_still_shuts_down_promptly() -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    with running_server("--log-level", "info") as srv:
+        port = urlparse(srv.url).port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /v1/events HTTP/1.1\r\nHost: t\r\nAccept: text/event-stream\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            code = srv.stop(timeout=15)
+            elapsed = time.monotonic() - started
+        output = srv.process.stdout.read().decode() if srv.process.stdout else ""
+    assert code in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output
+    assert elapsed < 10
