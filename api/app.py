@@ -20,6 +20,7 @@ from api.errors import install_error_handlers
 from api.hot_path import HotPathMiddleware
 from api.limits import BodyLimitMiddleware
 from api.metrics import HttpMetricsMiddleware, build_registry
+from api.observers import build_observers, close_observers
 from api.routes import blocks, events, info, keys, leases
 from api.routes import metrics as metrics_route
 from api.schemas import ErrorBody
@@ -71,12 +72,16 @@ def create_app(
             return
         from kvcache_offload.aio import OffloadEngine
 
-        async with OffloadEngine(cfg) as engine:
-            app.state.engine = engine
-            try:
-                yield
-            finally:
-                await _stop_serving(app)
+        observers = build_observers(cfg)
+        try:
+            async with OffloadEngine(cfg, access_observers=observers) as engine:
+                app.state.engine = engine
+                try:
+                    yield
+                finally:
+                    await _stop_serving(app)
+        finally:
+            await close_observers(observers)
 
     app = FastAPI(
         title="kvcache-offload",

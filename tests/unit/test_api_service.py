@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -104,3 +107,24 @@ async def test_openapi_declares_bearer_auth_on_v1_routes_when_a_token_is_set() -
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert doc["paths"]["/v1/lookup"]["post"]["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/healthz"]["get"]
+
+
+async def test_owned_engine_records_requests_and_exports_the_miss_ratio_curve(
+    tmp_path: Path,
+) -> None:
+    record = tmp_path / "requests.jsonl"
+    app = create_app(small_config(record_path=record, mrc_sample_rate=1.0))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://t") as client,
+        app.router.lifespan_context(app),
+    ):
+        keys = [hex_key(i) for i in range(4)]
+        for _ in range(3):
+            await client.post("/v1/lookup", json={"keys": keys})
+            await store(client, keys)
+        text = (await client.get("/metrics")).text
+    assert 'kvcache_offload_mrc_hit_ratio{scale="1"}' in text
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [line["op"] for line in lines if line["op"] == "lookup"] == ["lookup"] * 3
+    assert lines[0]["keys"] == keys
