@@ -8,7 +8,8 @@ each capacity (percent of the trace's unique blocks), computes the Belady (MIN w
 bound for the same capacity, and reports hit rates, the gap to Belady and the best policy per
 point. It also times one replay of the conversation trace (LRU at 10 %) end to end (goal:
 under 3 s). Writes ``bench/out/replay-*.json`` and, with ``--docs``, the plot
-``<docs>/policy-lab-hit-rates.png`` and the tables in ``<docs>/policy-lab-results.md``.
+``<docs>/policy-lab-hit-rates.png`` and the table between the bench markers of
+``<docs>/policy-lab.md``.
 """
 
 from __future__ import annotations
@@ -140,6 +141,22 @@ def _markdown(rows: list[dict[str, Any]], policies: list[str], timing: dict[str,
     return "\n".join(lines) + "\n"
 
 
+START, END = "<!-- bench.replay:start -->", "<!-- bench.replay:end -->"
+
+
+def _replace_section(path: Path, body: str) -> None:
+    """Put ``body`` between the bench markers of ``path`` (appended when there are none)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{START}\n{body}{END}"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + block + tail
+    else:
+        text = (text + "\n" if text else "") + block + "\n"
+    path.write_text(text)
+
+
 def _time_one(trace: Trace) -> dict[str, Any]:
     capacity = parse_capacities(TIMED_CAPACITY)[0]
     blocks = capacity.blocks(trace.num_unique_blocks)
@@ -243,8 +260,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.docs.mkdir(parents=True, exist_ok=True)
         png = args.docs / "policy-lab-hit-rates.png"
         plot_result(result, png)
-        md = args.docs / "policy-lab-results.md"
-        md.write_text(_markdown(rows, [*policies, *variants], timing))
+        md = args.docs / "policy-lab.md"
+        table_md = _markdown(rows, [*policies, *variants], timing)
+        _replace_section(md, table_md)
         console.print(f"plot written to {png}, table to {md}")
     return payload
 
