@@ -117,6 +117,12 @@ class EventBroadcaster:
         self._wakeup.set()
         self._wakeup = asyncio.Event()
 
+    def _engine_last_seq(self) -> int:
+        hub = getattr(self._engine, "event_hub", None)
+        if hub is not None:
+            return int(hub.last_seq)
+        return int(self._engine.stats().last_event_seq)
+
     # -- clients -----------------------------------------------------------------------------
 
     async def stream(
@@ -125,7 +131,7 @@ class EventBroadcaster:
         """SSE chunks for one client: live events, or every event after ``since_seq``."""
         self.start()
         wanted = None if types is None else frozenset(t.value for t in types) | {"gap"}
-        last_seq = self._engine.stats().last_event_seq if since_seq is None else since_seq
+        last_seq = self._engine_last_seq() if since_seq is None else since_seq
         position = self._base + bisect.bisect_right(self._seqs, last_seq)
         self.subscribers += 1
         try:

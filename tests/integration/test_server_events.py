@@ -20,7 +20,8 @@ def key(i: int) -> OffloadKey:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with running_server(env={"KVCACHE_OFFLOAD_EVENT_BUFFER_SIZE": "64"}) as srv:
+    env = {"KVCACHE_OFFLOAD_EVENT_BUFFER_SIZE": "64", "KVCACHE_OFFLOAD_SSE_HEARTBEAT_S": "0.2"}
+    with running_server(env=env) as srv:
         yield srv
 
 
@@ -175,3 +176,18 @@ async def test_unknown_event_type_answers_422(client: OffloadClient) -> None:
     assert r.status_code == 422
     r = await client._http.get("/v1/events", headers={"Last-Event-ID": "x1"})
     assert r.status_code == 422
+
+
+def test_idle_streams_get_heartbeat_comments(server: Server) -> None:
+    import socket
+    from urllib.parse import urlparse
+
+    port = urlparse(server.url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /v1/events HTTP/1.1\r\nHost: t\r\nAccept: text/event-stream\r\n\r\n")
+        received = b""
+        while b"\r\n: ping" not in received and b"\n: ping" not in received:
+            chunk = sock.recv(4096)  # the socket timeout bounds the wait
+            assert chunk, "server closed the stream"
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
