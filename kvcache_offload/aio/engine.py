@@ -79,6 +79,7 @@ LOAD_DIRECTION = "cpu_to_gpu"
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
 _READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
+_STATE_OF: dict[bool | None, KeyState] = {True: _READY, None: _WRITING, False: _ABSENT}
 _NO_CONTEXT = ReqContext()
 """Shared by calls that pass no context (managers only read it)."""
 
@@ -297,29 +298,35 @@ class OffloadEngine:
         """:meth:`lookup` without the coroutine, for callers already on the loop thread."""
         ctx = req_context if req_context is not None else _NO_CONTEXT
         lookup = self.manager.lookup
-        states: list[KeyState] = []
-        append = states.append
-        hits = -1
-        pending = False
-        seen_absent = False
-        for key in keys:
-            found = lookup(key, ctx)
-            if found:
-                append(_READY)
-                continue
+        if prefix_only:
+            states: list[KeyState] = []
+            append = states.append
+            hits = -1
+            pending = False
+            for key in keys:
+                found = lookup(key, ctx)
+                if found:
+                    append(_READY)
+                    continue
+                if hits < 0:
+                    hits = len(states)
+                if found is None:
+                    append(_WRITING)
+                    pending = True
+                else:
+                    append(_ABSENT)
+                    break
             if hits < 0:
                 hits = len(states)
-            if found is None:
-                append(_WRITING)
-                if not seen_absent:
-                    pending = True
-            else:
-                append(_ABSENT)
-                if prefix_only:
-                    break
-                seen_absent = True
-        if hits < 0:
-            hits = len(states)
+        else:
+            # Comprehensions and list.index run at C speed: this is the hot path of /v1/lookup.
+            answers = [lookup(key, ctx) for key in keys]
+            states = [_STATE_OF[found] for found in answers]
+            n = len(answers)
+            first_absent = answers.index(False) if False in answers else n
+            first_writing = answers.index(None) if None in answers else n
+            hits = min(first_absent, first_writing)
+            pending = first_writing < first_absent
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._lookup_hit_blocks += hits
