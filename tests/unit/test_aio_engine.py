@@ -385,3 +385,28 @@ async def test_prefix_only_lookup_stops_at_the_first_absent_key() -> None:
         assert full.states == [KeyState.READY, KeyState.ABSENT, KeyState.READY]
         assert short.states == [KeyState.READY, KeyState.ABSENT]
         assert full.hits == short.hits == 1
+
+
+def test_engine_runs_on_uvloop_like_under_uvicorn() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> list[EventType]:
+        handler = FakeHandler(auto=False)
+        async with make_engine(handler=handler) as engine:
+            sub = engine.subscribe()
+            store = asyncio.create_task(engine.store(keys(1), [0]))
+            await wait_for(lambda: handler.pending)
+            await asyncio.to_thread(handler.release)  # completion seen from another thread
+            await asyncio.wait_for(store, 5)
+            await engine.prepare_store(keys(2), ttl_s=0.01)
+            types = []
+            async for item in sub:
+                assert isinstance(item, EngineEvent)
+                types.append(item.type)
+                if item.type == EventType.LEASE_EXPIRED:
+                    break
+            return types
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        types = runner.run(asyncio.wait_for(scenario(), 10))
+    assert types == [EventType.STORED, EventType.LEASE_EXPIRED]
