@@ -260,10 +260,19 @@ class OffloadEngine:
                     logger.debug("background task ended with an error", exc_info=True)
             self._hub.close()
             if self._worker is not None:
-                await anyio.to_thread.run_sync(self._worker.shutdown)
+                try:
+                    await anyio.to_thread.run_sync(self._worker.shutdown)
+                except Exception:
+                    logger.exception("shutting the worker down failed")
             if self._block_memory is not None:
                 self._guard(self._block_memory.close, "closing block memory")
             self._guard(self.manager.shutdown, "shutting the manager down")
+            spec_shutdown = getattr(self.spec, "shutdown", None)
+            if callable(spec_shutdown):  # handlers, block memory, shared region (file work)
+                try:
+                    await anyio.to_thread.run_sync(spec_shutdown)
+                except Exception:
+                    logger.exception("shutting the spec down failed")
 
     @staticmethod
     def _guard(fn: Callable[[], object], what: str) -> None:
