@@ -88,3 +88,23 @@ def write_synth_trace(path: str | os.PathLike[str], **kwargs: Any) -> int:
         for record in records:
             fh.write(json.dumps(record) + "\n")
     return len(records)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvcache_offload.replay.synth OUT.jsonl [--requests N] [--seed S]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcache_offload.replay.synth",
+        description="Write a small seeded Mooncake-format trace with prefix sharing.",
+    )
+    parser.add_argument("out", help="output JSONL path")
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    count = write_synth_trace(args.out, num_requests=args.requests, seed=args.seed)
+    print(f"wrote {count} requests to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

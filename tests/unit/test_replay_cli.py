@@ -103,3 +103,30 @@ def test_policy_plus_reuse_suffix_wraps_the_reuse_filter(tmp_path: Path) -> None
     assert rows["lru+reuse2"]["stored_blocks"] < rows["lru"]["stored_blocks"]
     bad = CliRunner().invoke(_app(), [str(sample_trace_path()), "-p", "lru+reusex"])
     assert bad.exit_code == 2
+
+
+def test_replay_reads_a_log_written_by_the_recorder(tmp_path: Path) -> None:
+    from kvcache_offload import make_offload_key
+    from kvcache_offload.replay.recorder import RequestRecorder
+
+    keys = [make_offload_key(f"blk{i}".encode(), 0) for i in range(6)]
+    log = tmp_path / "rec.jsonl"
+    recorder = RequestRecorder(log)
+    for _ in range(3):
+        recorder.on_lookup(keys[:4], 0)
+        recorder.on_store(keys[:4])
+        recorder.on_lookup(keys[:2] + keys[4:], 0)
+        recorder.on_store(keys[4:])
+    recorder.close()
+    out_json = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        _app(), [str(log), "-p", "lru", "-c", "100", "--json", str(out_json)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    assert data["traces"][0]["requests"] == 6  # each store merged into its lookup
+    assert data["traces"][0]["unique_blocks"] == 6
+    row = data["results"][0]
+    # Request 1 misses all 4, request 2 hits its 2-block prefix; then everything hits.
+    assert row["block_hits"] == 2 + 4 * 4
+    assert row["belady_block_hits"] == row["block_hits"]

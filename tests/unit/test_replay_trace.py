@@ -128,3 +128,20 @@ def test_default_trace_paths_fall_back_to_the_sample(
     assert default_trace_paths() == [sample_trace_path()]
     (tmp_path / "mooncake_synthetic_trace.jsonl").write_text("")
     assert default_trace_paths() == [tmp_path / "mooncake_synthetic_trace.jsonl"]
+
+
+def test_synthetic_trace_is_seeded_chained_and_shares_prefixes(tmp_path: Path) -> None:
+    from kvcache_offload.replay.synth import main, synth_requests
+
+    assert synth_requests(200, seed=5) == synth_requests(200, seed=5)
+    assert synth_requests(200, seed=5) != synth_requests(200, seed=6)
+    out = tmp_path / "s.jsonl"
+    main([str(out), "--requests", "300", "--seed", "2"])
+    trace = load_trace(out)
+    assert trace.num_requests == 300
+    assert 0.2 < trace.infinite_cache_hit_rate() < 0.95
+    parent: dict[int, int] = {}
+    for ids, length in zip(trace.block_ids, trace.input_lengths, strict=True):
+        assert len(ids) == -(-length // 512)
+        for prev, cur in zip([-1, *ids], ids, strict=False):
+            assert parent.setdefault(cur, prev) == prev
