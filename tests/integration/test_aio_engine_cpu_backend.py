@@ -224,3 +224,26 @@ async def test_shutdown_with_jobs_in_flight_completes_or_fails_every_store() -> 
     assert any(isinstance(r, StoreResult) for r in results)
     assert engine.stats().transfers_in_flight == 0
     assert engine.stats().blocks_writing == 0
+
+
+async def test_shared_region_engine_serves_block_bytes_and_cleans_up() -> None:
+    pytest.importorskip("kvcache_offload.cpu.shared_offload_region")
+    import os
+    import uuid
+
+    page = 4096
+    config = OffloadConfig(
+        cpu_bytes_to_use=16 * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page),
+        shared_region=True,
+        region_name=f"aio-test-{uuid.uuid4().hex[:8]}",
+    )
+    engine = OffloadEngine(config)
+    async with engine:
+        info = engine.region_info()
+        assert info is not None and info["num_blocks"] == 16
+        blob = os.urandom(engine.block_nbytes)
+        await engine.write_blocks(keys(7), [blob])
+        assert await engine.read_block(keys(7)[0]) == blob
+    assert engine.closed
+    assert not [f for f in os.listdir("/dev/shm") if config.region_name in f]
