@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--jobs", type=int, default=1000, help="transfers per latency run")
     parser.add_argument(
-        "--spin-s", type=float, nargs="+", default=[0.005], help="poller spin windows to try"
+        "--spin-s", type=float, nargs="+", default=[0.02], help="poller spin windows to try"
     )
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)

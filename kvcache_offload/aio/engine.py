@@ -105,7 +105,7 @@ class OffloadEngine:
         kv_caches: CanonicalKVCaches | None = None,
         spec: OffloadingSpec | None = None,
         access_observers: Sequence[object] = (),
-        poll_spin_s: float = 0.005,
+        poll_spin_s: float = 0.02,
         poll_backoff_s: float = 0.001,
         close_timeout_s: float = 30.0,
     ) -> None:
