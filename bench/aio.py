@@ -48,7 +48,7 @@ from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec, OffloadingMan
 from kvcache_offload.cpu.spec import CPUOffloadingSpec
 from kvcache_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
 
-console = Console(width=150)
+console = Console(width=170)
 OUT_DIR = Path(__file__).parent / "out"
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
@@ -158,6 +158,8 @@ class Latency:
     job_s: float
     engine: list[float]
     baseline: list[float] | None = None
+    busy_cpu: float = float("nan")
+    """Process CPU seconds per wall second while the engine loop ran (poller spin cost)."""
 
     def row(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -166,6 +168,7 @@ class Latency:
             "n": len(self.engine),
             "engine_p50_us": pct(self.engine, 50) * 1e6,
             "engine_p99_us": pct(self.engine, 99) * 1e6,
+            "busy_cpu_fraction": self.busy_cpu,
         }
         if self.baseline is not None:
             row["baseline_p50_us"] = pct(self.baseline, 50) * 1e6
@@ -180,7 +183,7 @@ async def _engine_load_latencies(
     jobs: int,
     since_submit: Callable[[int, float, float], float],
     blocks: int = 1,
-) -> list[float]:
+) -> tuple[list[float], float]:
     """Load ``blocks`` stored keys ``jobs`` times; ``since_submit(job_id, t_submit, t_resume)``."""
     ks = [key_of(i) for i in range(blocks)]
     await engine.store(ks, list(range(blocks)))
@@ -188,13 +191,15 @@ async def _engine_load_latencies(
     out = []
     poller = engine._poller
     assert poller is not None
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(jobs):
         job_id = poller._next_job_id
         t0 = time.perf_counter()
         await engine.load(ks, dst)
         t1 = time.perf_counter()
         out.append(since_submit(job_id, t0, t1))
-    return out
+    busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    return out, busy
 
 
 def _baseline_latencies(handler: OffloadingHandler, jobs: int, spec: TransferSpec) -> list[float]:
@@ -217,10 +222,10 @@ async def latency_deadline(jobs: int, delay_s: float, spin_s: float) -> Latency:
         poll_spin_s=spin_s,
     )  # fmt: skip
     async with engine:
-        lat = await _engine_load_latencies(
+        lat, busy = await _engine_load_latencies(
             engine, jobs, lambda job, t0, t1: t1 - handler.done_at[job]
         )
-    return Latency(f"deadline (spin {spin_s * 1e3:g} ms)", delay_s, lat)
+    return Latency(f"deadline (spin {spin_s * 1e3:g} ms)", delay_s, lat, busy_cpu=busy)
 
 
 async def latency_cuda(jobs: int, job_s: float, spin_s: float) -> Latency:
@@ -261,11 +266,11 @@ async def latency_cuda(jobs: int, job_s: float, spin_s: float) -> Latency:
 
     handler.get_finished = spy  # type: ignore[method-assign]
     async with engine:
-        lat = await _engine_load_latencies(
+        lat, busy = await _engine_load_latencies(
             engine, jobs, lambda job, t0, t1: t1 - t0 - gpu_times.get(job, 0.0)
         )
     torch.cuda.synchronize()
-    return Latency(f"cuda event (spin {spin_s * 1e3:g} ms)", job_s, lat, base)
+    return Latency(f"cuda event (spin {spin_s * 1e3:g} ms)", job_s, lat, base, busy)
 
 
 class PairSpec(CPUOffloadingSpec):
@@ -357,11 +362,11 @@ async def latency_real_backend(
                 wake()
 
             load.set_completion_callback(record_and_wake)  # type: ignore[attr-defined]
-            lat = await _engine_load_latencies(
+            lat, busy = await _engine_load_latencies(
                 engine, jobs, lambda job, t0, t1: t1 - done_at[0], blocks=blocks
             )
         else:
-            lat = await _engine_load_latencies(
+            lat, busy = await _engine_load_latencies(
                 engine, jobs, lambda job, t0, t1: t1 - t0, blocks=blocks
             )
     size = blocks * page
@@ -371,6 +376,7 @@ async def latency_real_backend(
         0.0 if exact else pct(base, 50),
         lat,
         base,
+        busy,
     )
 
 
@@ -605,6 +611,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 f"{row[k]:.1f}" if k in row else "-"
                 for k in ("baseline_p50_us", "baseline_p99_us", "added_p50_us", "added_p99_us")
             ),
+            f"{row['busy_cpu_fraction'] * 100:.0f}",
         )  # fmt: skip
     console.print(table)
 
