@@ -105,3 +105,14 @@ def test_without_the_second_touch_new_blocks_keep_insertion_order() -> None:
     assert with_touch.block_hits == 1  # 1 hits, 3 was evicted for 4
     assert without.block_hits == 1  # 1 was evicted for 4, then 3 hits
     assert with_touch.manager_ops - without.manager_ops == 3  # one touch per storing request
+
+
+def test_a_block_still_being_written_defers_the_request_and_is_not_loaded() -> None:
+    manager = CPUOffloadingManager(8, "lru")
+    manager.prepare_store([mooncake_key(1)])  # never completed: lookup answers None
+    trace = _trace(([1, 2], 1024))
+    counts = replay_trace(manager, trace)
+    assert counts.deferred_requests == 1
+    assert counts.block_hits == 0
+    assert counts.stored_blocks == 1  # block 2; block 1 is already present
+    assert manager.stats().reading == 0
