@@ -130,3 +130,19 @@ def test_replay_reads_a_log_written_by_the_recorder(tmp_path: Path) -> None:
     # Request 1 misses all 4, request 2 hits its 2-block prefix; then everything hits.
     assert row["block_hits"] == 2 + 4 * 4
     assert row["belady_block_hits"] == row["block_hits"]
+
+
+def test_replay_path_imports_neither_torch_nor_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from kvcache_offload.replay.cli import replay\n"
+        "from kvcache_offload.replay import load_trace, run_sweep, parse_capacities\n"
+        "from kvcache_offload.replay.trace import sample_trace_path\n"
+        "run_sweep([load_trace(sample_trace_path())], ['lru'], parse_capacities('1%'))\n"
+        "print('torch' in sys.modules, 'matplotlib' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
