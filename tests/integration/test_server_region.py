@@ -11,12 +11,14 @@ from tests.integration._server import running_server
 
 
 def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
-    with running_server("--shared-region", "--log-level", "info") as srv:
+    name = f"api-test-{os.getpid()}"  # never collide with another test's region
+    env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
+    with running_server("--shared-region", "--log-level", "info", env=env) as srv:
         r = httpx.get(f"{srv.url}/v1/region", timeout=10)
         assert r.status_code == 200, r.text
         info = r.json()
         path = info["path"]
-        assert os.path.exists(path)
+        assert name in path and os.path.exists(path)
         assert info["cpu_page_size"] > 0
         code = srv.stop()
         output = srv.process.stdout.read().decode() if srv.process.stdout else ""
