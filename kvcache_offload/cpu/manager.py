@@ -51,13 +51,10 @@ class CPUManagerStats:
 
 
 def _check_keys(keys: Sequence[OffloadKey]) -> None:
-    """Raise InvalidKeyError for the first malformed key; C-level loops keep it cheap."""
-    if keys and (set(map(type, keys)) != _BYTES_ONLY or min(map(len, keys)) <= 4):
-        for key in keys:
+    """Raise InvalidKeyError for the first malformed key (a plain loop: fastest on 3.11+)."""
+    for key in keys:
+        if type(key) is not bytes or len(key) <= 4:
             validate_offload_key(key)
-
-
-_BYTES_ONLY = {bytes}
 
 
 class CPUOffloadingManager(OffloadingManager):
