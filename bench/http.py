@@ -145,6 +145,11 @@ class _Server:
             await asyncio.sleep(0.05)
         raise TimeoutError("bench server did not become ready")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU the server process used so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.process.send_signal(signal.SIGINT)
         try:
@@ -185,7 +190,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-async def bench_lookup(port: int, connections: int, duration: float, warmup: float) -> dict:
+async def bench_lookup(server: _Server, connections: int, duration: float, warmup: float) -> dict:
+    port = server.port
     body = json.dumps({"keys": [_key(i) for i in range(LOOKUP_KEYS)]}).encode()
     raw = _post("/v1/lookup", body)
     latencies: list[float] = []
@@ -212,10 +218,11 @@ async def bench_lookup(port: int, connections: int, duration: float, warmup: flo
     tasks = [asyncio.create_task(worker()) for _ in range(connections)]
     await asyncio.sleep(warmup)
     measuring = True
-    cpu0, t0 = os.times(), time.perf_counter()
+    cpu0, t0, server_cpu0 = os.times(), time.perf_counter(), server.cpu_seconds()
     await asyncio.sleep(duration)
     measuring = False
     elapsed = time.perf_counter() - t0
+    server_cpu = server.cpu_seconds() - server_cpu0
     stop = True
     await asyncio.gather(*tasks, return_exceptions=True)
     latencies.sort()
@@ -230,6 +237,8 @@ async def bench_lookup(port: int, connections: int, duration: float, warmup: flo
         "p99_ms": _percentile(latencies, 0.99) * 1e3,
         "max_ms": latencies[-1] * 1e3 if latencies else float("nan"),
         "client_cpu_s": (os.times().user - cpu0.user) + (os.times().system - cpu0.system),
+        "server_cpu_per_s": server_cpu / elapsed,
+        "server_cpu_us_per_request": server_cpu / max(len(latencies), 1) * 1e6,
     }
 
 
@@ -293,7 +302,8 @@ class _Subscriber:
             writer.close()
 
 
-async def bench_sse(port: int, subscribers: int, rate: float, duration: float) -> dict:
+async def bench_sse(server: _Server, subscribers: int, rate: float, duration: float) -> dict:
+    port = server.port
     _, body = await _request(port, b"GET /bench/emit HTTP/1.1\r\nHost: b\r\n\r\n")
     first_seq = json.loads(body)["last_seq"] + 1
     subs = [_Subscriber(port, first_seq) for _ in range(subscribers)]
@@ -301,6 +311,7 @@ async def bench_sse(port: int, subscribers: int, rate: float, duration: float) -
     until: asyncio.Future[int] = loop.create_future()
     tasks = [asyncio.create_task(s.run(until)) for s in subs]
     await asyncio.wait_for(asyncio.gather(*(s.connected.wait() for s in subs)), 30)
+    server_cpu0 = server.cpu_seconds()
     _, body = await _request(port, _post(f"/bench/emit?rate={rate}&seconds={duration}", b""))
     if json.loads(body)["first_seq"] != first_seq:
         raise RuntimeError("events were published before the measurement")
@@ -312,6 +323,7 @@ async def bench_sse(port: int, subscribers: int, rate: float, duration: float) -
             break
         await asyncio.sleep(0.05)
     published = info["count"]
+    server_cpu = server.cpu_seconds() - server_cpu0
     until.set_result(info["last_seq"])
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=max(30.0, duration * 3))
@@ -336,6 +348,7 @@ async def bench_sse(port: int, subscribers: int, rate: float, duration: float) -
         "gap_missed_total": sum(s.missed for s in subs),
         "resumes": sum(s.resumes for s in subs),
         "drained": drained,
+        "server_cpu_per_s": server_cpu / duration,
         "lag_p50_ms": _percentile(lags, 0.5) * 1e3,
         "lag_p99_ms": _percentile(lags, 0.99) * 1e3,
         "lag_max_ms": (lags[-1] * 1e3) if lags else float("nan"),
@@ -360,7 +373,8 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
     console = Console(width=140)
     if lookup:
         t = Table(title=f"POST /v1/lookup, {LOOKUP_KEYS} keys, {lookup['connections']} connections")
-        for col in ("req/s", "p50 ms", "p99 ms", "max ms", "requests", "errors"):
+        for col in ("req/s", "p50 ms", "p99 ms", "max ms", "requests", "errors", "server CPU/s",
+                    "server us/req"):  # fmt: skip
             t.add_column(col, justify="right")
         t.add_row(
             f"{lookup['requests_per_s']:,.0f}",
@@ -369,6 +383,8 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
             f"{lookup['max_ms']:.2f}",
             f"{lookup['requests']:,}",
             str(lookup["errors"]),
+            f"{lookup['server_cpu_per_s']:.2f}",
+            f"{lookup['server_cpu_us_per_request']:.0f}",
         )
         console.print(t)
     if sse:
@@ -377,7 +393,7 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
             f"{sse['event_rate_target']:,.0f} events/s target"
         )
         for col in ("published/s", "delivered/s", "lost", "gap missed", "resumes", "lag p50 ms",
-                    "lag p99 ms", "drained"):  # fmt: skip
+                    "lag p99 ms", "drained", "server CPU/s"):  # fmt: skip
             t.add_column(col, justify="right")
         t.add_row(
             f"{sse['published_per_s']:,.0f}",
@@ -388,6 +404,7 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
             f"{sse['lag_p50_ms']:.1f}",
             f"{sse['lag_p99_ms']:.1f}",
             str(sse["drained"]),
+            f"{sse['server_cpu_per_s']:.2f}",
         )
         console.print(t)
 
@@ -398,9 +415,9 @@ async def _run(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
         await server.wait_ready()
         lookup = sse = None
         if args.only in (None, "lookup"):
-            lookup = await bench_lookup(server.port, args.connections, args.duration, args.warmup)
+            lookup = await bench_lookup(server, args.connections, args.duration, args.warmup)
         if args.only in (None, "sse"):
-            sse = await bench_sse(server.port, args.subscribers, args.event_rate, args.duration)
+            sse = await bench_sse(server, args.subscribers, args.event_rate, args.duration)
         return lookup, sse
     finally:
         server.stop()
