@@ -60,6 +60,7 @@ async def healthz() -> FastJSONResponse:
 @health_router.get("/readyz")
 async def readyz(request: Request) -> FastJSONResponse:
     """The engine is running and can take requests."""
-    if getattr(request.app.state, "engine", None) is None:
-        return FastJSONResponse({"status": "starting"}, status_code=503)
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None or getattr(engine, "closed", False):
+        return FastJSONResponse({"status": "not ready"}, status_code=503)
     return FastJSONResponse({"status": "ready"})

@@ -6,6 +6,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcache_offload.keys import KEY_HASH_DOMAIN, chained_block_hashes, token_block_keys
 from tests.unit._api_app import hex_key, served, small_config, store
@@ -26,6 +28,19 @@ def test_keys_name_the_whole_prefix_and_the_salt() -> None:
     b = token_block_keys([9, 2, 3, 4], 2)
     assert a[0] != b[0] and a[1] != b[1]  # same second block, different prefix
     assert token_block_keys([1, 2, 3, 4], 2, salt="x") != a
+
+
+@given(
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64),
+    block_size=st.integers(1, 8),
+    cut=st.integers(0, 64),
+)
+def test_keys_of_a_prefix_are_a_prefix_of_the_keys(
+    tokens: list[int], block_size: int, cut: int
+) -> None:
+    full = token_block_keys(tokens, block_size)
+    assert len(full) == len(tokens) // block_size
+    assert token_block_keys(tokens[:cut], block_size) == full[: min(cut, len(tokens)) // block_size]
 
 
 def test_token_ids_outside_int32_are_refused() -> None:

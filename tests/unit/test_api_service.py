@@ -128,3 +128,10 @@ async def test_owned_engine_records_requests_and_exports_the_miss_ratio_curve(
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [line["op"] for line in lines if line["op"] == "lookup"] == ["lookup"] * 3
     assert lines[0]["keys"] == keys
+
+
+async def test_readyz_is_503_once_a_served_engine_is_closed() -> None:
+    async with served() as s:
+        assert (await s.client.get("/readyz")).status_code == 200
+        await s.engine.aclose()
+        assert (await s.client.get("/readyz")).status_code == 503
