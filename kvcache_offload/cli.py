@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 
 for _name, _path in _COMMANDS.items():
-    app.command(_name)(import_object(_path))  # type: ignore[arg-type]
+    app.command(_name)(import_object(_path))  # type: ignore[arg-type,type-var]
 
 
 def main() -> None:
