@@ -328,8 +328,8 @@ class Traffic:
         return response.content
 
 
-def drive_sidecar_traffic(traffic: Traffic) -> list[str]:
-    """Lookups, reuse-filter skips, sidecar stores that evict, hits, loads; returns ready keys."""
+def drive_sidecar_traffic(traffic: Traffic) -> None:
+    """Lookups, reuse-filter skips, sidecar stores that evict, hits and loads."""
     # Lookups that miss, then a store the reuse filter refuses (keys offered only once).
     once = traffic.fresh_keys(4)
     assert traffic.post("/v1/lookup", {"keys": once})["hits"] == 0
@@ -354,7 +354,6 @@ def drive_sidecar_traffic(traffic: Traffic) -> list[str]:
         evicted += traffic.sidecar_store(keys)["evicted_keys"]
     assert evicted, "storing 2 x capacity blocks evicted nothing"
     assert traffic.post("/v1/lookup", {"keys": keys})["hits"] == len(keys)
-    return keys
 
 
 def drive_remote_traffic(traffic: Traffic) -> str | None:
@@ -382,14 +381,17 @@ def drive_remote_traffic(traffic: Traffic) -> str | None:
     return None
 
 
-def drive_failures(traffic: Traffic, ready: str, stats: Callable[[], dict[str, Any]]) -> None:
+def drive_failures(traffic: Traffic, stats: Callable[[], dict[str, Any]]) -> None:
     """4xx answers, a rejected store, and store and load leases that expire."""
     traffic.post("/v1/load/complete", {"lease_id": "no-such-lease"}, expect=404)
     traffic.post("/v1/load/prepare", {"keys": [hex_key(10**9)]}, expect=409)
 
     # A load lease that is never completed pins one block, and a store lease that is never
     # completed pins the rest: the next store is rejected; then both leases expire and roll back.
-    traffic.post("/v1/load/prepare", {"keys": [ready], "ttl_s": 1.0})
+    ready = traffic.fresh_keys(1)
+    traffic.offer(ready)
+    assert traffic.sidecar_store(ready)["keys_to_store"] == ready
+    traffic.post("/v1/load/prepare", {"keys": ready, "ttl_s": 1.0})
     pinned = traffic.fresh_keys(CAPACITY_BLOCKS - 1)
     traffic.offer(pinned)
     traffic.sidecar_store(pinned, complete=False, ttl_s=1.0)
@@ -438,9 +440,9 @@ def scraped(service: str, prometheus: str) -> Scraped:
         with client.stream("GET", "/v1/events") as events:
             assert events.status_code == 200
             wait_for("the subscriber to register", lambda: stats()["event_subscribers"] >= 1, 10.0)
-            ready = drive_sidecar_traffic(traffic)
+            drive_sidecar_traffic(traffic)
             remote_error = drive_remote_traffic(traffic)
-            drive_failures(traffic, ready[-1], stats)
+            drive_failures(traffic, stats)
             seen_subscriber = (
                 f'max_over_time(kvcache_offload_event_subscribers{{instance="{instance}"}}[1m])'
             )
