@@ -72,17 +72,18 @@ class ARCCachePolicy(CachePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         capacity = self.cache_capacity
+        t1_get, t1_move, t2_move = t1.get, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
-            block = t1.get(key)
+            block = t1_get(key)
             if block is not None:
                 if block.ref_cnt == -1:
                     # A store just prepared is not a second access.
-                    t1.move_to_end(key)
+                    t1_move(key)
                 else:
                     del t1[key]
                     t2[key] = block
             elif key in t2:
-                t2.move_to_end(key)
+                t2_move(key)
             elif key in b1:
                 delta = max(1.0, len(b2) / len(b1))
                 self.target_t1_size = min(self.target_t1_size + delta, float(capacity))
