@@ -16,13 +16,15 @@ not mix them by accident without being noticed (a mixed file is rejected):
   log are emitted at the end of the file (a store may come long after its lookup), so such a
   file is held in memory once; Mooncake files stream line by line.
 
-Files are streamed line by line (:func:`iter_requests`); :func:`load_trace` materialises them
-once as parallel lists with interned keys, because a replay sweep walks the same trace many
-times and shared ``bytes`` objects make every dict lookup in the manager cheaper.
+Files (optionally gzip-compressed, ``*.gz``) are streamed line by line
+(:func:`iter_requests`); :func:`load_trace` materialises them once as parallel lists with
+interned keys, because a replay sweep walks the same trace many times and shared ``bytes``
+objects make every dict lookup in the manager cheaper.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -185,7 +187,8 @@ def iter_requests(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:
     # of the file, in the order they started (a store may follow its lookup by many lines).
     recorded: dict[int, TraceRequest] = {}
     open_by_req: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue

@@ -145,3 +145,14 @@ def test_synthetic_trace_is_seeded_chained_and_shares_prefixes(tmp_path: Path) -
         assert len(ids) == -(-length // 512)
         for prev, cur in zip([-1, *ids], ids, strict=False):
             assert parent.setdefault(cur, prev) == prev
+
+
+def test_gzip_compressed_traces_are_read(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write(json.dumps({"timestamp": 0, "input_length": 600, "hash_ids": [3, 4]}) + "\n")
+    trace = load_trace(path)
+    assert trace.num_block_accesses == 2
+    assert trace.name == "t.jsonl.gz"
