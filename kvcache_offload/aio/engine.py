@@ -158,6 +158,9 @@ class OffloadEngine:
                 worker.register_handler(src_cls, dst_cls, handler)
         except BaseException:
             worker.shutdown()
+            spec_shutdown = getattr(self.spec, "shutdown", None)
+            if callable(spec_shutdown):  # release whatever the spec allocated so far
+                self._guard(spec_shutdown, "shutting the spec down after a failed start")
             raise
         return worker
 
