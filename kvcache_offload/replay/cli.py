@@ -90,6 +90,7 @@ def result_json(
                 "block_accesses": t.num_block_accesses,
                 "unique_blocks": t.num_unique_blocks,
                 "infinite_cache_block_hit_rate": t.infinite_cache_hit_rate(),
+                "observed_block_hits": t.observed_block_hits,
             }
             for t, p in zip(traces, paths, strict=True)
         ],
@@ -196,6 +197,13 @@ def replay(
 
     for table in result_tables(result, with_belady=not no_belady):
         console.print(table)
+    for t in loaded:
+        if t.observed_block_hits is not None and t.num_block_accesses:
+            console.print(
+                f"{_short(t.name)}: the recording service saw "
+                f"{100 * t.observed_block_hits / t.num_block_accesses:.2f}% block hits "
+                f"({t.observed_block_hits:,} of {t.num_block_accesses:,})"
+            )
     console.print(
         "* best policy at that capacity; gap = Belady minus policy block hit rate; "
         "Mblk/s = requested blocks per second of manager time. "

@@ -80,6 +80,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     keys: list[OffloadKey]
+    observed_hits: int | None = None
+    """Prefix hits the recording service saw for this request (recorded logs only)."""
 
 
 @dataclass
@@ -96,6 +98,8 @@ class Trace:
     input_lengths: list[int] = field(default_factory=list)
     timestamps: list[float] = field(default_factory=list)
     num_unique_blocks: int = 0
+    observed_block_hits: int | None = None
+    """Sum of the recorded lookups' hit counts (recorded logs), to compare with replays."""
 
     @property
     def num_requests(self) -> int:
@@ -249,11 +253,13 @@ def _add_recorded(
             if input_length is not None
             else max(old.input_length, len(merged) * BLOCK_TOKENS)
         )
-        requests[index] = TraceRequest(old.ts, length, old.output_length, merged)
+        requests[index] = TraceRequest(old.ts, length, old.output_length, merged, old.observed_hits)
         return
     index = len(requests)
     length = input_length if input_length is not None else len(keys) * BLOCK_TOKENS
-    requests[index] = TraceRequest(float(ts), length, 0, keys)
+    hits = obj.get("hits")
+    observed = hits if op == "lookup" and type(hits) is int and hits >= 0 else None
+    requests[index] = TraceRequest(float(ts), length, 0, keys, observed)
     if req_id is not None:
         open_by_req[req_id] = index
 
@@ -267,7 +273,10 @@ def trace_from_requests(requests: Iterable[TraceRequest], name: str = "trace") -
     """Number the keys of ``requests`` densely and lay them out for replay."""
     trace = Trace(name)
     numbers: dict[OffloadKey, int] = {}
+    observed: int | None = None
     for request in requests:
+        if request.observed_hits is not None:
+            observed = (observed or 0) + request.observed_hits
         ids: list[int] = []
         for key in request.keys:
             number = numbers.get(key)
@@ -279,6 +288,7 @@ def trace_from_requests(requests: Iterable[TraceRequest], name: str = "trace") -
         trace.input_lengths.append(request.input_length)
         trace.timestamps.append(request.ts)
     trace.num_unique_blocks = len(numbers)
+    trace.observed_block_hits = observed
     return trace
 
 

@@ -112,10 +112,10 @@ def test_replay_reads_a_log_written_by_the_recorder(tmp_path: Path) -> None:
     keys = [make_offload_key(f"blk{i}".encode(), 0) for i in range(6)]
     log = tmp_path / "rec.jsonl"
     recorder = RequestRecorder(log)
-    for _ in range(3):
-        recorder.on_lookup(keys[:4], 0)
+    for round_ in range(3):
+        recorder.on_lookup(keys[:4], 0 if round_ == 0 else 4)
         recorder.on_store(keys[:4])
-        recorder.on_lookup(keys[:2] + keys[4:], 0)
+        recorder.on_lookup(keys[:2] + keys[4:], 2 if round_ == 0 else 4)
         recorder.on_store(keys[4:])
     recorder.close()
     out_json = tmp_path / "r.json"
@@ -130,6 +130,9 @@ def test_replay_reads_a_log_written_by_the_recorder(tmp_path: Path) -> None:
     # Request 1 misses all 4, request 2 hits its 2-block prefix; then everything hits.
     assert row["block_hits"] == 2 + 4 * 4
     assert row["belady_block_hits"] == row["block_hits"]
+    # What the recording service saw, for comparison with the replay.
+    assert data["traces"][0]["observed_block_hits"] == row["block_hits"]
+    assert "the recording service saw" in result.output
 
 
 def test_replay_path_imports_neither_torch_nor_matplotlib() -> None:
