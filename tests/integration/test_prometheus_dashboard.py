@@ -57,8 +57,6 @@ MACROS = {
     "$__range": "5m",
 }
 KNOWN_GAPS = {
-    "kvcache_offload_mrc_hit_ratio": "the service attaches no miss-ratio-curve sampler, so the "
-    "gauge has no series",
     "kvcache_offload_transfer_duration_seconds": "no transfer of the HTTP service is recorded "
     "(sidecar copies run in the workers; PUT/GET /v1/blocks do not record theirs), so the "
     "histogram stays empty and its quantiles are NaN",
@@ -551,6 +549,10 @@ def test_counters_in_prometheus_match_the_traffic(scraped: Scraped) -> None:
     assert total('kvcache_offload_http_requests_total{status="507"}') >= 1
     assert total('kvcache_offload_events_published_total{type="evicted"}') > 0
     assert total("kvcache_offload_capacity_blocks") == CAPACITY_BLOCKS
+    assert total("kvcache_offload_mrc_sampled_keys") > 0
+    mrc = scraped.promql.vector(f'kvcache_offload_mrc_hit_ratio{{instance="{scraped.instance}"}}')
+    # The "gained by 2x" panel selects scale="1" and scale="2": the label values must match.
+    assert {s["metric"]["scale"] for s in mrc} == {"0.25", "0.5", "1", "2", "4", "8"}
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
