@@ -141,3 +141,18 @@ def test_dockerignore_keeps_the_files_the_dockerfile_copies() -> None:
         for src in sources.split():
             assert src in allowed, f"{src} is copied but excluded by .dockerignore"
             assert (ROOT / src).exists()
+
+
+def test_image_and_compose_commands_use_existing_serve_flags(compose: dict[str, Any]) -> None:
+    """The Dockerfile's CMD and compose's command must parse with the real ``serve`` CLI."""
+    from typer.testing import CliRunner
+
+    from kvcache_offload.cli import app
+
+    cmd = re.search(r"^CMD (\[.*\])$", (DOCKER / "Dockerfile").read_text(), re.M)
+    assert cmd
+    for argv in (json.loads(cmd.group(1)), compose["services"][SERVICE]["command"]):
+        assert argv[0] == "serve"
+        # --help after the flags: typer parses (and rejects unknown) flags, then prints help.
+        result = CliRunner().invoke(app, [*argv, "--help"])
+        assert result.exit_code == 0, result.output
