@@ -247,3 +247,19 @@ async def test_shared_region_engine_serves_block_bytes_and_cleans_up() -> None:
         assert await engine.read_block(keys(7)[0]) == blob
     assert engine.closed
     assert not [f for f in os.listdir("/dev/shm") if config.region_name in f]
+
+
+async def test_a_copy_the_backend_rejects_rolls_the_store_back(
+    engine_and_kv: tuple[OffloadEngine, list[Any]],
+) -> None:
+    engine, _ = engine_and_kv
+    sub = engine.subscribe(types=[EventType.STORE_FAILED])
+    with pytest.raises(OffloadError):
+        await engine.store(keys(1, 2), [0, NUM_GPU_BLOCKS + 100])  # no such GPU block
+    event = await asyncio.wait_for(sub.__anext__(), 5)
+    assert isinstance(event, EngineEvent) and key_ids(event.keys) == [1, 2]
+    assert (await engine.lookup(keys(1, 2))).hits == 0
+    stats = engine.stats()
+    assert stats.blocks_writing == 0 and stats.blocks_free == stats.capacity_blocks
+    await engine.store(keys(1), [0])  # the engine keeps working
+    assert (await engine.lookup(keys(1))).hits == 1
