@@ -210,6 +210,10 @@ def measure_handlers(
 def _handlers(
     gpu: list[torch.Tensor], cpu: list[torch.Tensor], kv: CanonicalKVCaches, mech: str, **kw: Any
 ) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
+    """``mech`` is a mechanism name, or ``hybrid:<share>`` for a DMA share of the layers."""
+    if ":" in mech:
+        mech, share = mech.split(":")
+        kw["hybrid_dma_share"] = float(share)
     refs = kv.group_data_refs
     return (
         SingleDirectionOffloadingHandler(gpu, cpu, 1, refs, True, mechanism=mech, **kw),  # type: ignore[arg-type]
@@ -271,7 +275,7 @@ def _short(r: dict[str, Any]) -> str:
 def sweep_fragment_sizes(reps: int, total: int) -> list[dict[str, Any]]:
     """Kernel vs DMA for one tensor of pages of each size: where does the DMA win?"""
     rows = []
-    for page in (4096, 16384, 65536, 262144, 1 << 20, 2 << 20, 4 << 20):
+    for page in (16384, 65536, 262144, 512 * 1024, 1 << 20, 2 << 20):
         n = max(64, total // page)
         num = 2 * n
         gpu_t = torch.empty((num, page), dtype=torch.int8, device="cuda").random_(-128, 127)
@@ -301,29 +305,38 @@ def sweep_fragment_sizes(reps: int, total: int) -> list[dict[str, Any]]:
     return rows
 
 
+KERNEL_CONFIGS = {
+    "per_layer": [
+        (16384, 4, 0), (16384, 4, 1), (16384, 4, 2), (16384, 4, 4),
+        (8192, 4, 2), (32768, 4, 2), (16384, 8, 2), (8192, 4, 4),
+    ],
+    "tp4_70b": [(16384, 4, 0), (16384, 4, 2), (8192, 4, 2), (8192, 4, 4)],
+}  # fmt: skip
+
+
 def sweep_kernel_configs(reps: int, num_blocks: int) -> list[dict[str, Any]]:
-    """Kernel block size and warps on the per-layer (32 KiB) and 70B (8 KiB) layouts."""
+    """Kernel block size, warps and persistent programs per SM (0 = one per work item)."""
     rows = []
-    for name in ("per_layer", "tp4_70b"):
+    for name, configs in KERNEL_CONFIGS.items():
         kv, keep = LAYOUTS[name].build(num_blocks)
         gpu = canonical_int8_views(kv)
         cpu = [torch.empty((num_blocks, int(t.shape[1])), dtype=torch.int8, pin_memory=True)
                for t in gpu]  # fmt: skip
         jobs = _jobs(np.random.default_rng(3), num_blocks, num_blocks, 2, JOB_BLOCKS)
-        for block in (4096, 8192, 16384, 32768):
-            for warps in (4, 8):
-                cfg = KernelConfig(block_bytes=block, num_warps=warps)
-                try:
-                    store, load = _handlers(gpu, cpu, kv, "kernel", kernel_config=cfg)
-                    r = measure_handlers(store, load, jobs, reps, _Ids())
-                    store.shutdown()
-                    load.shutdown()
-                    row = {"layout": name, "block": block, "warps": warps}
-                    row.update({k: round(r[k], 2) for k in ("d2h_gbps", "h2d_gbps", "both_gbps")})
-                except Exception as exc:
-                    row = {"layout": name, "block": block, "warps": warps, "error": str(exc)}
-                print(f"  [kernel-config] {row}", flush=True)
-                rows.append(row)
+        for block, warps, ctas in configs:
+            cfg = KernelConfig(block_bytes=block, num_warps=warps, ctas_per_sm=ctas)
+            row: dict[str, Any] = {"layout": name, "block": block, "warps": warps, "ctas": ctas}
+            try:
+                store, load = _handlers(gpu, cpu, kv, "kernel", kernel_config=cfg)
+                r = measure_handlers(store, load, jobs, reps, _Ids())
+                store.shutdown()
+                load.shutdown()
+                row.update({k: round(r[k], 2) for k in ("d2h_gbps", "h2d_gbps", "both_gbps")})
+                row["submit_ms"] = round(r["submit_ms_store"], 3)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  [kernel-config] {row}", flush=True)
+            rows.append(row)
         del kv, keep, gpu, cpu
         torch.cuda.empty_cache()
     return rows
@@ -332,7 +345,7 @@ def sweep_kernel_configs(reps: int, num_blocks: int) -> list[dict[str, Any]]:
 def print_table(results: dict[str, Any]) -> None:
     print()
     hdr = (
-        f"{'layout':<12} {'mechanism':<9} {'D2H GB/s':>9} {'H2D GB/s':>9} {'both GB/s':>10} "
+        f"{'layout':<12} {'mechanism':<11} {'D2H GB/s':>9} {'H2D GB/s':>9} {'both GB/s':>10} "
         f"{'D2H/bulk':>9} {'H2D/bulk':>9} {'both/bulk1':>10} {'submit ms':>10}"
     )
     print(hdr)
@@ -340,7 +353,7 @@ def print_table(results: dict[str, Any]) -> None:
     for name, lay in results.items():
         bulk = lay["results"]["bulk"]
         print(
-            f"{name:<12} {'bulk':<9} {bulk['d2h_gbps']:>9.2f} {bulk['h2d_gbps']:>9.2f} "
+            f"{name:<12} {'bulk':<11} {bulk['d2h_gbps']:>9.2f} {bulk['h2d_gbps']:>9.2f} "
             f"{bulk['both_gbps']:>10.2f} {1:>9.2f} {1:>9.2f} "
             f"{bulk['both_gbps'] / max(bulk['d2h_gbps'], bulk['h2d_gbps']):>10.2f} {'':>10}"
         )
@@ -348,11 +361,11 @@ def print_table(results: dict[str, Any]) -> None:
             if mech == "bulk":
                 continue
             if "error" in r:
-                print(f"{name:<12} {mech:<9} {r['error'][:70]}")
+                print(f"{name:<12} {mech:<11} {r['error'][:70]}")
                 continue
             sub = max(r["submit_ms_store"], r["submit_ms_load"])
             print(
-                f"{name:<12} {mech:<9} {r['d2h_gbps']:>9.2f} {r['h2d_gbps']:>9.2f} "
+                f"{name:<12} {mech:<11} {r['d2h_gbps']:>9.2f} {r['h2d_gbps']:>9.2f} "
                 f"{r['both_gbps']:>10.2f} {r['ratio_d2h']:>9.2f} {r['ratio_h2d']:>9.2f} "
                 f"{r['both_over_bulk_oneway']:>10.2f} {sub:>10.3f}"
             )
@@ -383,7 +396,7 @@ def device_info() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default="per_layer,cross_layer,tp4_70b")
-    p.add_argument("--mechanisms", default="kernel,dma,auto,torch")
+    p.add_argument("--mechanisms", default="kernel,dma,hybrid:0.1,hybrid:0.2,hybrid:0.3,auto,torch")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-blocks", type=int, default=2048, help="GPU blocks = CPU slots")
     p.add_argument("--quick", action="store_true", help="fewer reps, no sweeps")

@@ -38,13 +38,13 @@ from kvcache_offload.cpu.copy.plan import (
     SideGeometry,
     TransferPlan,
     build_plan,
-    geometry_alignment,
     parse_job,
     refs_arrays,
 )
 from kvcache_offload.cpu.copy.torch_copy import TorchCopier
 from kvcache_offload.cpu.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
+    GROUP_ROW,
     KernelConfig,
     launch_copy_kernel,
     triton_available,
@@ -76,11 +76,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Mechanism = Literal["auto", "kernel", "dma", "torch"]
+Mechanism = Literal["auto", "kernel", "dma", "hybrid", "torch"]
 
 DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
 """Jobs whose mean fragment is at least this large use the batched DMA, smaller ones the
 kernel (measured on an H200, see bench/RESULTS.md)."""
+DEFAULT_HYBRID_DMA_SHARE = 0.0
+"""Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
 
 
 class _TableSlot:
@@ -116,6 +118,8 @@ class _Transfer:
     end_event: torch.cuda.Event
     slot: _TableSlot | None
     mechanism: str
+    side_stream: torch.cuda.Stream | None = None
+    sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class SingleDirectionOffloadingHandler(OffloadingHandler):
@@ -132,6 +136,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         mechanism: Mechanism = "auto",
         dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         max_staging_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         if not gpu_tensors or len(gpu_tensors) != len(cpu_tensors):
@@ -168,10 +173,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         src_factor, dst_factor = (1, factor) if gpu_to_cpu else (factor, 1)
         self.src_geom = SideGeometry.from_tensors(src, src_factor)
         self.dst_geom = SideGeometry.from_tensors(dst, dst_factor)
-        self._geom_align = geometry_alignment(self.src_geom, self.dst_geom)
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
         self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
         self.kernel_config = kernel_config
+        if not 0.0 <= hybrid_dma_share < 1.0:
+            raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
+        self.hybrid_dma_share = float(hybrid_dma_share)
 
         self._runtime = get_cuda_runtime()
         self.kernel_ok, self.dma_ok, reasons = self._probe(cpu_tensors)
@@ -183,8 +190,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._stream_pool: list[torch.cuda.Stream] = []
         self._event_pool: list[torch.cuda.Event] = []
         self._slot_pool: list[_TableSlot] = []
+        self._side_stream_pool: list[torch.cuda.Stream] = []
+        self._sync_event_pool: list[torch.cuda.Event] = []
         self._closed = False
-        self.jobs_by_mechanism: dict[str, int] = {"kernel": 0, "dma": 0, "torch": 0}
+        self.jobs_by_mechanism: dict[str, int] = {"kernel": 0, "dma": 0, "hybrid": 0, "torch": 0}
+        self._ref_table: torch.Tensor | None = None
+        self._ref_start = np.zeros(len(self._group_refs) + 1, dtype=np.int64)
+        self._kernel_align = 1
+        if self.kernel_ok and self.mechanism in ("auto", "kernel", "hybrid"):
+            self._build_ref_table()
 
         self._fallback: ThreadedOffloadingHandler | None = None
         if self.mechanism == "torch":
@@ -223,8 +237,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             raise ConfigError(f"mechanism 'kernel' is unavailable: {reasons['kernel']}")
         if wanted == "dma" and not self.dma_ok:
             raise ConfigError(f"mechanism 'dma' is unavailable: {reasons['dma']}")
-        if wanted not in ("auto", "kernel", "dma", "torch"):
-            raise ConfigError(f"mechanism must be auto, kernel, dma or torch, got {wanted!r}")
+        if wanted == "hybrid" and not (self.kernel_ok and self.dma_ok):
+            raise ConfigError(
+                "mechanism 'hybrid' needs the kernel and the DMA: "
+                + "; ".join(f"{k}: {v}" for k, v in reasons.items())
+            )
+        if wanted not in ("auto", "kernel", "dma", "hybrid", "torch"):
+            raise ConfigError(
+                f"mechanism must be auto, kernel, dma, hybrid or torch, got {wanted!r}"
+            )
         if wanted == "auto" and not (self.kernel_ok or self.dma_ok):
             logger.warning(
                 "GPU<->CPU %s: no fast copy path (%s); using the plain-torch fallback",
@@ -233,6 +254,37 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             )
             return "torch"
         return wanted
+
+    def _build_ref_table(self) -> None:
+        """One row per (group, ref): both sides' base, row stride, sub-block and the size."""
+        src, dst = self.src_geom, self.dst_geom
+        rows = []
+        for g, (tensors, sizes) in enumerate(self._group_refs):
+            self._ref_start[g + 1] = self._ref_start[g] + len(tensors)
+            if len(tensors):
+                rows.append(
+                    np.stack(
+                        [
+                            src.base[tensors], src.row_stride[tensors], src.sub_bytes[tensors],
+                            dst.base[tensors], dst.row_stride[tensors], dst.sub_bytes[tensors],
+                            sizes, np.zeros_like(sizes),
+                        ],
+                        axis=1,
+                    )
+                )  # fmt: skip
+        table = np.concatenate(rows) if rows else np.zeros((1, 8), dtype=np.int64)
+        self._ref_table = torch.from_numpy(np.ascontiguousarray(table)).to(self.device)
+        bits = 0
+        for tensors, sizes in self._group_refs:
+            for arr in (sizes, src.base[tensors], src.row_stride[tensors],
+                        src.sub_bytes[tensors], dst.base[tensors], dst.row_stride[tensors],
+                        dst.sub_bytes[tensors]):  # fmt: skip
+                if len(arr):
+                    bits |= int(np.bitwise_or.reduce(arr))
+        align = 16
+        while align > 1 and bits % align:
+            align //= 2
+        self._kernel_align = align
 
     def _make_fallback(
         self,
@@ -294,6 +346,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             not self.kernel_ok or plan.mean_fragment_bytes >= self.dma_min_fragment_bytes
         ):
             return "dma"
+        if self.dma_ok and self.hybrid_dma_share > 0:
+            return "hybrid"
         return "kernel"
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
@@ -313,52 +367,122 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         return True
 
     def _submit(self, job_id: int, plan: TransferPlan, mechanism: str) -> None:
-        n = plan.num_fragments
-        # Every address is base + row * stride + sub * page: aligned as the geometry is.
-        alignment = min(plan.alignment, self._geom_align)
+        dma_part: TransferPlan | None = None
+        kernel_part: TransferPlan | None = None
+        if mechanism == "dma":
+            dma_part = plan
+        elif mechanism == "kernel":
+            kernel_part = plan
+        else:  # hybrid: some layers through the copy engines, the rest through the kernel
+            dma_part, kernel_part = plan.split_refs(self.hybrid_dma_share)
+            if not dma_part.num_fragments:
+                dma_part = None
+            if not kernel_part.num_fragments:
+                kernel_part = None
+        k_groups = kernel_part.groups if kernel_part is not None else []
+        k_entries = GROUP_ROW * len(k_groups) + 2 * sum(len(g.src_units) for g in k_groups)
+        n_dma = dma_part.num_fragments if dma_part is not None else 0
         slot: _TableSlot | None = None
-        table: np.ndarray | None = None
-        rows = 3 if (mechanism == "dma" or plan.uniform_size is None) else 2
-        if n:
+        host: np.ndarray | None = None
+        if k_entries or n_dma:
             slot = self._slot_pool.pop() if self._slot_pool else _TableSlot(self.device)
-            flat = slot.ensure(rows * n, need_device=mechanism == "kernel")
-            table = plan.fill_pointer_table(
-                self.src_geom, self.dst_geom, flat[: rows * n].reshape(rows, n)
+            host = slot.ensure(k_entries + 3 * n_dma, need_device=bool(k_entries))
+        n_units = 0
+        if k_groups and host is not None:
+            n_units = self._fill_job_table(k_groups, host[:k_entries])
+        dma_table: np.ndarray | None = None
+        if dma_part is not None and host is not None:
+            dma_table = dma_part.fill_pointer_table(
+                self.src_geom,
+                self.dst_geom,
+                host[k_entries : k_entries + 3 * n_dma].reshape(3, n_dma),
             )
+        pool = self._event_pool
         stream = self._stream_pool.pop() if self._stream_pool else torch.cuda.Stream(self.device)
-        start = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
-        end = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+        start = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        end = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        side: torch.cuda.Stream | None = None
+        sync: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if dma_table is not None and kernel_part is not None:
+            side = (
+                self._side_stream_pool.pop()
+                if self._side_stream_pool
+                else torch.cuda.Stream(self.device)
+            )
+            sp = self._sync_event_pool
+            sync = (
+                sp.pop() if sp else torch.cuda.Event(),
+                sp.pop() if sp else torch.cuda.Event(),
+            )
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(stream):
-                if mechanism == "kernel" and slot is not None:
+                if k_entries and slot is not None:
                     assert slot.host is not None and slot.dev is not None
-                    slot.dev[: rows * n].copy_(slot.host[: rows * n], non_blocking=True)
+                    slot.dev[:k_entries].copy_(slot.host[:k_entries], non_blocking=True)
                 if self.gpu_to_cpu:
                     stream.wait_stream(compute)
                 if self._transfers:
                     stream.wait_event(self._transfers[-1].end_event)
                 start.record(stream)
-                if n and table is not None:
-                    if mechanism == "kernel":
-                        assert slot is not None and slot.dev is not None
-                        launch_copy_kernel(
-                            slot.dev,
-                            n,
-                            plan.uniform_size if rows == 2 else None,
-                            plan.max_size,
-                            alignment,
-                            self.kernel_config,
-                        )
-                    else:
-                        assert self._runtime is not None
-                        self._runtime.memcpy_batch_async(
-                            table[1], table[0], table[2], stream.cuda_stream
-                        )
+                if dma_table is not None:
+                    dma_stream = stream
+                    if side is not None and sync is not None:
+                        sync[0].record(stream)
+                        side.wait_event(sync[0])
+                        dma_stream = side
+                    assert self._runtime is not None
+                    self._runtime.memcpy_batch_async(
+                        dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
+                    )
+                if kernel_part is not None and slot is not None:
+                    assert slot.dev is not None and self._ref_table is not None
+                    launch_copy_kernel(
+                        self._ref_table,
+                        slot.dev,
+                        n_groups=len(k_groups),
+                        n_units=n_units,
+                        total_pairs=kernel_part.num_fragments,
+                        max_size=kernel_part.max_size,
+                        src_factor=self.src_geom.factor,
+                        dst_factor=self.dst_geom.factor,
+                        alignment=self._kernel_align,
+                        config=self.kernel_config,
+                    )
+                if side is not None and sync is not None:
+                    sync[1].record(side)
+                    stream.wait_event(sync[1])
                 end.record(stream)
-        transfer = _Transfer(job_id, plan.num_bytes, stream, start, end, slot, mechanism)
+        transfer = _Transfer(
+            job_id, plan.num_bytes, stream, start, end, slot, mechanism, side, sync
+        )
         self._transfers.append(transfer)
         self._transfer_events[job_id] = end
+
+    def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
+        """Group rows then source and destination units; returns the number of units."""
+        n_groups = len(groups)
+        counts = np.fromiter((len(g.src_units) for g in groups), np.int64, n_groups)
+        refs = np.fromiter((len(g.ref_tensors) for g in groups), np.int64, n_groups)
+        n_units = int(counts.sum())
+        rows = out[: GROUP_ROW * n_groups].reshape(n_groups, GROUP_ROW)
+        pairs = counts * refs
+        rows[0, 0] = 0
+        np.cumsum(pairs[:-1], out=rows[1:, 0])
+        rows[:, 1] = counts
+        rows[:, 2] = [self._ref_start[g.index] + g.ref_offset for g in groups]
+        rows[0, 3] = 0
+        np.cumsum(counts[:-1], out=rows[1:, 3])
+        base = GROUP_ROW * n_groups
+        if n_groups == 1:
+            out[base : base + n_units] = groups[0].src_units
+            out[base + n_units : base + 2 * n_units] = groups[0].dst_units
+        else:
+            np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
+            np.concatenate(
+                [g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units]
+            )
+        return n_units
 
     def get_finished(self) -> list[TransferResult]:
         if self._fallback is not None:
@@ -379,6 +503,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._event_pool.extend((t.start_event, t.end_event))
         if t.slot is not None:
             self._slot_pool.append(t.slot)
+        if t.side_stream is not None:
+            self._side_stream_pool.append(t.side_stream)
+        if t.sync_events is not None:
+            self._sync_event_pool.extend(t.sync_events)
         self._transfer_events.pop(t.job_id, None)
 
     def wait(self, job_ids: set[int]) -> None:
@@ -414,6 +542,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._stream_pool.clear()
             self._event_pool.clear()
             self._slot_pool.clear()
+            self._side_stream_pool.clear()
+            self._sync_event_pool.clear()
+            self._ref_table = None
             self.gpu_tensors = []
             self.cpu_tensors = []
 
@@ -424,6 +555,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             "kernel_available": self.kernel_ok,
             "dma_available": self.dma_ok,
             "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
+            "hybrid_dma_share": self.hybrid_dma_share,
+            "kernel_config": repr(self.kernel_config),
             "jobs_by_mechanism": dict(self.jobs_by_mechanism),
         }
 
@@ -446,6 +579,7 @@ class CpuGpuOffloadingHandlers:
         mechanism: Mechanism = "auto",
         dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         pin_memory: bool = True,
     ) -> None:
         self.gpu_tensors = canonical_int8_views(kv_caches)
@@ -464,6 +598,7 @@ class CpuGpuOffloadingHandlers:
             "mechanism": mechanism,
             "dma_min_fragment_bytes": dma_min_fragment_bytes,
             "kernel_config": kernel_config,
+            "hybrid_dma_share": hybrid_dma_share,
         }
         refs = kv_caches.group_data_refs
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(

@@ -29,11 +29,14 @@ from tests._roundtrip import (  # noqa: E402
     snapshot,
 )
 
-MECHANISMS = ["kernel", "dma", "torch", "auto"]
+MECHANISMS = ["kernel", "dma", "hybrid", "torch", "auto"]
 
 
 def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
     from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
+
+    if mechanism == "hybrid":
+        kw.setdefault("hybrid_dma_share", 0.5)
 
     return CpuGpuOffloadingHandlers(kv, factor, num_cpu, region, mechanism=mechanism, **kw)
 
@@ -42,9 +45,9 @@ def _skip_unavailable(mechanism: str) -> None:
     from kvcache_offload.cpu.copy.dma import get_cuda_runtime
     from kvcache_offload.cpu.copy.triton_kernel import triton_available
 
-    if mechanism == "kernel" and not triton_available()[0]:
+    if mechanism in ("kernel", "hybrid") and not triton_available()[0]:
         pytest.skip("triton unavailable")
-    if mechanism == "dma":
+    if mechanism in ("dma", "hybrid"):
         rt = get_cuda_runtime()
         if rt is None or not rt.has_batch_memcpy:
             pytest.skip("cudaMemcpyBatchAsync unavailable")
@@ -148,12 +151,17 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         )
         round_trip(h, kv, big, job_ids=(1, 2))
         round_trip(h, kv, small, job_ids=(3, 4))
-        assert h.gpu_to_cpu_handler.jobs_by_mechanism == {"kernel": 1, "dma": 1, "torch": 0}
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism == {
+            "kernel": 1,
+            "dma": 1,
+            "hybrid": 0,
+            "torch": 0,
+        }
     finally:
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "hybrid", "torch"])
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
     _skip_unavailable(mechanism)
     gen = torch.Generator().manual_seed(5)
@@ -321,7 +329,7 @@ def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
     assert h.gpu_to_cpu_handler.get_finished() == []
 
 
-def test_cuda_round_trip_through_a_pinned_shared_region(tmp_path):
+def test_cuda_round_trip_through_a_pinned_shared_region():
     region_mod = pytest.importorskip("kvcache_offload.cpu.shared_offload_region")
     from kvcache_offload.cpu.layouts import block_nbytes
 
@@ -335,13 +343,14 @@ def test_cuda_round_trip_through_a_pinned_shared_region(tmp_path):
         device="cuda",
     )
     factor = 2
+    import uuid
+
     region = region_mod.SharedOffloadRegion(
-        "cudatest",
+        f"cudatest-{uuid.uuid4().hex[:12]}",
         num_blocks=24,
         cpu_page_size=block_nbytes(kv) * factor,
         num_workers=1,
         rank=0,
-        shm_dir=str(tmp_path),
     )
     try:
         h = _handlers(kv, factor, 24, "auto", region=region)

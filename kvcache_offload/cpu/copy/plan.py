@@ -99,6 +99,20 @@ class GroupPlan:
     """``(G,)`` int64 source units."""
     dst_units: np.ndarray
     """``(G,)`` int64 destination units, co-indexed with ``src_units``."""
+    index: int = 0
+    """The KV-cache group this is."""
+    ref_offset: int = 0
+    """Index of the first of ``ref_tensors`` among the group's refs (a job split by refs
+    between two mechanisms has parts that start past 0)."""
+
+    def split(self, m: int) -> tuple[GroupPlan, GroupPlan]:
+        """The first ``m`` refs and the rest, over the same units."""
+        return (
+            GroupPlan(self.ref_tensors[:m], self.ref_sizes[:m], self.src_units,
+                      self.dst_units, self.index, self.ref_offset),
+            GroupPlan(self.ref_tensors[m:], self.ref_sizes[m:], self.src_units,
+                      self.dst_units, self.index, self.ref_offset + m),
+        )  # fmt: skip
 
     @property
     def num_fragments(self) -> int:
@@ -123,6 +137,34 @@ class TransferPlan:
     @property
     def mean_fragment_bytes(self) -> float:
         return self.num_bytes / self.num_fragments if self.num_fragments else 0.0
+
+    @classmethod
+    def of_groups(cls, groups: list[GroupPlan]) -> TransferPlan:
+        groups = [g for g in groups if g.num_fragments]
+        sizes = {int(s) for g in groups for s in g.ref_sizes}
+        bits = 0
+        for s in sizes:
+            bits |= s
+        alignment = 16
+        while alignment > 1 and bits % alignment:
+            alignment //= 2
+        return cls(
+            groups=groups,
+            num_fragments=sum(g.num_fragments for g in groups),
+            num_bytes=sum(g.num_bytes for g in groups),
+            uniform_size=next(iter(sizes)) if len(sizes) == 1 else None,
+            max_size=max(sizes, default=0),
+            alignment=alignment,
+        )
+
+    def split_refs(self, share: float) -> tuple[TransferPlan, TransferPlan]:
+        """About ``share`` of every group's refs (by count) and the rest, as two plans."""
+        first, rest = [], []
+        for g in self.groups:
+            a, b = g.split(round(share * len(g.ref_tensors)))
+            first.append(a)
+            rest.append(b)
+        return TransferPlan.of_groups(first), TransferPlan.of_groups(rest)
 
     def fill_pointer_table(
         self, src: SideGeometry, dst: SideGeometry, out: np.ndarray
@@ -240,7 +282,7 @@ def build_plan(
                     f"group {g}: page of {int(sizes[i])} bytes does not fit the {what} "
                     f"tensor {int(tensors[i])}'s page of {int(side.sub_bytes[tensors[i]])} bytes"
                 )
-        groups.append(GroupPlan(tensors, sizes, s_units, d_units))
+        groups.append(GroupPlan(tensors, sizes, s_units, d_units, g))
         sizes_seen.update(int(s) for s in np.unique(sizes))
         max_size = max(max_size, int(sizes.max()))
         align_bits |= int(np.bitwise_or.reduce(sizes))

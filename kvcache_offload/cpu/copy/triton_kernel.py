@@ -3,14 +3,22 @@
 Pinned host memory (``cudaHostAlloc``, or ``cudaHostRegister`` with the mapped flag) is
 addressable from the GPU at its host address on 64-bit Linux (unified virtual addressing),
 so a kernel can read and write it directly: a store is device loads plus posted PCIe writes,
-a load is PCIe reads plus device stores. One launch covers the whole job; the grid is
-``(fragments, chunks per fragment)`` and each program copies ``BLOCK`` bytes (``iters``
-times when a fragment needs more than 65,535 chunks).
+a load is PCIe reads plus device stores.
 
-The job's pointer table (int64: ``src[n] | dst[n] | size[n]``; sizes omitted when uniform)
-is uploaded once per job by the caller; the kernel reads it with three scalar loads per
-program. Addresses, sizes and the chunk start carry divisibility hints so Triton emits
-16-byte vector accesses when everything is 16-byte aligned.
+Tables (int64), so that the host does O(refs + blocks) work per job, not O(refs x blocks):
+
+* the *ref table*, built once per handler and kept on the device: one row of 8 per
+  (group, layer) ref: ``src_base, src_row_stride, src_sub, dst_base, dst_row_stride,
+  dst_sub, size, 0``;
+* the *job table*, uploaded once per job: ``n_groups`` rows of ``pair_start, units,
+  ref_start, unit_start``, then every source unit, then every destination unit.
+
+A *pair* is (ref, unit): one fragment; a *work item* is one ``BLOCK``-byte chunk of a pair.
+The grid is persistent (``ctas_per_sm`` programs per SM, each looping over work items) so a
+store kernel and a load kernel on two streams run side by side instead of one waiting for
+the other's grid to drain; ``ctas_per_sm=0`` launches one program per work item instead.
+Addresses and sizes carry divisibility hints so Triton emits 16-byte vector accesses when
+the geometry is 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KernelConfig", "launch_copy_kernel", "triton_available"]
+__all__ = ["DEFAULT_KERNEL_CONFIG", "KernelConfig", "launch_copy_kernel", "triton_available"]
 
 try:  # Triton is optional: without it the handlers use batched DMA or the torch fallback.
     import triton
@@ -32,14 +40,17 @@ except Exception as exc:  # pragma: no cover - depends on the platform
     tl = None
     _TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
-_MAX_GRID_Y = 65_535
+REF_ROW = 8
+GROUP_ROW = 4
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_bytes: int = 8192
-    """Bytes per program per iteration (a power of two)."""
+    block_bytes: int = 16384
+    """Bytes per work item (a power of two)."""
     num_warps: int = 4
+    ctas_per_sm: int = 2
+    """Persistent programs per SM; 0 = one program per work item."""
 
 
 DEFAULT_KERNEL_CONFIG = KernelConfig()
@@ -55,63 +66,113 @@ def triton_available() -> tuple[bool, str | None]:
 
 
 if triton is not None:
+    _NO_SPEC = ["n_groups", "n_units", "total_work", "iters", "chunks", "src_factor", "dst_factor"]
 
-    @triton.jit(do_not_specialize=["n_frags", "size_arg", "iters"])
+    @triton.jit(do_not_specialize=_NO_SPEC)
     def _uva_copy_kernel(  # type: ignore[no-untyped-def]
-        table_ptr,
-        n_frags,
-        size_arg,
+        ref_ptr,
+        job_ptr,
+        n_groups,
+        n_units,
+        total_work,
         iters,
+        chunks,
+        src_factor,
+        dst_factor,
         BLOCK: tl.constexpr,
-        UNIFORM: tl.constexpr,
         ALIGN: tl.constexpr,
     ):
-        frag = tl.program_id(0).to(tl.int64)
-        chunk0 = tl.program_id(1).to(tl.int64) * iters
-        src_addr = tl.load(table_ptr + frag)
-        dst_addr = tl.load(table_ptr + n_frags + frag)
-        if UNIFORM:  # noqa: SIM108 (constexpr branch)
-            size = size_arg.to(tl.int64)
-        else:
-            size = tl.load(table_ptr + 2 * n_frags + frag)
-        src_addr = tl.multiple_of(src_addr, ALIGN)
-        dst_addr = tl.multiple_of(dst_addr, ALIGN)
-        size = tl.multiple_of(size, ALIGN)
-        src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.uint8)), ALIGN)
-        dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.uint8)), ALIGN)
         offs = tl.arange(0, BLOCK)
-        for i in range(iters):
-            start = (chunk0 + i) * BLOCK
-            o = start + offs
-            mask = o < size
-            data = tl.load(src + o, mask=mask, cache_modifier=".cg")
-            tl.store(dst + o, data, mask=mask, cache_modifier=".cs")
+        units_ptr = job_ptr + 4 * n_groups
+        pid = tl.program_id(0).to(tl.int64)
+        nprog = tl.num_programs(0).to(tl.int64)
+        for it in range(0, iters):
+            w64 = pid + it * nprog
+            if w64 < total_work:
+                pair = w64 // chunks
+                start = (w64 - pair * chunks) * BLOCK
+                g = pair * 0
+                for k in range(1, n_groups):
+                    first = tl.load(job_ptr + 4 * k)
+                    g = tl.where(pair >= first, k, g)
+                row = job_ptr + 4 * g
+                pair_start = tl.load(row)
+                n = tl.load(row + 1)
+                local = pair - pair_start
+                r = local // n
+                i = local - r * n
+                ref = ref_ptr + 8 * (tl.load(row + 2) + r)
+                unit = tl.load(row + 3) + i
+                su = tl.load(units_ptr + unit)
+                du = tl.load(units_ptr + n_units + unit)
+                s_row = su // src_factor
+                d_row = du // dst_factor
+                src_addr = (
+                    tl.load(ref)
+                    + s_row * tl.load(ref + 1)
+                    + (su - s_row * src_factor) * tl.load(ref + 2)
+                )
+                dst_addr = (
+                    tl.load(ref + 3)
+                    + d_row * tl.load(ref + 4)
+                    + (du - d_row * dst_factor) * tl.load(ref + 5)
+                )
+                size = tl.multiple_of(tl.load(ref + 6), ALIGN)
+                src_addr = tl.multiple_of(src_addr, ALIGN)
+                dst_addr = tl.multiple_of(dst_addr, ALIGN)
+                src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.uint8)), ALIGN)
+                dst = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.uint8)), ALIGN)
+                o = start + offs
+                mask = o < size
+                data = tl.load(src + o, mask=mask, cache_modifier=".cg")
+                tl.store(dst + o, data, mask=mask, cache_modifier=".cs")
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def launch_copy_kernel(
-    table: torch.Tensor,
-    n_frags: int,
-    uniform_size: int | None,
+    ref_table: torch.Tensor,
+    job_table: torch.Tensor,
+    *,
+    n_groups: int,
+    n_units: int,
+    total_pairs: int,
     max_size: int,
+    src_factor: int,
+    dst_factor: int,
     alignment: int,
     config: KernelConfig = DEFAULT_KERNEL_CONFIG,
 ) -> Any:
-    """Launch on the current CUDA stream; ``table`` is the device int64 pointer table."""
+    """Launch on the current CUDA stream; both tables live on the GPU."""
     if triton is None:  # pragma: no cover
         raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
-    if n_frags <= 0:
+    if total_pairs <= 0:
         return None
     block = config.block_bytes
     chunks = -(-max_size // block)
-    iters = max(1, -(-chunks // _MAX_GRID_Y))
-    grid = (n_frags, -(-chunks // iters))
-    return _uva_copy_kernel[grid](
-        table,
-        n_frags,
-        uniform_size if uniform_size is not None else 0,
-        iters,
+    total_work = total_pairs * chunks
+    programs = total_work
+    if config.ctas_per_sm > 0:
+        programs = min(total_work, config.ctas_per_sm * _num_sms(ref_table.device))
+    return _uva_copy_kernel[(programs,)](
+        ref_table,
+        job_table,
+        n_groups,
+        n_units,
+        total_work,
+        -(-total_work // programs),
+        chunks,
+        src_factor,
+        dst_factor,
         BLOCK=block,
-        UNIFORM=uniform_size is not None,
         ALIGN=alignment,
         num_warps=config.num_warps,
     )

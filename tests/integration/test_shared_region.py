@@ -1,0 +1,293 @@
+"""SharedOffloadRegion across real processes: sharing, SIGKILL, stale files, races, space."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache_offload.cpu import shared_offload_region as sor
+from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion
+from kvcache_offload.errors import RegionError
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the region is Linux-only")
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_BLOCKS = 16
+PAGE = 4096 + 24  # not a multiple of the page size: cells straddle pages
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> str:
+    """/dev/shm when usable (real tmpfs), else a temporary directory."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return str(tmp_path)
+
+
+@pytest.fixture
+def name() -> str:
+    return f"it-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def _leftovers(shm_dir: str, name: str) -> list[str]:
+    return glob.glob(os.path.join(shm_dir, f"kvcache_offload_{name}*"))
+
+
+class Worker:
+    def __init__(self, name: str, shm_dir: str, rank: int, num_workers: int) -> None:
+        args = {
+            "name": name,
+            "num_blocks": NUM_BLOCKS,
+            "cpu_page_size": PAGE,
+            "num_workers": num_workers,
+            "rank": rank,
+            "shm_dir": shm_dir,
+        }
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration._region_worker", json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def expect(self, timeout: float = 30.0) -> dict:
+        try:
+            return json.loads(self.lines.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"worker {self.rank} said nothing for {timeout}s") from None
+
+    def send(self, cmd: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.expect()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError):
+                self.send("exit")
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _start(name: str, shm_dir: str, ranks: list[int], num_workers: int) -> list[Worker]:
+    workers = []
+    for r in ranks:
+        w = Worker(name, shm_dir, r, num_workers)
+        event = w.expect()
+        assert event["event"] == "mapped", event
+        workers.append(w)
+    return workers
+
+
+def test_two_workers_map_one_region_and_read_each_others_rows(shm_dir, name):
+    creator, joiner = _start(name, shm_dir, [0, 1], 2)
+    try:
+        assert creator.send("write") == {"event": "written"}
+        assert joiner.send("write") == {"event": "written"}
+        assert creator.send("check 0 1") == {"event": "checked", "bad": []}
+        assert joiner.send("check 0 1") == {"event": "checked", "bad": []}
+        assert _leftovers(shm_dir, name) == []  # every worker mapped it: unlinked
+    finally:
+        creator.close()
+        joiner.close()
+    assert _leftovers(shm_dir, name) == []
+
+
+@pytest.mark.parametrize("victim", ["creator", "joiner"])
+def test_sigkill_of_any_process_leaves_nothing_in_shm(shm_dir, name, victim):
+    creator, joiner = _start(name, shm_dir, [0, 1], 2)
+    try:
+        creator.send("write")
+        joiner.send("write")
+        dead, alive = (creator, joiner) if victim == "creator" else (joiner, creator)
+        dead.kill()
+        assert _leftovers(shm_dir, name) == []
+        # the survivor's mapping still holds both workers' bytes
+        assert alive.send("check 0 1") == {"event": "checked", "bad": []}
+    finally:
+        creator.close()
+        joiner.close()
+    assert _leftovers(shm_dir, name) == []
+
+
+def test_stale_file_from_a_crashed_creator_does_not_break_the_next_start(shm_dir, name):
+    (crashed,) = _start(name, shm_dir, [0], 2)  # waits for a second worker that never comes
+    crashed.kill()
+    assert len(_leftovers(shm_dir, name)) == 1  # the crash left its file behind
+    creator, joiner = _start(name, shm_dir, [0, 1], 2)
+    try:
+        assert creator.send("write") == {"event": "written"}
+        assert joiner.send("write") == {"event": "written"}
+        assert joiner.send("check 0 1") == {"event": "checked", "bad": []}
+        assert _leftovers(shm_dir, name) == []
+    finally:
+        creator.close()
+        joiner.close()
+
+
+def test_four_processes_racing_agree_on_one_region(shm_dir, name):
+    workers = [Worker(name, shm_dir, r, 4) for r in range(4)]
+    try:
+        events = [w.expect() for w in workers]
+        assert all(e["event"] == "mapped" for e in events), events
+        assert sum(e["creator"] for e in events) == 1
+        for w in workers:
+            assert w.send("write") == {"event": "written"}
+        for w in workers:
+            assert w.send("check 0 1 2 3") == {"event": "checked", "bad": []}
+        assert _leftovers(shm_dir, name) == []
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_a_late_joiner_gets_a_clear_error(shm_dir, name):
+    creator, joiner = _start(name, shm_dir, [0, 1], 2)
+    late = Worker(name, shm_dir, 1, 2)
+    try:
+        event = late.expect()
+        assert event["event"] == "error" and event["type"] == "RegionError"
+        assert "too late" in event["message"]
+        assert late.proc.wait(10) == 0
+    finally:
+        for w in (late, creator, joiner):
+            w.close()
+
+
+# -- in-process behaviour -----------------------------------------------------------------------
+
+
+def test_too_small_shm_gives_a_clear_region_error(tmp_path, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_frsize = 4096
+            self.f_bavail = 10  # 40 KiB free
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny(real(p)))
+    with pytest.raises(RegionError) as info:
+        SharedOffloadRegion("tiny", num_blocks=1000, cpu_page_size=8192, shm_dir=tmp_path)
+    msg = str(info.value)
+    assert "free" in msg and "needs" in msg and "--shm-size" in msg
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_view_geometry_cursor_and_overflow(tmp_path):
+    a = SharedOffloadRegion("geo", 8, 1000, num_workers=4, rank=1, shm_dir=tmp_path)
+    try:
+        v1 = a.create_next_view(600)
+        assert v1.shape == (8, 600) and v1.stride() == (4000, 1)
+        assert v1.storage_offset() == a.data_offset + 1000  # rank 1 starts one cell in
+        with pytest.raises(RegionError, match="exceeds worker area end"):
+            a.create_next_view(401)
+        assert a.cursor == 1600  # unchanged by the failure
+        v2 = a.create_next_view(400)  # exact fill
+        assert v2.storage_offset() == a.data_offset + 1600
+        v1.fill_(3)
+        v2.fill_(4)
+        rows = a.rows_array()
+        assert rows.shape == (8, 4000)
+        assert bool((rows[:, 1000:1600] == 3).all() and (rows[:, 1600:2000] == 4).all())
+        assert bool((rows[:, :1000] == 0).all() and (rows[:, 2000:] == 0).all())
+        del rows, v1, v2
+    finally:
+        a.cleanup()
+        a.cleanup()  # idempotent
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_service_without_rank_counts_as_one_more_mapper(tmp_path):
+    service = SharedOffloadRegion("svc", 4, 512, num_workers=1, rank=None, shm_dir=tmp_path)
+    try:
+        assert service.is_creator and not service.sealed
+        assert len(list(tmp_path.iterdir())) == 1
+        worker = SharedOffloadRegion("svc", 4, 512, num_workers=1, rank=0, shm_dir=tmp_path)
+        assert worker.sealed and list(tmp_path.iterdir()) == []
+        view = worker.create_next_view(512)
+        view.fill_(9)
+        mem = service.rows_memoryview()
+        assert mem.shape == (4, 512) and mem[2, 0] == 9
+        mem.release()
+        del view
+        worker.cleanup()
+    finally:
+        service.cleanup()
+
+
+def test_mismatched_geometry_is_refused(tmp_path):
+    a = SharedOffloadRegion("mm", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+    try:
+        with pytest.raises(RegionError, match="expects"):
+            SharedOffloadRegion("mm", 5, 512, num_workers=2, rank=1, shm_dir=tmp_path, timeout_s=2)
+        with pytest.raises(RegionError, match="rank 0 already"):
+            SharedOffloadRegion("mm", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path, timeout_s=2)
+    finally:
+        a.cleanup()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_populate_falls_back_to_touching_pages_on_old_kernels(tmp_path, monkeypatch):
+    monkeypatch.setattr(sor, "MADV_POPULATE_WRITE", 9999)  # the kernel answers EINVAL
+    a = SharedOffloadRegion("old", 6, PAGE, num_workers=2, rank=1, shm_dir=tmp_path)
+    try:
+        rows = a.rows_array()
+        assert rows.shape == (6, 2 * PAGE) and not rows.any()
+        del rows
+    finally:
+        a.cleanup()
+
+
+def test_cleanup_with_live_views_warns_and_still_unlinks(tmp_path, caplog):
+    a = SharedOffloadRegion("live", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+    view = a.create_next_view(256)
+    a.cleanup()
+    assert list(tmp_path.iterdir()) == []
+    assert "live views" in caplog.text
+    view.fill_(1)  # the mapping stays valid while the view lives
+    del view
+
+
+def test_bad_arguments_raise_region_errors(tmp_path):
+    with pytest.raises(RegionError):
+        SharedOffloadRegion("bad/name", 4, 512, shm_dir=tmp_path)
+    with pytest.raises(RegionError):
+        SharedOffloadRegion("zero", 0, 512, shm_dir=tmp_path)
+    with pytest.raises(RegionError):
+        SharedOffloadRegion("rank", 4, 512, num_workers=2, rank=2, shm_dir=tmp_path)
+
+
+def test_rows_pattern_helper_is_deterministic():
+    from tests.integration._region_worker import pattern
+
+    assert np.array_equal(pattern(1, 2, 3), pattern(1, 2, 3))
+    assert not np.array_equal(pattern(0, 2, 3), pattern(1, 2, 3))

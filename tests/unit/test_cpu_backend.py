@@ -1,0 +1,433 @@
+"""CPU backend: byte-exact round trips, ordering, failures and shutdown of the handlers."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcache_offload.base import CanonicalKVCaches, GPULoadStoreSpec  # noqa: E402
+from kvcache_offload.config import KVCacheLayout, OffloadConfig  # noqa: E402
+from kvcache_offload.cpu import shared_offload_region  # noqa: E402
+from kvcache_offload.cpu.block_memory import (  # noqa: E402
+    HostBlockMemory,
+    RegionBlockMemory,
+    TensorBlockMemory,
+)
+from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from kvcache_offload.cpu.cpu_backend import (  # noqa: E402
+    CpuBackendOffloadingHandlers,
+    ThreadedOffloadingHandler,
+)
+from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from kvcache_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+from kvcache_offload.errors import ConfigError, TransferError  # noqa: E402
+from kvcache_offload.worker.worker import OffloadingWorker  # noqa: E402
+from tests._roundtrip import (  # noqa: E402
+    finish,
+    job_bytes,
+    make_caches,
+    random_job,
+    round_trip,
+)
+
+
+def _caches(seed: int, page: int = 512, groups=None, num_gpu_blocks: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+    return make_caches(
+        num_tensors=3,
+        num_gpu_blocks=num_gpu_blocks,
+        page=page,
+        group_layers=groups or [[(0, page), (1, page - 16)], [(2, page)], [(0, page // 4)], []],
+        gen=gen,
+    )
+
+
+@pytest.mark.parametrize("factor", [1, 2, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(factor, seed):
+    kv = _caches(seed)
+    job = random_job(
+        np.random.default_rng(seed),
+        group_sizes=[11, 6, 0, 4],
+        block_indices=[factor - 1, 3, 0, 7],
+        factor=factor,
+        num_gpu_blocks=64,
+        num_cpu_blocks=30,
+    )
+    h = CpuBackendOffloadingHandlers(kv, factor, 30)
+    try:
+        store, load = round_trip(h, kv, job)
+        assert (store.success, load.success) == (True, True)
+        assert store.transfer_type == ("GPU", "CPU") and load.transfer_type == ("CPU", "GPU")
+        assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
+        assert store.transfer_time is not None and store.transfer_time >= 0
+    finally:
+        h.shutdown()
+
+
+def test_odd_page_sizes_copy_byte_granular():
+    gen = torch.Generator().manual_seed(3)
+    kv = make_caches(
+        num_tensors=2, num_gpu_blocks=20, page=333, group_layers=[[(0, 331), (1, 333)]], gen=gen
+    )
+    job = random_job(
+        np.random.default_rng(3),
+        group_sizes=[9],
+        block_indices=[2],
+        factor=3,
+        num_gpu_blocks=20,
+        num_cpu_blocks=10,
+    )
+    h = CpuBackendOffloadingHandlers(kv, 3, 10)
+    try:
+        round_trip(h, kv, job)
+    finally:
+        h.shutdown()
+
+
+def test_small_staging_splits_a_job_into_batches_and_stays_exact():
+    kv = _caches(4, page=4096)
+    job = random_job(
+        np.random.default_rng(4),
+        group_sizes=[20, 9, 0, 0],
+        block_indices=[1, 0, 0, 0],
+        factor=2,
+        num_gpu_blocks=64,
+        num_cpu_blocks=40,
+    )
+    h = CpuBackendOffloadingHandlers(kv, 2, 40, max_staging_bytes=3 * 4096 + 7)
+    try:
+        round_trip(h, kv, job)
+    finally:
+        h.shutdown()
+
+
+def test_jobs_complete_in_submission_order_and_wait_ignores_unknown_ids():
+    kv = _caches(5)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64)
+    store = h.gpu_to_cpu_handler
+    rng = np.random.default_rng(5)
+    try:
+        ids = list(range(10, 30))
+        for j in ids:
+            job = random_job(
+                rng,
+                group_sizes=[int(rng.integers(1, 20)), 0, 0, 0],
+                block_indices=[0, 0, 0, 0],
+                factor=1,
+                num_gpu_blocks=64,
+                num_cpu_blocks=64,
+            )
+            assert store.transfer_async(j, (job.gpu_spec, job.cpu_spec))
+        store.wait({999, *ids})
+        results = store.get_finished()
+        assert [r.job_id for r in results] == ids
+        assert all(r.success for r in results)
+        assert store.get_finished() == []
+    finally:
+        h.shutdown()
+
+
+def test_completion_callback_fires_from_the_copy_thread():
+    kv = _caches(6)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64)
+    seen = threading.Event()
+    h.gpu_to_cpu_handler.set_completion_callback(seen.set)
+    try:
+        job = random_job(
+            np.random.default_rng(6),
+            group_sizes=[3, 0, 0, 0],
+            block_indices=[0, 0, 0, 0],
+            factor=1,
+            num_gpu_blocks=64,
+            num_cpu_blocks=64,
+        )
+        h.gpu_to_cpu_handler.transfer_async(1, (job.gpu_spec, job.cpu_spec))
+        assert seen.wait(10)
+        finish(h.gpu_to_cpu_handler, [1])
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # ids out of range
+        (GPULoadStoreSpec([0, 64], [2, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec([0, 1])),
+        (GPULoadStoreSpec([0, 1], [2, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec([0, 64])),
+        # too many CPU ids for the groups
+        (GPULoadStoreSpec([0, 1], [2, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec([0, 1, 2])),
+        # too few CPU ids
+        (GPULoadStoreSpec([0, 1], [2, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec([0])),
+        # wrong number of groups
+        (GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1])),
+        # spec types swapped
+        (CPULoadStoreSpec([0, 1]), GPULoadStoreSpec([0, 1], [2, 0, 0, 0], [0, 0, 0, 0])),
+    ],
+)
+def test_bad_submission_raises_and_the_router_returns_false(spec):
+    kv = _caches(7)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64)
+    try:
+        with pytest.raises(TransferError):
+            h.gpu_to_cpu_handler.transfer_async(1, spec)
+        worker = OffloadingWorker()
+        worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, h.gpu_to_cpu_handler)
+        if isinstance(spec[0], GPULoadStoreSpec):
+            assert worker.transfer_async(2, spec) is False
+        assert h.gpu_to_cpu_handler.get_finished() == []
+    finally:
+        h.shutdown()
+
+
+def test_duplicate_job_id_in_flight_is_refused():
+    gate = threading.Event()
+    h = _gated_handler(gate)
+    try:
+        spec = _one_block_spec()
+        assert h.transfer_async(1, spec)
+        with pytest.raises(TransferError, match="already in flight"):
+            h.transfer_async(1, spec)
+    finally:
+        gate.set()
+        h.shutdown()
+
+
+def _one_block_spec():
+    return (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
+
+
+def _gated_handler(gate: threading.Event, fail: bool = False) -> ThreadedOffloadingHandler:
+    gpu = [torch.zeros((4, 64), dtype=torch.int8)]
+    cpu = [torch.zeros((4, 64), dtype=torch.int8)]
+    from kvcache_offload.base import CanonicalKVCacheRef
+
+    def run(plan, token):
+        if not gate.wait(10):
+            raise AssertionError("gate never opened")
+        if fail:
+            raise RuntimeError("simulated copy failure")
+
+    return ThreadedOffloadingHandler(
+        src_tensors=gpu,
+        dst_tensors=cpu,
+        src_factor=1,
+        dst_factor=1,
+        group_data_refs=[[CanonicalKVCacheRef(0, 64)]],
+        gpu_to_cpu=True,
+        run_plan=run,
+    )
+
+
+def test_a_copy_that_raises_is_reported_as_failed_in_order():
+    gate = threading.Event()
+    h = _gated_handler(gate, fail=True)
+    try:
+        assert h.transfer_async(1, _one_block_spec())
+        assert h.transfer_async(2, _one_block_spec())
+        assert h.get_finished() == []  # nothing finished while the gate is closed
+        gate.set()
+        results = finish(h, [1, 2])
+        assert [(r.job_id, r.success) for r in results] == [(1, False), (2, False)]
+    finally:
+        h.shutdown()
+
+
+def test_shutdown_with_jobs_in_flight_waits_for_the_running_one_and_drops_the_rest():
+    gate = threading.Event()
+    h = _gated_handler(gate)
+    for j in range(1, 6):
+        assert h.transfer_async(j, _one_block_spec())
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (h.shutdown(), done.set()))
+    t.start()
+    assert not done.wait(0.05)  # blocked on the running job
+    gate.set()
+    assert done.wait(10)
+    t.join(10)
+    assert h.get_finished() == []
+    with pytest.raises(TransferError, match="shut down"):
+        h.transfer_async(9, _one_block_spec())
+    h.shutdown()  # idempotent
+
+
+def test_loads_and_stores_run_concurrently_and_both_stay_exact():
+    kv = _caches(8, page=2048, groups=[[(0, 2048), (1, 2048), (2, 2048)]], num_gpu_blocks=128)
+    h = CpuBackendOffloadingHandlers(kv, 1, 128)
+    try:
+        rng = np.random.default_rng(8)
+        perm_g, perm_c = rng.permutation(128), rng.permutation(128)
+        for t in h.cpu_tensors:
+            t.copy_(torch.randint(-128, 128, t.shape, dtype=torch.int8))
+        a = (GPULoadStoreSpec(perm_g[:64], [64], [0]), CPULoadStoreSpec(perm_c[:64]))
+        b_gpu = GPULoadStoreSpec(perm_g[64:], [64], [0])
+        b_cpu = CPULoadStoreSpec(perm_c[64:])
+        gpu_before = [t.tensor.clone() for t in kv.tensors]
+        cpu_before = [t.clone() for t in h.cpu_tensors]
+        assert h.gpu_to_cpu_handler.transfer_async(1, a)
+        assert h.cpu_to_gpu_handler.transfer_async(2, (b_cpu, b_gpu))
+        finish(h.gpu_to_cpu_handler, [1])
+        finish(h.cpu_to_gpu_handler, [2])
+        ga, ca = torch.from_numpy(perm_g[:64]), torch.from_numpy(perm_c[:64])
+        gb, cb = torch.from_numpy(perm_g[64:]), torch.from_numpy(perm_c[64:])
+        for t, g0, c0, c1 in zip(kv.tensors, gpu_before, cpu_before, h.cpu_tensors, strict=True):
+            assert torch.equal(c1[ca], g0[ga])  # stored
+            assert torch.equal(t.tensor[gb], c0[cb])  # loaded
+            assert torch.equal(t.tensor[ga], g0[ga])  # store source untouched
+    finally:
+        h.shutdown()
+
+
+def test_block_memory_over_cpu_tensors_sees_stored_blocks_and_feeds_loads():
+    kv = _caches(9, groups=[[(0, 512), (1, 500), (2, 512)]])
+    h = CpuBackendOffloadingHandlers(kv, 2, 8)
+    mem = TensorBlockMemory(h.cpu_tensors)
+    try:
+        assert mem.block_nbytes == 3 * 512 * 2
+        gpu_spec = GPULoadStoreSpec([5, 9], [2], [0])
+        h.gpu_to_cpu_handler.transfer_async(1, (gpu_spec, CPULoadStoreSpec([3])))
+        finish(h.gpu_to_cpu_handler, [1])
+        data = mem.read(3)
+        t0 = kv.tensors[0].tensor
+        assert data[:512] == t0[5].numpy().tobytes() and data[512:1024] == t0[9].numpy().tobytes()
+        # an uploaded block (remote client) is loadable to the "GPU"
+        payload = bytes(np.random.default_rng(9).integers(0, 256, mem.block_nbytes, np.uint8))
+        mem.write(6, payload)
+        h.cpu_to_gpu_handler.transfer_async(2, (CPULoadStoreSpec([6]), gpu_spec))
+        finish(h.cpu_to_gpu_handler, [2])
+        assert kv.tensors[2].tensor[9].numpy().tobytes() == payload[2048 + 512 : 3072]
+        assert kv.tensors[1].tensor[5, :500].numpy().tobytes() == payload[1024 : 1024 + 500]
+        assert mem.read_many([6, 3]) == payload + data
+    finally:
+        mem.close()
+        h.shutdown()
+
+
+def test_host_block_memory_checks_ids_and_sizes():
+    from kvcache_offload.errors import CapacityError
+
+    mem = HostBlockMemory(4, 8)
+    mem.write_many([1, 2], bytes(range(16)))
+    assert mem.read(2) == bytes(range(8, 16))
+    with pytest.raises(CapacityError):
+        mem.read(4)
+    with pytest.raises(TransferError):
+        mem.write(0, b"short")
+    assert mem.describe()["total_bytes"] == 32
+
+
+def test_round_trip_through_a_shared_region_views(tmp_path):
+    kv = _caches(10, groups=[[(0, 512), (1, 400)], [(2, 512)]])
+    region = SharedOffloadRegion(
+        "unit-cpu", num_blocks=20, cpu_page_size=3 * 512 * 2, rank=0, shm_dir=tmp_path
+    )
+    try:
+        h = CpuBackendOffloadingHandlers(kv, 2, 20, region)
+        job = random_job(
+            np.random.default_rng(10),
+            group_sizes=[7, 3],
+            block_indices=[1, 0],
+            factor=2,
+            num_gpu_blocks=64,
+            num_cpu_blocks=20,
+        )
+        round_trip(h, kv, job)
+        mem = RegionBlockMemory(region)
+        slot = int(job.cpu_spec.block_ids[0])
+        assert mem.read(slot)[:1024] == h.cpu_tensors[0][slot].numpy().tobytes()
+        mem.close()
+        h.shutdown()
+        del h
+    finally:
+        region.cleanup()
+
+
+def test_cpu_page_mismatch_is_a_config_error():
+    kv = _caches(11)
+    gpu = [t.tensor for t in kv.tensors]
+    from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+
+    with pytest.raises(ConfigError):
+        SingleDirectionOffloadingHandler(gpu, gpu, 2, kv.group_data_refs, True)
+
+
+# -- the spec ---------------------------------------------------------------------------------
+
+
+def _spec(kv: CanonicalKVCaches, **overrides) -> CPUOffloadingSpec:
+    per_block = sum(t.page_size_bytes for t in kv.tensors)
+    layout = KVCacheLayout(gpu_block_sizes=[16] * 4, bytes_per_block=per_block, num_gpu_blocks=64)
+    config = OffloadConfig(cpu_bytes_to_use=per_block * 10, layout=layout, **overrides)
+    return CPUOffloadingSpec(config, layout)
+
+
+def test_spec_builds_cpu_backend_handlers_for_cpu_tensors():
+    kv = _caches(12)
+    spec = _spec(kv)
+    handlers = list(spec.get_handlers(kv))
+    assert [(s.medium(), d.medium()) for s, d, _ in handlers] == [("GPU", "CPU"), ("CPU", "GPU")]
+    assert spec.num_blocks == 10
+    assert next(iter(spec.get_handlers(kv)))[2] is handlers[0][2]  # cached
+    mem = spec.get_block_memory()
+    assert isinstance(mem, TensorBlockMemory) and mem.num_blocks == 10
+    spec.shutdown()
+    spec.shutdown()
+
+
+def test_spec_refuses_cuda_backend_for_cpu_tensors():
+    kv = _caches(13)
+    with pytest.raises(ConfigError, match="cuda"):
+        list(_spec(kv, backend="cuda").get_handlers(kv))
+
+
+def test_spec_without_handlers_gives_host_block_memory():
+    kv = _caches(14)
+    spec = _spec(kv)
+    mem = spec.get_block_memory()
+    assert isinstance(mem, HostBlockMemory)
+    assert mem.block_nbytes == spec.kv_bytes_per_offloaded_block
+    spec.shutdown()
+
+
+def test_spec_with_shared_region_maps_views_and_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_offload_region, "DEFAULT_SHM_DIR", str(tmp_path))
+    kv = _caches(15)
+    spec = _spec(kv, shared_region=True, region_name="spec-test")
+    list(spec.get_handlers(kv))
+    mem = spec.get_block_memory()
+    assert isinstance(mem, RegionBlockMemory)
+    assert mem.block_nbytes == spec.kv_bytes_per_offloaded_block
+    job = random_job(
+        np.random.default_rng(15),
+        group_sizes=[2, 0, 0, 0],
+        block_indices=[0, 0, 0, 0],
+        factor=1,
+        num_gpu_blocks=64,
+        num_cpu_blocks=10,
+    )
+    store = spec._handlers.gpu_to_cpu_handler
+    store.transfer_async(1, (job.gpu_spec, job.cpu_spec))
+    finish(store, [1])
+    slot, block = int(job.cpu_spec.block_ids[0]), int(job.gpu_spec.block_ids[0])
+    assert mem.read(slot)[:512] == kv.tensors[0].tensor[block].numpy().tobytes()
+    spec.shutdown()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spec_block_memory_region_and_plan_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import kvcache_offload.cpu.spec, kvcache_offload.cpu.block_memory\n"
+        "import kvcache_offload.cpu.shared_offload_region, kvcache_offload.cpu.copy.plan\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
