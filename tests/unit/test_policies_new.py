@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from kvcache_offload import CPUOffloadingManager, OffloadKey
 from kvcache_offload.cpu.policies import (
+    AdaptiveLRUCachePolicy,
     BlockStatus,
     CachePolicy,
+    LRUCachePolicy,
     PrefixS3FIFOCachePolicy,
     S3FIFOCachePolicy,
     SIEVECachePolicy,
@@ -21,7 +23,7 @@ from kvcache_offload.cpu.policies import (
 )
 from tests.unit._keys import key, key_ids, keys
 
-NEW_POLICIES = ["s3fifo", "s3fifo-prefix", "sieve", "slru"]
+NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru"]
 
 
 def _make(policy: str | type[CachePolicy], capacity: int = 10) -> CachePolicy:
@@ -294,6 +296,96 @@ def test_slru_demotes_the_protected_overflow_to_probation() -> None:
     state = policy.debug_state()
     assert (state["protected"], state["probation"]) == (4, 1)
     assert _evicted_ids(policy, 1) == [1], "the least recent protected block dropped back"
+
+
+class _PlainAdaptiveLRU(AdaptiveLRUCachePolicy):
+    dead_tail_ratio = 0.0  # never demote store tails
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "touch", "evict", "pin"]), st.integers(0, 12)),
+        max_size=80,
+    )
+)
+def test_alru_at_weight_one_evicts_exactly_like_lru(ops: list[tuple[str, int]]) -> None:
+    alru, lru = _PlainAdaptiveLRU(6), LRUCachePolicy(6)
+    blocks: dict[int, list[BlockStatus]] = {}
+    for op, i in ops:
+        if op == "store" and i not in blocks and len(blocks) < 6:
+            blocks[i] = [*_store(alru, i).values(), *_store(lru, i).values()]
+            alru.touch([])  # close the store batch: each store is one prepare_store
+        elif op == "touch":
+            alru.touch(keys(i, i + 1))
+            lru.touch(keys(i, i + 1))
+        elif op == "pin" and i in blocks:
+            for block in blocks[i]:
+                block.ref_cnt = 1 - block.ref_cnt
+        elif op == "evict":
+            protected = frozenset(keys(i))
+            a, b = alru.evict(1 + i % 2, protected), lru.evict(1 + i % 2, protected)
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert [k for k, _ in a] == [k for k, _ in b]
+                for k, _ in a:
+                    blocks.pop(key_ids([k])[0])
+    assert alru.debug_state()["weight"] == 1.0
+
+
+def test_alru_learns_that_store_tails_are_dead_and_evicts_them_first() -> None:
+    policy = AdaptiveLRUCachePolicy(100)
+    for turn in range(6):
+        a, b, c = 10 * turn, 10 * turn + 1, 10 * turn + 2
+        _store(policy, a, b, c)
+        policy.touch(keys(a, b))  # the tail c is never used again
+    assert policy.debug_state()["demote_tails"] is True
+    _store(policy, 100, 101, 102)
+    assert _evicted_ids(policy, 1) == [102]
+
+
+def test_alru_keeps_store_tails_in_order_when_they_are_reused() -> None:
+    policy = AdaptiveLRUCachePolicy(100)
+    for turn in range(6):
+        ids = (10 * turn, 10 * turn + 1, 10 * turn + 2)
+        _store(policy, *ids)
+        policy.touch(keys(*ids))
+    assert policy.debug_state()["demote_tails"] is False
+    _store(policy, 100, 101, 102)
+    assert _evicted_ids(policy, 1) == [2], "plain LRU order: the oldest tail goes first"
+
+
+def _access(policy: CachePolicy, i: int) -> None:
+    """One request for block ``i``: touch, and store it on a miss (evicting one if full)."""
+    policy.touch(keys(i))
+    if policy.get(key(i)) is None:
+        if len(policy) >= 64:
+            assert policy.evict(1, frozenset()) is not None
+        _store(policy, i)
+
+
+def test_alru_duel_raises_the_weight_when_one_off_blocks_flush_a_hot_set() -> None:
+    policy = AdaptiveLRUCachePolicy(64)
+    scan = 1000
+    for round_ in range(40):
+        for hot in range(40):
+            _access(policy, hot)
+            for _ in range(2):
+                scan += 1
+                _access(policy, scan)
+        if round_ == 0:
+            assert policy.debug_state()["weight"] == 1.0
+    assert float(policy.debug_state()["weight"]) > 1.0  # type: ignore[arg-type]
+    hot_cached = sum(policy.get(key(i)) is not None for i in range(40))
+    assert hot_cached > 20
+
+
+def test_alru_duel_keeps_lru_when_recency_is_all_there_is() -> None:
+    policy = AdaptiveLRUCachePolicy(64)
+    for _ in range(100):
+        for i in range(48):  # a loop that fits: every access after the first lap hits
+            _access(policy, i)
+    assert policy.debug_state()["weight"] == 1.0
 
 
 # -- through the manager, on a prefix workload ----------------------------------------------

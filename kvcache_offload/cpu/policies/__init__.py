@@ -1,5 +1,6 @@
 """Eviction policies for the CPU tier (pure Python, no torch)."""
 
+from kvcache_offload.cpu.policies.alru import AdaptiveLRUCachePolicy
 from kvcache_offload.cpu.policies.arc import ARCCachePolicy
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
 from kvcache_offload.cpu.policies.lru import LRUCachePolicy
@@ -15,6 +16,7 @@ from kvcache_offload.cpu.policies.slru import SLRUCachePolicy
 
 __all__ = [
     "ARCCachePolicy",
+    "AdaptiveLRUCachePolicy",
     "BlockStatus",
     "CachePolicy",
     "LRUCachePolicy",

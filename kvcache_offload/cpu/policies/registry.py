@@ -68,6 +68,7 @@ def _checked(obj: object, name: str) -> type[CachePolicy]:
 _BUILTIN = {
     "lru": ("kvcache_offload.cpu.policies.lru", "LRUCachePolicy"),
     "arc": ("kvcache_offload.cpu.policies.arc", "ARCCachePolicy"),
+    "alru": ("kvcache_offload.cpu.policies.alru", "AdaptiveLRUCachePolicy"),
     "s3fifo": ("kvcache_offload.cpu.policies.s3fifo", "S3FIFOCachePolicy"),
     "s3fifo-prefix": ("kvcache_offload.cpu.policies.s3fifo", "PrefixS3FIFOCachePolicy"),
     "sieve": ("kvcache_offload.cpu.policies.sieve", "SIEVECachePolicy"),
