@@ -90,8 +90,9 @@ class OffloadConfig(BaseSettings):
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
-    mrc_sample_rate: float = Field(default=0.01, gt=0, le=1)
-    """Fraction of keys sampled for the live miss-ratio curve."""
+    mrc_sample_rate: float = Field(default=1.0, gt=0, le=1)
+    """Initial fraction of keys sampled for the live miss-ratio curve; the sampler lowers it
+    by itself to stay within its fixed key budget, so 1.0 is accurate and still bounded."""
 
     @field_validator("cpu_bytes_to_use")
     @classmethod
