@@ -311,7 +311,7 @@ async def bench_sse(server: _Server, subscribers: int, rate: float, duration: fl
     until: asyncio.Future[int] = loop.create_future()
     tasks = [asyncio.create_task(s.run(until)) for s in subs]
     await asyncio.wait_for(asyncio.gather(*(s.connected.wait() for s in subs)), 30)
-    server_cpu0 = server.cpu_seconds()
+    server_cpu0, client_cpu0 = server.cpu_seconds(), os.times()
     _, body = await _request(port, _post(f"/bench/emit?rate={rate}&seconds={duration}", b""))
     if json.loads(body)["first_seq"] != first_seq:
         raise RuntimeError("events were published before the measurement")
@@ -324,6 +324,8 @@ async def bench_sse(server: _Server, subscribers: int, rate: float, duration: fl
         await asyncio.sleep(0.05)
     published = info["count"]
     server_cpu = server.cpu_seconds() - server_cpu0
+    now = os.times()
+    client_cpu = (now.user - client_cpu0.user) + (now.system - client_cpu0.system)
     until.set_result(info["last_seq"])
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=max(30.0, duration * 3))
@@ -349,6 +351,7 @@ async def bench_sse(server: _Server, subscribers: int, rate: float, duration: fl
         "resumes": sum(s.resumes for s in subs),
         "drained": drained,
         "server_cpu_per_s": server_cpu / duration,
+        "client_cpu_per_s": client_cpu / duration,
         "lag_p50_ms": _percentile(lags, 0.5) * 1e3,
         "lag_p99_ms": _percentile(lags, 0.99) * 1e3,
         "lag_max_ms": (lags[-1] * 1e3) if lags else float("nan"),
@@ -393,7 +396,7 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
             f"{sse['event_rate_target']:,.0f} events/s target"
         )
         for col in ("published/s", "delivered/s", "lost", "gap missed", "resumes", "lag p50 ms",
-                    "lag p99 ms", "drained", "server CPU/s"):  # fmt: skip
+                    "lag p99 ms", "drained", "server CPU/s", "client CPU/s"):  # fmt: skip
             t.add_column(col, justify="right")
         t.add_row(
             f"{sse['published_per_s']:,.0f}",
@@ -405,6 +408,7 @@ def _print(lookup: dict | None, sse: dict | None) -> None:
             f"{sse['lag_p99_ms']:.1f}",
             str(sse["drained"]),
             f"{sse['server_cpu_per_s']:.2f}",
+            f"{sse['client_cpu_per_s']:.2f}",
         )
         console.print(t)
 
