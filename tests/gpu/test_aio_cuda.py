@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,45 +13,17 @@ if not torch.cuda.is_available():
 pytest.importorskip("kvcache_offload.cpu.gpu_worker")
 
 from kvcache_offload import (  # noqa: E402
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
     KVCacheLayout,
     OffloadConfig,
 )
 from kvcache_offload.aio import EventType, OffloadEngine  # noqa: E402
-from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec  # noqa: E402
 from kvcache_offload.cpu import layouts  # noqa: E402
-from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers  # noqa: E402
-from kvcache_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
-from kvcache_offload.worker.worker import OffloadingHandler  # noqa: E402
 from tests.unit._aio_fakes import wait_for  # noqa: E402
 from tests.unit._keys import keys  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 NUM_GPU_BLOCKS = 64
-
-
-class CudaSpec(CPUOffloadingSpec):
-    """CPU manager + CUDA handlers, for when the spec does not wire them itself."""
-
-    def get_handlers(
-        self, kv_caches: CanonicalKVCaches
-    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        handlers = CpuGpuOffloadingHandlers(kv_caches, self.block_size_factor, self.num_blocks)
-        yield GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
-
-
-def _spec_wires_handlers() -> bool:
-    try:
-        spec = CPUOffloadingSpec(OffloadConfig(), KVCacheLayout())
-        next(iter(spec.get_handlers(CanonicalKVCaches([]))))
-    except NotImplementedError:
-        return False
-    except Exception:
-        return True
-    return True
 
 
 def build(num_cpu_blocks: int = 128) -> tuple[OffloadEngine, list[Any]]:
@@ -69,9 +40,7 @@ def build(num_cpu_blocks: int = 128) -> tuple[OffloadEngine, list[Any]]:
         ),
         backend="cuda",
     )
-    spec_cls = CPUOffloadingSpec if _spec_wires_handlers() else CudaSpec
-    spec = spec_cls(config, config.layout)
-    return OffloadEngine(config, spec=spec, kv_caches=kv), tensors
+    return OffloadEngine(config, kv_caches=kv), tensors
 
 
 def block(tensors: list[Any], b: int) -> list[Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,8 +12,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("kvcache_offload.cpu.cpu_backend")
 
 from kvcache_offload import (  # noqa: E402
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
     KVCacheLayout,
     OffloadConfig,
 )
@@ -24,49 +22,14 @@ from kvcache_offload.aio import (  # noqa: E402
     OffloadEngine,
     StoreResult,
 )
-from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec  # noqa: E402
+from kvcache_offload.base import CanonicalKVCaches  # noqa: E402
 from kvcache_offload.cpu import layouts  # noqa: E402
-from kvcache_offload.cpu.block_memory import BlockMemory, TensorBlockMemory  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import CpuBackendOffloadingHandlers  # noqa: E402
-from kvcache_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 from kvcache_offload.errors import OffloadError  # noqa: E402
-from kvcache_offload.worker.worker import OffloadingHandler  # noqa: E402
 from tests.unit._aio_fakes import wait_for  # noqa: E402
 from tests.unit._keys import key_ids, keys  # noqa: E402
 
 NUM_GPU_BLOCKS = 32
 NUM_LAYERS = 2
-
-
-def _real_spec_has_handlers() -> bool:
-    try:
-        spec = CPUOffloadingSpec(OffloadConfig(), KVCacheLayout())
-        gen = spec.get_handlers(CanonicalKVCaches([]))
-        next(iter(gen))
-    except NotImplementedError:
-        return False
-    except Exception:
-        return True
-    return True
-
-
-class BackendSpec(CPUOffloadingSpec):
-    """CPU manager + CPU-backend handlers; used until the spec wires them itself."""
-
-    handlers: CpuBackendOffloadingHandlers | None = None
-
-    def get_handlers(
-        self, kv_caches: CanonicalKVCaches
-    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        self.handlers = CpuBackendOffloadingHandlers(
-            kv_caches, self.block_size_factor, self.num_blocks
-        )
-        yield GPULoadStoreSpec, CPULoadStoreSpec, self.handlers.gpu_to_cpu_handler
-        yield CPULoadStoreSpec, GPULoadStoreSpec, self.handlers.cpu_to_gpu_handler
-
-    def get_block_memory(self) -> BlockMemory:
-        assert self.handlers is not None
-        return TensorBlockMemory(self.handlers.cpu_tensors)
 
 
 def make_kv(seed: int = 0) -> tuple[list[Any], CanonicalKVCaches]:
@@ -96,12 +59,7 @@ def build_engine(num_cpu_blocks: int = 64, block_size: int | None = None, **kw: 
         backend="cpu",
         **kw.pop("config", {}),
     )
-    spec = (
-        CPUOffloadingSpec(config, config.layout)
-        if _real_spec_has_handlers()
-        else BackendSpec(config, config.layout)
-    )
-    return OffloadEngine(config, spec=spec, kv_caches=kv, **kw), tensors
+    return OffloadEngine(config, kv_caches=kv, **kw), tensors
 
 
 @pytest.fixture
