@@ -36,9 +36,12 @@ def _policies(text: str | None) -> list[str]:
 
 
 def _short(name: str) -> str:
-    for suffix in (".jsonl", "_trace"):
-        name = name.removesuffix(suffix)
-    return name.removeprefix("mooncake_")
+    marker = " (full blocks)"
+    short = name.removesuffix(marker)
+    for suffix in (".gz", ".jsonl", "_trace"):
+        short = short.removesuffix(suffix)
+    short = short.removeprefix("mooncake_")
+    return short + marker if name.endswith(marker) else short
 
 
 def result_tables(result: SweepResult, with_belady: bool) -> list[Table]:
@@ -156,6 +159,13 @@ def replay(
     no_belady: Annotated[
         bool, typer.Option("--no-belady", help="Skip the offline-optimal bound.")
     ] = False,
+    full_blocks_only: Annotated[
+        bool,
+        typer.Option(
+            "--full-blocks-only",
+            help="Drop each prompt's partial last block, as vLLM keys only full blocks.",
+        ),
+    ] = False,
     progress: Annotated[
         bool | None,
         typer.Option("--progress/--no-progress", help="Progress bar (default: on long runs)."),
@@ -168,6 +178,8 @@ def replay(
         policies = _policies(policy)
         capacities = parse_capacities(capacity)
         loaded = [load_trace(p) for p in paths]
+        if full_blocks_only:
+            loaded = [t.without_partial_blocks() for t in loaded]
     except (OffloadError, OSError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -210,7 +222,11 @@ def replay(
         f"{len(result.points)} replays in {elapsed:.1f} s."
     )
     if json_out is not None:
-        extra = {"policies": policies, "reuse_threshold": reuse_threshold}
+        extra = {
+            "policies": policies,
+            "reuse_threshold": reuse_threshold,
+            "full_blocks_only": full_blocks_only,
+        }
         data = result_json(result, loaded, paths, extra)
         json_out.write_text(json.dumps(data, indent=2) + "\n")
         console.print(f"JSON written to {json_out}")

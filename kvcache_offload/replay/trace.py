@@ -113,6 +113,26 @@ class Trace:
     def num_tokens(self) -> int:
         return sum(self.input_lengths)
 
+    def without_partial_blocks(self, block_tokens: int = BLOCK_TOKENS) -> Trace:
+        """The same trace with each request's partial last block dropped.
+
+        vLLM keys (and so offloads) only full blocks; the Mooncake traces also list the
+        partial block at the end of each prompt.
+        """
+        out = Trace(f"{self.name} (full blocks)", observed_block_hits=self.observed_block_hits)
+        seen: set[int] = set()
+        for keys, ids, length, ts in zip(
+            self.keys, self.block_ids, self.input_lengths, self.timestamps, strict=True
+        ):
+            full = min(len(keys), length // block_tokens)
+            out.keys.append(keys[:full])
+            out.block_ids.append(ids[:full])
+            out.input_lengths.append(length)
+            out.timestamps.append(ts)
+            seen.update(ids[:full])
+        out.num_unique_blocks = len(seen)
+        return out
+
     def infinite_cache_hit_rate(self) -> float:
         """Block hit rate of an unbounded cache: every access but the first of each block."""
         accesses = self.num_block_accesses

@@ -156,3 +156,19 @@ def test_gzip_compressed_traces_are_read(tmp_path: Path) -> None:
     trace = load_trace(path)
     assert trace.num_block_accesses == 2
     assert trace.name == "t.jsonl.gz"
+
+
+def test_without_partial_blocks_drops_only_the_partial_tail() -> None:
+    from kvcache_offload.replay.trace import TraceRequest, trace_from_requests
+
+    trace = trace_from_requests(
+        [
+            TraceRequest(0.0, 1100, 0, [mooncake_key(h) for h in (1, 2, 3)]),  # 2 full + 76
+            TraceRequest(1.0, 1024, 0, [mooncake_key(h) for h in (1, 2)]),  # exactly 2 full
+        ]
+    )
+    full = trace.without_partial_blocks()
+    assert full.block_ids == [[0, 1], [0, 1]]
+    assert full.num_unique_blocks == 2
+    assert full.input_lengths == [1100, 1024]
+    assert trace.num_unique_blocks == 3  # the original is untouched
