@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     paths = args.traces or default_trace_paths()
     traces = [load_trace(p) for p in paths]
     policies = (
