@@ -226,10 +226,15 @@ class TensorBlockMemory(BlockMemory):
 
 
 class RegionBlockMemory(BlockMemory):
-    """Whole rows of a shared region: every worker's cell of slot ``block_id``."""
+    """Whole rows of a shared region: every worker's cell of slot ``block_id``.
 
-    def __init__(self, region: SharedOffloadRegion) -> None:
+    With ``owns_region`` the region is cleaned up (unmapped, its file unlinked if still
+    there) when this memory is closed.
+    """
+
+    def __init__(self, region: SharedOffloadRegion, *, owns_region: bool = False) -> None:
         self._region: SharedOffloadRegion | None = region
+        self._owns_region = owns_region
         self._rows: np.ndarray | None = region.rows_array()
         self.num_blocks = int(self._rows.shape[0])
         self.block_nbytes = int(self._rows.shape[1])
@@ -259,4 +264,6 @@ class RegionBlockMemory(BlockMemory):
     def close(self) -> None:
         # Drop our numpy view so the region's mmap can close without BufferError.
         self._rows = None
-        self._region = None
+        region, self._region = self._region, None
+        if region is not None and self._owns_region:
+            region.cleanup()

@@ -31,6 +31,7 @@ All of this is plain blocking file/mmap work: the async core runs it in a thread
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -43,6 +44,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,16 @@ _VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _POLL_S = 0.005
 _register_lock = threading.Lock()
+_live_regions: weakref.WeakSet[SharedOffloadRegion] = weakref.WeakSet()
+
+
+@atexit.register
+def _unlink_unsealed_at_exit() -> None:
+    """A normal exit never leaves a region file behind, even without ``cleanup()``."""
+    for region in list(_live_regions):
+        with contextlib.suppress(Exception):
+            if not region._closed and not region.sealed and region.is_creator:
+                region._unlink_if_ours()
 
 
 def _proc_start_time(pid: int) -> int:
@@ -177,6 +189,7 @@ class SharedOffloadRegion:
         except BaseException:
             self.cleanup()
             raise
+        _live_regions.add(self)
 
     # -- protocol -----------------------------------------------------------------------------
     def _bind(self, suffix: str) -> socket.socket | None:

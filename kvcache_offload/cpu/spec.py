@@ -177,7 +177,8 @@ class CPUOffloadingSpec(OffloadingSpec):
         """
         if self._block_memory is None:
             if self._region is not None or self.config.shared_region:
-                self._block_memory = RegionBlockMemory(self.get_region(None))
+                # Closing the block memory (the engine does on aclose) releases the region.
+                self._block_memory = RegionBlockMemory(self.get_region(None), owns_region=True)
             elif self._handlers is not None:
                 self._block_memory = TensorBlockMemory(self._handlers.cpu_tensors)
             else:

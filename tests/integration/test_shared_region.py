@@ -10,7 +10,9 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -56,13 +58,16 @@ class Worker:
             "shm_dir": shm_dir,
         }
         self.rank = rank
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives with the worker)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration._region_worker", json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self.stderr,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": path},
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -73,10 +78,18 @@ class Worker:
             self.lines.put(line)
 
     def expect(self, timeout: float = 30.0) -> dict:
-        try:
-            return json.loads(self.lines.get(timeout=timeout))
-        except queue.Empty:
-            raise AssertionError(f"worker {self.rank} said nothing for {timeout}s") from None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return json.loads(self.lines.get(timeout=0.1))
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    self.stderr.seek(0)
+                    raise AssertionError(
+                        f"worker {self.rank} exited ({self.proc.returncode}): "
+                        f"{self.stderr.read()[-2000:]}"
+                    ) from None
+        raise AssertionError(f"worker {self.rank} said nothing for {timeout}s")
 
     def send(self, cmd: str) -> dict:
         assert self.proc.stdin is not None
@@ -291,3 +304,19 @@ def test_rows_pattern_helper_is_deterministic():
 
     assert np.array_equal(pattern(1, 2, 3), pattern(1, 2, 3))
     assert not np.array_equal(pattern(0, 2, 3), pattern(1, 2, 3))
+
+
+def test_a_normal_exit_without_cleanup_leaves_no_unsealed_file(tmp_path):
+    code = (
+        "from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion\n"
+        f"r = SharedOffloadRegion('exit', 4, 512, 2, 0, shm_dir={str(tmp_path)!r})\n"
+        "import os; print(len(os.listdir(os.path.dirname(r.path))))\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"  # it existed while the process ran
+    assert list(tmp_path.iterdir()) == []

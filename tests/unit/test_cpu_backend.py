@@ -431,3 +431,14 @@ def test_spec_block_memory_region_and_plan_modules_import_without_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_closing_the_specs_region_block_memory_releases_the_region(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_offload_region, "DEFAULT_SHM_DIR", str(tmp_path))
+    kv = _caches(16)
+    spec = _spec(kv, shared_region=True, region_name="svc-close")
+    mem = spec.get_block_memory()  # the service maps every row: waits for one worker more
+    assert len(list(tmp_path.iterdir())) == 1
+    mem.close()  # what the engine does on aclose
+    assert list(tmp_path.iterdir()) == []
+    spec.shutdown()
