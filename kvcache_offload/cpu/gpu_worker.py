@@ -14,8 +14,9 @@ One :class:`SingleDirectionOffloadingHandler` per direction over the same tensor
   only after the model wrote it; each job waits on the previous job's end event, so jobs of
   one direction complete strictly in submission order; ``get_finished`` pops from the head
   only while the head's end event has fired, never blocking;
-* streams, CUDA events and pointer tables (a pinned host table plus its device copy) are
-  pooled and reused; times come from CUDA events.
+* the kernel's per-layer address table is built once per handler and kept on the GPU; per
+  job only the block ids travel (a pinned host table and its device copy, pooled with the
+  streams and CUDA events); times come from CUDA events.
 
 Import this module only where torch is installed; ``kvcache_offload`` itself does not.
 """
