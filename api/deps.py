@@ -42,7 +42,13 @@ class EngineLike(Protocol):
         ttl_s: float | None = None,
     ) -> StoreLease: ...
 
-    async def complete_store(self, lease_id: str, success: bool = True) -> list[OffloadKey]: ...
+    async def complete_store(
+        self,
+        lease_id: str,
+        success: bool = True,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> list[OffloadKey]: ...
 
     async def prepare_load(
         self,
@@ -51,7 +57,12 @@ class EngineLike(Protocol):
         ttl_s: float | None = None,
     ) -> LoadLease: ...
 
-    async def complete_load(self, lease_id: str) -> None: ...
+    async def complete_load(
+        self,
+        lease_id: str,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> None: ...
 
     async def write_blocks(
         self, keys: Sequence[OffloadKey], data: Sequence[bytes]

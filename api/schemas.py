@@ -79,11 +79,24 @@ class LeaseRequest(BaseModel):
     lease_id: str = Field(min_length=1, max_length=256)
 
 
-class StoreCompleteRequest(LeaseRequest):
+class CopyReport(BaseModel):
+    """What the client's own copy moved, so transfer metrics include sidecar traffic."""
+
+    model_config = _STRICT
+
+    transfer_bytes: int | None = Field(
+        default=None, ge=0, le=2**53, description="Bytes the client copied."
+    )
+    transfer_seconds: float | None = Field(
+        default=None, ge=0, le=86_400, description="Seconds the client's copy took."
+    )
+
+
+class StoreCompleteRequest(LeaseRequest, CopyReport):
     success: bool = Field(default=True, description="False rolls the store back.")
 
 
-class LoadCompleteRequest(LeaseRequest):
+class LoadCompleteRequest(LeaseRequest, CopyReport):
     pass
 
 

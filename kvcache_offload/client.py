@@ -95,6 +95,15 @@ def parse_event(event: str, data: dict[str, Any]) -> EngineEvent | GapMarker:
     )
 
 
+def _copy_report(nbytes: int | None, seconds: float | None) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    if nbytes is not None:
+        report["transfer_bytes"] = nbytes
+    if seconds is not None:
+        report["transfer_seconds"] = seconds
+    return report
+
+
 class OffloadClient:
     """``async with OffloadClient("http://127.0.0.1:8000") as c: await c.lookup(keys)``."""
 
@@ -194,8 +203,17 @@ class OffloadClient:
             expires_at=out["expires_at"],
         )
 
-    async def complete_store(self, lease_id: str, success: bool = True) -> list[OffloadKey]:
-        out = await self._post("/v1/store/complete", {"lease_id": lease_id, "success": success})
+    async def complete_store(
+        self,
+        lease_id: str,
+        success: bool = True,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> list[OffloadKey]:
+        """Complete a store; report your copy's size and time to feed transfer metrics."""
+        body = {"lease_id": lease_id, "success": success}
+        body.update(_copy_report(transfer_bytes, transfer_seconds))
+        out = await self._post("/v1/store/complete", body)
         return _keys(out["keys"])
 
     async def prepare_load(
@@ -220,8 +238,15 @@ class OffloadClient:
             expires_at=out["expires_at"],
         )
 
-    async def complete_load(self, lease_id: str) -> None:
-        await self._post("/v1/load/complete", {"lease_id": lease_id})
+    async def complete_load(
+        self,
+        lease_id: str,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> None:
+        body: dict[str, Any] = {"lease_id": lease_id}
+        body.update(_copy_report(transfer_bytes, transfer_seconds))
+        await self._post("/v1/load/complete", body)
 
     # -- block bytes -------------------------------------------------------------------------
 

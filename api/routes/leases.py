@@ -50,7 +50,9 @@ async def prepare_store(request: Request) -> FastJSONResponse:
 async def complete_store(request: Request) -> FastJSONResponse:
     """Make the lease's blocks loadable, or roll them back with ``success: false``."""
     body = await parse_body(request, StoreCompleteRequest)
-    keys = await engine_of(request).complete_store(body.lease_id, body.success)
+    keys = await engine_of(request).complete_store(
+        body.lease_id, body.success, body.transfer_bytes, body.transfer_seconds
+    )
     return FastJSONResponse({"lease_id": body.lease_id, "keys": hex_keys(keys)})
 
 
@@ -76,5 +78,7 @@ async def prepare_load(request: Request) -> FastJSONResponse:
 async def complete_load(request: Request) -> FastJSONResponse:
     """Unpin the lease's blocks."""
     body = await parse_body(request, LoadCompleteRequest)
-    await engine_of(request).complete_load(body.lease_id)
+    await engine_of(request).complete_load(
+        body.lease_id, body.transfer_bytes, body.transfer_seconds
+    )
     return FastJSONResponse({"lease_id": body.lease_id})

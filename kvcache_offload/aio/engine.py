@@ -411,12 +411,16 @@ class OffloadEngine:
             self._hub.publish(kind, event.keys, medium=event.medium)
 
     def _record_transfer(self, direction: str, result: TransferResult) -> None:
-        if not result.success:
-            return
-        self._bytes[direction] += result.transfer_size or 0
-        if result.transfer_time is not None:
-            self._seconds[direction] += result.transfer_time
-            self._durations[direction].observe(result.transfer_time)
+        if result.success:
+            self._record_copy(direction, result.transfer_size, result.transfer_time)
+
+    def _record_copy(self, direction: str, nbytes: int | None, seconds: float | None) -> None:
+        """Count bytes moved into (store) or out of (load) the CPU tier, whoever copied them:
+        our handlers, an HTTP block transfer, or a sidecar client reporting its own copy."""
+        self._bytes[direction] += nbytes or 0
+        if seconds is not None:
+            self._seconds[direction] += seconds
+            self._durations[direction].observe(seconds)
 
     # -- one-shot transfers ------------------------------------------------------------------
 
@@ -552,11 +556,23 @@ class OffloadEngine:
             expires_at=lease.expires_at,
         )
 
-    async def complete_store(self, lease_id: str, success: bool = True) -> list[OffloadKey]:
-        """Make the lease's blocks loadable (or drop them); returns the keys now stored."""
+    async def complete_store(
+        self,
+        lease_id: str,
+        success: bool = True,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> list[OffloadKey]:
+        """Make the lease's blocks loadable (or drop them); returns the keys now stored.
+
+        A sidecar client may report the size and duration of its own copy so that transfer
+        metrics cover bytes that never went through this process.
+        """
         self._check_open()
         lease = self._leases.pop(lease_id, "store")
         self._finish_store(lease.keys, lease.req_context, success, "client reported failure")
+        if success:
+            self._record_copy(STORE_DIRECTION, transfer_bytes, transfer_seconds)
         return list(lease.keys) if success else []
 
     async def prepare_load(
@@ -575,11 +591,17 @@ class OffloadEngine:
         self._ensure_started()
         return LoadLease(lease.lease_id, lease.keys, lease.block_ids, lease.expires_at)
 
-    async def complete_load(self, lease_id: str) -> None:
-        """Unpin the lease's blocks."""
+    async def complete_load(
+        self,
+        lease_id: str,
+        transfer_bytes: int | None = None,
+        transfer_seconds: float | None = None,
+    ) -> None:
+        """Unpin the lease's blocks; the client may report its copy as in complete_store."""
         self._check_open()
         lease = self._leases.pop(lease_id, "load")
         self._finish_load(lease.keys, lease.req_context, True, {"lease_id": lease_id})
+        self._record_copy(LOAD_DIRECTION, transfer_bytes, transfer_seconds)
 
     def _on_lease_expired(self, lease: Lease) -> None:
         self._rollback_lease(lease)
@@ -671,6 +693,7 @@ class OffloadEngine:
             raise TransferError(f"writing {len(stored)} blocks failed: {exc}") from exc
         finally:
             self._finish_store(stored, ctx, success, "" if success else "block write failed")
+        self._record_copy(STORE_DIRECTION, size * len(stored), seconds)
         return StoreResult(stored, out.evicted_keys, size * len(stored), seconds)
 
     async def read_block(self, key: OffloadKey) -> bytes:
@@ -678,10 +701,12 @@ class OffloadEngine:
         memory = await self._get_block_memory()
         ctx = ReqContext()
         (block_id,) = self._prepare_load([key], ctx)
+        start = time.perf_counter()
         try:
             data = await anyio.to_thread.run_sync(memory.read, block_id)
         finally:
             self.manager.complete_load([key], ctx)
+        self._record_copy(LOAD_DIRECTION, len(data), time.perf_counter() - start)
         self._load_completed += 1
         self._hub.publish(EventType.LOAD_COMPLETED, [key], detail={"req_id": "", "remote": True})
         return data

@@ -56,13 +56,6 @@ MACROS = {
     "$__interval": "15s",
     "$__range": "5m",
 }
-KNOWN_GAPS = {
-    "kvcache_offload_transfer_duration_seconds": "no transfer of the HTTP service is recorded "
-    "(sidecar copies run in the workers; PUT/GET /v1/blocks do not record theirs), so the "
-    "histogram stays empty and its quantiles are NaN",
-    "kvcache_offload_transfer_seconds_total": "same: busy bandwidth is 0 / 0",
-}
-"""Contract metrics the running service does not fill yet, with why (see the xfail test)."""
 STARTUP_TIMEOUT_S = 30.0
 DATA_TIMEOUT_S = 30.0
 
@@ -462,11 +455,6 @@ def scraped(service: str, prometheus: str) -> Scraped:
     return Scraped(promql, instance, remote_error)
 
 
-def gap_metrics(expr: str) -> set[str]:
-    """The known-gap metrics an expression reads."""
-    return {m for m in KNOWN_GAPS if m in expr}
-
-
 @dataclass
 class Evaluated:
     """Every dashboard query with Prometheus' answer, once the data is in."""
@@ -480,7 +468,7 @@ class Evaluated:
 
 @pytest.fixture(scope="module")
 def evaluated(scraped: Scraped) -> Evaluated:
-    """Evaluates every query, polling until all but the known gaps have a finite sample."""
+    """Evaluates every query, polling until each has a finite sample."""
     queries = dashboard_queries(scraped.instance) + dashboard_queries(".*")
     assert len(queries) >= 30
     result = Evaluated(queries, {})
@@ -488,9 +476,9 @@ def evaluated(scraped: Scraped) -> Evaluated:
     def settled() -> bool:
         for _, expr in queries:
             answer = result.answers.get(expr)
-            if answer is None or (finite_samples(answer) == 0 and not gap_metrics(expr)):
+            if answer is None or finite_samples(answer) == 0:
                 result.answers[expr] = scraped.promql.raw(expr)
-        return all(finite_samples(result.answers[e]) or gap_metrics(e) for _, e in queries)
+        return all(finite_samples(result.answers[e]) for _, e in queries)
 
     with contextlib.suppress(AssertionError):  # the tests below say what is missing
         wait_for("every dashboard query to return data", settled, DATA_TIMEOUT_S, 0.5)
@@ -507,14 +495,7 @@ def test_every_dashboard_query_is_valid_promql(evaluated: Evaluated) -> None:
 
 
 def test_every_dashboard_query_returns_data(evaluated: Evaluated) -> None:
-    """Every panel shows a finite value, except those that read a known gap (next test)."""
-    missing = [f"{t}: {e}" for t, e in evaluated.without_data() if not gap_metrics(e)]
-    assert not missing, "dashboard queries with no finite sample:\n" + "\n".join(missing)
-
-
-@pytest.mark.xfail(reason="; ".join(f"{m}: {why}" for m, why in KNOWN_GAPS.items()), strict=False)
-def test_known_gap_panels_return_data(evaluated: Evaluated) -> None:
-    """XPASSes once the service fills the metrics in KNOWN_GAPS: then drop them from it."""
+    """Every panel shows a finite value, transfer panels included (remote block traffic)."""
     missing = [f"{t}: {e}" for t, e in evaluated.without_data()]
     assert not missing, "dashboard queries with no finite sample:\n" + "\n".join(missing)
 
