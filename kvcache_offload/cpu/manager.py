@@ -199,19 +199,23 @@ class CPUOffloadingManager(OffloadingManager):
             _check_keys(keys)
             return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
         _check_keys(keys_to_store)
-        if len(set(keys_to_store)) != len(keys_to_store):
+        key_set = set(keys)  # duplicate check now, eviction protection below
+        if len(key_set) != len(keys) and len(set(keys_to_store)) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         if needed > 0:
             idle = self._num_blocks - self._num_free() - self._writing - self._reading
-            victims = self._policy.evict(needed, set(keys)) if idle >= needed else None
+            victims = self._policy.evict(needed, key_set) if idle >= needed else None
             if victims is None:
                 self._rejected_stores += 1
                 return None
-            evicted_keys = [key for key, _ in victims]
-            self._free_list.extend([block for _, block in victims])
+            free_list = self._free_list
+            for key, block in victims:
+                evicted_keys.append(key)
+                block.ref_cnt = -1  # freed slots wait in the state a new store needs
+                free_list.append(block)
             if not self._shared_table:
                 for key in evicted_keys:
                     del table[key]
@@ -233,7 +237,8 @@ class CPUOffloadingManager(OffloadingManager):
     def _allocate(self, count: int) -> list[BlockStatus]:
         """Fresh slots in ascending order first, then freed slots, most recently freed first.
 
-        Freed slots keep their BlockStatus object, so steady-state stores allocate nothing.
+        Freed slots keep their BlockStatus object (already reset to "being written"), so
+        steady-state stores allocate nothing.
         """
         start = self._num_allocated
         fresh = min(count, self._num_blocks - start)
@@ -245,8 +250,6 @@ class CPUOffloadingManager(OffloadingManager):
             recycled = free_list[-reused:]
             del free_list[-reused:]
             recycled.reverse()
-            for block in recycled:
-                block.ref_cnt = -1
             blocks += recycled
         return blocks
 
