@@ -191,10 +191,9 @@ class OffloadClient:
         req_id: str = "",
         ttl_s: float | None = None,
     ) -> StoreLease:
-        body = _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        out = await self._post("/v1/store/prepare", body)
+        out = await self._prepare(
+            "/v1/store/prepare", keys, token_ids, block_size, group_idx, salt, req_id, ttl_s
+        )
         return StoreLease(
             lease_id=out["lease_id"],
             keys_to_store=_keys(out["keys_to_store"]),
@@ -202,6 +201,22 @@ class OffloadClient:
             evicted_keys=_keys(out["evicted_keys"]),
             expires_at=out["expires_at"],
         )
+
+    async def _prepare(
+        self,
+        path: str,
+        keys: Sequence[OffloadKey | bytes | str] | None,
+        token_ids: Sequence[int] | None,
+        block_size: int | None,
+        group_idx: int,
+        salt: str | None,
+        req_id: str,
+        ttl_s: float | None,
+    ) -> Any:
+        body = _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return await self._post(path, body)
 
     async def complete_store(
         self,
@@ -227,10 +242,9 @@ class OffloadClient:
         req_id: str = "",
         ttl_s: float | None = None,
     ) -> LoadLease:
-        body = _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        out = await self._post("/v1/load/prepare", body)
+        out = await self._prepare(
+            "/v1/load/prepare", keys, token_ids, block_size, group_idx, salt, req_id, ttl_s
+        )
         return LoadLease(
             lease_id=out["lease_id"],
             keys=_keys(out["keys"]),
