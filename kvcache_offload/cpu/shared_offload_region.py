@@ -585,8 +585,12 @@ class SharedOffloadRegion:
             "path": self.path,
             "num_workers": self.num_workers,
             "rank": self.rank,
+            "num_blocks": self.num_blocks,
             "cpu_page_size": self.cpu_page_size,
             "row_stride": self.row_stride,
+            # Block b, worker w starts at data_offset + b * row_stride + w * cpu_page_size.
+            "data_offset": self.data_offset,
+            "total_size_bytes": self.total_size_bytes,
             "creator": self.is_creator,
             "sealed": self.sealed,
             "pinned": self.is_pinned,

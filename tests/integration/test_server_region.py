@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 
@@ -24,3 +25,30 @@ def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
         output = srv.process.stdout.read().decode() if srv.process.stdout else ""
     assert code in (0, -signal.SIGTERM), output
     assert not os.path.exists(path), f"{path} still exists after shutdown"
+
+
+def test_a_sidecar_client_writes_blocks_through_the_region_described_by_the_server() -> None:
+    """prepare -> write into the mapped file where /v1/region says -> complete -> bytes serve."""
+    name = f"api-sidecar-{os.getpid()}"
+    env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
+    with (
+        running_server("--shared-region", env=env) as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as client,
+    ):
+        info = client.get("/v1/region").json()
+        key = (42).to_bytes(8, "big").hex() + "00000000"
+        lease = client.post("/v1/store/prepare", json={"keys": [key]}).json()
+        (slot,) = lease["block_ids"]
+        row = info["row_stride"]
+        payload = bytes(range(256)) * (row // 256) + bytes(row % 256)
+        with open(info["path"], "r+b") as f, mmap.mmap(f.fileno(), info["total_size_bytes"]) as mm:
+            start = info["data_offset"] + slot * row
+            mm[start : start + row] = payload
+        done = client.post(
+            "/v1/store/complete",
+            json={"lease_id": lease["lease_id"], "transfer_bytes": row, "transfer_seconds": 1e-3},
+        )
+        assert done.status_code == 200, done.text
+        served = client.get(f"/v1/blocks/{key}")
+        assert served.status_code == 200
+        assert served.content == payload
