@@ -201,29 +201,29 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         in_main = self._candidates(self._main, protected)
         p = next(on_probation, None)
         m = next(in_main, None)
-        from_probation: list[OffloadKey] = []
-        from_main: list[OffloadKey] = []
+        # (key, came from probation), in the order chosen: victims are returned in that order.
+        selected: list[tuple[OffloadKey, bool]] = []
         now, weight = self._now, self._duel.weight
         for _ in range(n):
             if p is not None and (m is None or (now - p[1]) * weight >= now - m[1]):
-                from_probation.append(p[0])
+                selected.append((p[0], True))
                 p = next(on_probation, None)
             elif m is not None:
-                from_main.append(m[0])
+                selected.append((m[0], False))
                 m = next(in_main, None)
             else:
                 return None
         blocks, tails = self._blocks, self._tails
         ghost, main_ghost = self._ghost, self._main_ghost
         victims = []
-        for key in from_probation:
-            del self._probation[key]
-            tails.discard(key)
-            ghost[key] = None
-            victims.append((key, blocks.pop(key)))
-        for key in from_main:
-            del self._main[key]
-            main_ghost[key] = None
+        for key, on_probation_queue in selected:
+            if on_probation_queue:
+                del self._probation[key]
+                tails.discard(key)
+                ghost[key] = None
+            else:
+                del self._main[key]
+                main_ghost[key] = None
             victims.append((key, blocks.pop(key)))
         for queue in (ghost, main_ghost):
             while len(queue) > self.cache_capacity:
