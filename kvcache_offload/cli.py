@@ -15,7 +15,7 @@ _COMMANDS = {
 
 app = typer.Typer(
     name="kvcache-offload",
-    help="Offload LLM KV-cache blocks to CPU memory: serve, replay traces, benchmark.",
+    help="Offload LLM KV-cache blocks to CPU memory: serve the HTTP API, replay traces.",
     no_args_is_help=True,
     add_completion=False,
 )
