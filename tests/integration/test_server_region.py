@@ -52,3 +52,5 @@ def test_a_sidecar_client_writes_blocks_through_the_region_described_by_the_serv
         served = client.get(f"/v1/blocks/{key}")
         assert served.status_code == 200
         assert served.content == payload
+        assert srv.stop() in (0, -signal.SIGTERM)
+    assert not os.path.exists(info["path"]), "the region outlived a graceful shutdown"
