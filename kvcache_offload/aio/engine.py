@@ -404,6 +404,7 @@ class OffloadEngine:
             )
         else:
             self._load_failed += len(keys)
+            self._hub.publish(EventType.LOAD_FAILED, keys, detail={"req_id": ctx.req_id, **detail})
 
     def _publish_manager_events(self) -> None:
         for event in self.manager.take_events():
@@ -519,7 +520,7 @@ class OffloadEngine:
         try:
             future = poller.submit((cpu_spec, gpu_spec), on_done)
         except BaseException:
-            self._finish_load(keys, ctx, False, {})
+            self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
             raise
         result = await future
         if not result.success:

@@ -89,6 +89,7 @@ class EventType(StrEnum):
     EVICTED = "evicted"
     LOAD_COMPLETED = "load_completed"
     STORE_FAILED = "store_failed"
+    LOAD_FAILED = "load_failed"
     LEASE_EXPIRED = "lease_expired"
     RESET = "reset"
 

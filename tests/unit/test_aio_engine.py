@@ -143,6 +143,8 @@ async def test_failed_load_unpins_and_raises() -> None:
             await engine.load(keys(1), [3])
         stats = engine.stats()
         assert stats.blocks_reading == 0 and stats.load_blocks_failed == 1
+        failed = events_of(engine)[-1]
+        assert failed.type == EventType.LOAD_FAILED and failed.keys == keys(1)
 
 
 async def test_loading_a_key_that_is_not_ready_raises_block_state_error() -> None:
