@@ -117,7 +117,11 @@ def create_app(
 
     install_error_handlers(app)
     app.add_middleware(HotPathMiddleware, state=app.state)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_body_bytes))
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=int(cfg.max_body_bytes),
+        read_timeout_s=cfg.body_read_timeout_s,
+    )
     if app.state.api_token is not None:
         app.add_middleware(BearerAuthMiddleware, token=app.state.api_token)
         document_bearer(app)

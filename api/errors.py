@@ -71,7 +71,8 @@ def error_response(exc: BaseException) -> Response | None:
         ]
         return _body("ValidationError", errors, 422)
     if isinstance(exc, RequestLimitError):
-        return _body("RequestTooLarge", exc.message, exc.status)
+        name = "RequestTimeout" if exc.status == 408 else "RequestTooLarge"
+        return _body(name, exc.message, exc.status)
     if isinstance(exc, EngineNotReady):
         return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
     if isinstance(exc, HTTPException):

@@ -1,10 +1,14 @@
-"""Request size limits: body bytes (413) and keys per request (422), each with a message.
+"""Request limits: body bytes (413), body read time (408) and keys per request (422).
 
-The body limit is a pure ASGI middleware so an oversized upload is refused from its
+The body limits are a pure ASGI middleware so an oversized upload is refused from its
 ``Content-Length`` before a byte is read; bodies without one are counted as they stream in.
+A client that stops sending in the middle of its body gets 408 instead of holding a
+connection and a worker forever.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -52,16 +56,43 @@ async def _refuse(send: Send, limit: int, size: str) -> None:
 
 
 class BodyLimitMiddleware:
-    """Answer 413 to request bodies larger than ``max_bytes``."""
+    """Answer 413 to bodies larger than ``max_bytes``, 408 to bodies that stall mid-way."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
+
+    def _timed(self, receive: Receive) -> Receive:
+        """``receive`` with a deadline per body chunk, until the body is complete.
+
+        Later calls (a streaming response waiting for the client to disconnect) wait freely.
+        """
+        complete = False
+        timeout_s = self.read_timeout_s
+
+        async def timed_receive() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestLimitError(
+                    408, f"request body not received within {timeout_s:g} s"
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        return timed_receive
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = self._timed(receive)
         length: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"content-length":

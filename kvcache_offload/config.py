@@ -87,6 +87,8 @@ class OffloadConfig(BaseSettings):
     api_token: SecretStr | None = None
     max_keys_per_request: int = Field(default=4096, ge=1)
     max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body that stalls longer than this between chunks is answered 408."""
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
