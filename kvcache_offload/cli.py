@@ -20,6 +20,24 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvcache_offload import __version__
+
+        typer.echo(f"kvcache-offload {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """Offload LLM KV-cache blocks to CPU memory: serve the HTTP API, replay traces."""
+
+
 for _name, _path in _COMMANDS.items():
     app.command(_name)(import_object(_path))  # type: ignore[arg-type,type-var]
 
