@@ -235,17 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{beats_both}/{len(rows)} points; non-baseline policies: {', '.join(non_baseline)}"
     )
     payload: dict[str, Any] = {
-        "traces": [
-            {
-                "name": t.name,
-                "path": str(p),
-                "requests": t.num_requests,
-                "block_accesses": t.num_block_accesses,
-                "unique_blocks": t.num_unique_blocks,
-                "infinite_cache_block_hit_rate": t.infinite_cache_hit_rate(),
-            }
-            for t, p in zip(traces, paths, strict=True)
-        ],
+        "traces": [t.summary(p) for t, p in zip(traces, paths, strict=True)],
         "policies": policies,
         "variants": variants,
         "capacities": [c.label() for c in capacities],

@@ -85,18 +85,7 @@ def result_json(
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "traces": [
-            {
-                "name": t.name,
-                "path": str(p),
-                "requests": t.num_requests,
-                "block_accesses": t.num_block_accesses,
-                "unique_blocks": t.num_unique_blocks,
-                "infinite_cache_block_hit_rate": t.infinite_cache_hit_rate(),
-                "observed_block_hits": t.observed_block_hits,
-            }
-            for t, p in zip(traces, paths, strict=True)
-        ],
+        "traces": [t.summary(p) for t, p in zip(traces, paths, strict=True)],
         **extra,
         "best_policy": [
             {"trace": trace, "capacity": cap, "policy": policy}

@@ -138,6 +138,18 @@ class Trace:
         accesses = self.num_block_accesses
         return (accesses - self.num_unique_blocks) / accesses if accesses else 0.0
 
+    def summary(self, path: str | Path) -> dict[str, Any]:
+        """The trace's identity and size, as replay results record it in JSON."""
+        return {
+            "name": self.name,
+            "path": str(path),
+            "requests": self.num_requests,
+            "block_accesses": self.num_block_accesses,
+            "unique_blocks": self.num_unique_blocks,
+            "infinite_cache_block_hit_rate": self.infinite_cache_hit_rate(),
+            "observed_block_hits": self.observed_block_hits,
+        }
+
 
 def _fail(path: str, lineno: int, message: str) -> TraceFormatError:
     return TraceFormatError(f"{path}:{lineno}: {message}")
