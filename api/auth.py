@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.responses import json_bytes
+from api.responses import send_json_error
 
 __all__ = ["PROTECTED_PREFIX", "BearerAuthMiddleware", "document_bearer"]
 
@@ -22,19 +22,7 @@ _CHALLENGE = b'Bearer realm="kvcache-offload"'
 
 
 async def _refuse(send: Send, detail: str) -> None:
-    body = json_bytes({"error": "Unauthorized", "detail": detail})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", _CHALLENGE),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json_error(send, 401, "Unauthorized", detail, [(b"www-authenticate", _CHALLENGE)])
 
 
 class BearerAuthMiddleware:

@@ -12,7 +12,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.responses import json_bytes
+from api.responses import send_json_error
 
 __all__ = ["BodyLimitMiddleware", "RequestLimitError", "check_key_count"]
 
@@ -35,24 +35,8 @@ def check_key_count(count: int, limit: int) -> None:
 
 
 async def _refuse(send: Send, limit: int, size: str) -> None:
-    body = json_bytes(
-        {
-            "error": "RequestTooLarge",
-            "detail": f"request body of {size} bytes exceeds max_body_bytes={limit}",
-        }
-    )
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    detail = f"request body of {size} bytes exceeds max_body_bytes={limit}"
+    await send_json_error(send, 413, "RequestTooLarge", detail, [(b"connection", b"close")])
 
 
 class BodyLimitMiddleware:

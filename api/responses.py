@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.responses import Response
+from starlette.types import Send
 
-__all__ = ["FastJSONResponse", "json_bytes"]
+__all__ = ["FastJSONResponse", "json_bytes", "send_json_error"]
 
 try:
     import orjson
@@ -30,3 +32,26 @@ class FastJSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return json_bytes(content)
+
+
+async def send_json_error(
+    send: Send,
+    status: int,
+    error: str,
+    detail: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    """Answer ``{"error", "detail"}`` from a pure ASGI middleware, before any route runs."""
+    body = json_bytes({"error": error, "detail": detail})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
