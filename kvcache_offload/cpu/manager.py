@@ -113,14 +113,16 @@ class CPUOffloadingManager(OffloadingManager):
     def _num_free(self) -> int:
         return len(self._free_list) + self._num_blocks - self._num_allocated
 
+    def _num_idle(self) -> int:
+        """Blocks neither free, being written nor being read: the only evictable ones."""
+        return self._num_blocks - self._num_free() - self._writing - self._reading
+
     def stats(self) -> CPUManagerStats:
-        free = self._num_free()
-        used = self._num_blocks - free
         return CPUManagerStats(
             num_blocks=self._num_blocks,
-            free=free,
+            free=self._num_free(),
             writing=self._writing,
-            idle=used - self._writing - self._reading,
+            idle=self._num_idle(),
             reading=self._reading,
             evictions=self._evictions,
             rejected_stores=self._rejected_stores,
@@ -206,8 +208,7 @@ class CPUOffloadingManager(OffloadingManager):
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         if needed > 0:
-            idle = self._num_blocks - self._num_free() - self._writing - self._reading
-            victims = self._policy.evict(needed, key_set) if idle >= needed else None
+            victims = self._policy.evict(needed, key_set) if self._num_idle() >= needed else None
             if victims is None:
                 self._rejected_stores += 1
                 return None
