@@ -7,9 +7,14 @@ Layouts (Llama-3-8B-like: 32 layers, 8 KV heads, head size 128, bf16, 16-token G
 * ``cross_layer``: one ``(blocks, 2 MiB)`` tensor: one 2 MiB fragment per block;
 * ``tp4_70b``: 70B on 4-way TP (80 layers, 2 KV heads per rank): 160 fragments of 8 KiB.
 
-Each job moves 1,024 random GPU blocks to (or from) 1,024 random CPU slots. For every
-mechanism (``kernel``: one Triton UVA launch per job; ``dma``: one ``cudaMemcpyBatchAsync``
-per job; ``auto``: the handler's per-job choice; ``torch``: the plain-torch fallback) it
+Each job moves 1,024 random GPU blocks to (or from) 1,024 random CPU slots of the handlers'
+default CPU allocation (block-major: one pinned buffer, a slot's pages back to back). For
+every mechanism (``kernel``: one Triton UVA launch per job; ``dma``: one
+``cudaMemcpyBatchAsync`` per job; ``staged[:chunk MiB:depth[:inline]]``: device gather or
+scatter through a GPU staging ring plus one DMA per CPU block, issued by a submit thread
+unless ``inline``; ``STORE/LOAD``: a different mechanism per direction, e.g.
+``kernel/staged``; ``auto``: the handler's per-job choice; ``torch``: the plain-torch
+fallback) it
 reports GB/s GPU->CPU and CPU->GPU (CUDA-event time of each job), both directions at once
 (wall time of a store and a load submitted together), the host time of ``transfer_async``,
 and the ratio to one bulk pinned copy of the same bytes measured in the same run. A sweep
@@ -39,8 +44,8 @@ from bench._common import machine_info
 from kvcache_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 from kvcache_offload.cpu.common import CPULoadStoreSpec
 from kvcache_offload.cpu.copy.triton_kernel import KernelConfig
-from kvcache_offload.cpu.cpu_backend import canonical_int8_views
-from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+from kvcache_offload.cpu.cpu_backend import allocate_cpu_tensors, canonical_int8_views
+from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler, StagingConfig
 from kvcache_offload.cpu.layouts import cross_layer, kv_first_per_layer
 
 GiB = 1024**3
@@ -210,10 +215,21 @@ def measure_handlers(
 def _handlers(
     gpu: list[torch.Tensor], cpu: list[torch.Tensor], kv: CanonicalKVCaches, mech: str, **kw: Any
 ) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
-    """``mech`` is a mechanism name, or ``hybrid:<share>`` for a DMA share of the layers."""
+    """``mech`` is a mechanism name, ``hybrid:<share>`` for a DMA share of the layers,
+    ``staged:<chunk MiB>:<depth>[:inline]`` or ``STORE/LOAD`` (one mechanism per direction)."""
+    if "/" in mech:
+        store_mech, load_mech = mech.split("/")
+        return _handlers(gpu, cpu, kv, store_mech, **kw)[0], _handlers(gpu, cpu, kv, load_mech)[1]
     if ":" in mech:
-        mech, share = mech.split(":")
-        kw["hybrid_dma_share"] = float(share)
+        mech, *opts = mech.split(":")
+        if mech == "hybrid":
+            kw["hybrid_dma_share"] = float(opts[0])
+        elif mech == "staged":
+            kw["staging"] = StagingConfig(
+                chunk_bytes=int(float(opts[0]) * 1024 * 1024),
+                depth=int(opts[1]) if len(opts) > 1 else 2,
+                submit_thread=not (len(opts) > 2 and opts[2] == "inline"),
+            )
     refs = kv.group_data_refs
     return (
         SingleDirectionOffloadingHandler(gpu, cpu, 1, refs, True, mechanism=mech, **kw),  # type: ignore[arg-type]
@@ -226,11 +242,9 @@ def bench_layout(
 ) -> None:
     kv, _keep = layout.build(num_blocks)
     gpu = canonical_int8_views(kv)
-    cpu = [
-        torch.empty((num_blocks, int(t.shape[1])), dtype=torch.int8, pin_memory=True) for t in gpu
-    ]
+    cpu = allocate_cpu_tensors(gpu, 1, num_blocks, pin_memory=True)  # the handlers' default
     for c, g in zip(cpu, gpu, strict=True):
-        c.copy_(g)  # random bytes, never zeros
+        c.copy_(g.cpu())  # random bytes, never zeros
     rng = np.random.default_rng(0)
     jobs = _jobs(rng, num_blocks, num_blocks, 3, JOB_BLOCKS)
     ids = _Ids()
@@ -345,7 +359,7 @@ def sweep_kernel_configs(reps: int, num_blocks: int) -> list[dict[str, Any]]:
 def print_table(results: dict[str, Any]) -> None:
     print()
     hdr = (
-        f"{'layout':<12} {'mechanism':<11} {'D2H GB/s':>9} {'H2D GB/s':>9} {'both GB/s':>10} "
+        f"{'layout':<12} {'mechanism':<16} {'D2H GB/s':>9} {'H2D GB/s':>9} {'both GB/s':>10} "
         f"{'D2H/bulk':>9} {'H2D/bulk':>9} {'both/bulk1':>10} {'submit ms':>10}"
     )
     print(hdr)
@@ -353,7 +367,7 @@ def print_table(results: dict[str, Any]) -> None:
     for name, lay in results.items():
         bulk = lay["results"]["bulk"]
         print(
-            f"{name:<12} {'bulk':<11} {bulk['d2h_gbps']:>9.2f} {bulk['h2d_gbps']:>9.2f} "
+            f"{name:<12} {'bulk':<16} {bulk['d2h_gbps']:>9.2f} {bulk['h2d_gbps']:>9.2f} "
             f"{bulk['both_gbps']:>10.2f} {1:>9.2f} {1:>9.2f} "
             f"{bulk['both_gbps'] / max(bulk['d2h_gbps'], bulk['h2d_gbps']):>10.2f} {'':>10}"
         )
@@ -361,11 +375,11 @@ def print_table(results: dict[str, Any]) -> None:
             if mech == "bulk":
                 continue
             if "error" in r:
-                print(f"{name:<12} {mech:<11} {r['error'][:70]}")
+                print(f"{name:<12} {mech:<16} {r['error'][:70]}")
                 continue
             sub = max(r["submit_ms_store"], r["submit_ms_load"])
             print(
-                f"{name:<12} {mech:<11} {r['d2h_gbps']:>9.2f} {r['h2d_gbps']:>9.2f} "
+                f"{name:<12} {mech:<16} {r['d2h_gbps']:>9.2f} {r['h2d_gbps']:>9.2f} "
                 f"{r['both_gbps']:>10.2f} {r['ratio_d2h']:>9.2f} {r['ratio_h2d']:>9.2f} "
                 f"{r['both_over_bulk_oneway']:>10.2f} {sub:>10.3f}"
             )
@@ -396,7 +410,10 @@ def device_info() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default="per_layer,cross_layer,tp4_70b")
-    p.add_argument("--mechanisms", default="kernel,dma,hybrid:0.1,hybrid:0.2,hybrid:0.3,auto,torch")
+    p.add_argument(
+        "--mechanisms",
+        default="kernel,dma,staged,kernel/staged,hybrid:0.1,hybrid:0.2,hybrid:0.3,auto,torch",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-blocks", type=int, default=2048, help="GPU blocks = CPU slots")
     p.add_argument("--quick", action="store_true", help="fewer reps, no sweeps")

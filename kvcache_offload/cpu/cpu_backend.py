@@ -112,26 +112,31 @@ def allocate_cpu_tensors(
     """One ``(num_cpu_blocks, page * factor)`` int8 CPU tensor per canonical tensor.
 
     Views into the shared region when one is given (in canonical-tensor order: the region's
-    cursor advances), else zeroed tensors (pinned if asked).
+    cursor advances), else views of one zeroed ``(num_cpu_blocks, cell)`` buffer (pinned if
+    asked). Either way the CPU side is *block-major*: slot ``b``'s pages of every tensor lie
+    back to back in canonical order (``cell`` bytes from tensor 0's row ``b``), so one
+    offloaded block is one contiguous piece of host memory (what the staged copy path
+    moves with one DMA).
     """
     if block_size_factor < 1:
         raise ConfigError(f"block_size_factor must be >= 1, got {block_size_factor}")
     if num_cpu_blocks < 0:
         raise ConfigError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
-    out = []
-    for view in gpu_views:
-        cpu_page = int(view.shape[1]) * block_size_factor
-        if mmap_region is not None:
-            if mmap_region.num_blocks != num_cpu_blocks:
-                raise ConfigError(
-                    f"the shared region holds {mmap_region.num_blocks} blocks, expected "
-                    f"num_cpu_blocks={num_cpu_blocks}"
-                )
-            out.append(mmap_region.create_next_view(cpu_page))
-        else:
-            out.append(
-                torch.zeros((num_cpu_blocks, cpu_page), dtype=torch.int8, pin_memory=pin_memory)
+    pages = [int(view.shape[1]) * block_size_factor for view in gpu_views]
+    if mmap_region is not None:
+        if mmap_region.num_blocks != num_cpu_blocks:
+            raise ConfigError(
+                f"the shared region holds {mmap_region.num_blocks} blocks, expected "
+                f"num_cpu_blocks={num_cpu_blocks}"
             )
+        return [mmap_region.create_next_view(page) for page in pages]
+    cell = sum(pages)
+    buf = torch.zeros((num_cpu_blocks, cell), dtype=torch.int8, pin_memory=pin_memory)
+    out = []
+    offset = 0
+    for page in pages:
+        out.append(buf[:, offset : offset + page])
+        offset += page
     return out
 
 

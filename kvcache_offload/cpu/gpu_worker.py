@@ -6,10 +6,14 @@ One :class:`SingleDirectionOffloadingHandler` per direction over the same tensor
   slot holds ``block_size_factor`` GPU pages back to back; per-group ``group_sizes`` and
   ``block_indices`` with skip counts; un-padded page sizes (padding is never copied); all of
   it computed once per job, vectorised (:mod:`kvcache_offload.cpu.copy.plan`);
-* one copy per job, picked per job by mean fragment size: the Triton UVA kernel (one launch;
-  small fragments) or one ``cudaMemcpyBatchAsync`` (copy engines; large fragments). Without
-  Triton or pinned/mapped host memory the handler uses the DMA; without either it falls back
-  to plain torch ops (:mod:`kvcache_offload.cpu.copy.torch_copy`) on a worker thread;
+* one copy per job, picked per job by mean fragment size: one ``cudaMemcpyBatchAsync``
+  (copy engines; large fragments); for small fragments the *staged* path (a device gather or
+  scatter through a GPU staging ring plus one DMA per offloaded block,
+  :mod:`kvcache_offload.cpu.copy.staged`) when the CPU blocks are contiguous (block-major,
+  the default) and its DMA pieces are large, else the Triton UVA kernel (one launch).
+  Without Triton or pinned/mapped host memory the handler uses the DMA; without either it
+  falls back to plain torch ops (:mod:`kvcache_offload.cpu.copy.torch_copy`) on a worker
+  thread;
 * stores wait on the compute stream that is current at submission, so the KV is copied
   only after the model wrote it; each job waits on the previous job's end event, so jobs of
   one direction complete strictly in submission order; ``get_finished`` pops from the head
@@ -42,6 +46,12 @@ from kvcache_offload.cpu.copy.plan import (
     parse_job,
     refs_arrays,
 )
+from kvcache_offload.cpu.copy.staged import (
+    DEFAULT_STAGING_CONFIG,
+    StagedCopier,
+    StagedJob,
+    StagingConfig,
+)
 from kvcache_offload.cpu.copy.torch_copy import TorchCopier
 from kvcache_offload.cpu.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
@@ -73,11 +83,12 @@ __all__ = [
     "CpuGpuOffloadingHandlers",
     "Mechanism",
     "SingleDirectionOffloadingHandler",
+    "StagingConfig",
 ]
 
 logger = logging.getLogger(__name__)
 
-Mechanism = Literal["auto", "kernel", "dma", "hybrid", "torch"]
+Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
 
 DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
 """Jobs whose mean fragment is at least this large use the batched DMA, smaller ones the
@@ -114,13 +125,34 @@ class _TableSlot:
 class _Transfer:
     job_id: int
     num_bytes: int
-    stream: torch.cuda.Stream
+    stream: torch.cuda.Stream | None
     start_event: torch.cuda.Event
     end_event: torch.cuda.Event
     slot: _TableSlot | None
     mechanism: str
     side_stream: torch.cuda.Stream | None = None
     sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    staged: StagedJob | None = None
+    """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
+
+    def issued(self) -> bool:
+        return self.staged is None or self.staged.issued.is_set()
+
+    def done(self) -> bool:
+        """Issued and its end event fired (a job that failed to issue is done at once)."""
+        if self.staged is not None:
+            if not self.staged.issued.is_set():
+                return False
+            if not self.staged.end_recorded:
+                return True
+        return bool(self.end_event.query())
+
+    def synchronize(self) -> None:
+        if self.staged is not None:
+            self.staged.issued.wait()
+            if not self.staged.end_recorded:
+                return
+        self.end_event.synchronize()
 
 
 class SingleDirectionOffloadingHandler(OffloadingHandler):
@@ -139,6 +171,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
         hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         max_staging_bytes: int = 256 * 1024 * 1024,
+        staging: StagingConfig = DEFAULT_STAGING_CONFIG,
     ) -> None:
         if not gpu_tensors or len(gpu_tensors) != len(cpu_tensors):
             raise ConfigError(
@@ -183,6 +216,14 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
 
         self._runtime = get_cuda_runtime()
         self.kernel_ok, self.dma_ok, reasons = self._probe(cpu_tensors)
+        self.staged_ok = self.dma_ok and triton_available()[0]
+        if not self.staged_ok:
+            reasons["staged"] = (
+                "needs triton and cudaMemcpyBatchAsync: "
+                + "; ".join(v for k, v in reasons.items() if k != "kernel")
+                if not self.dma_ok
+                else f"needs triton ({triton_available()[1]})"
+            )
         self.mechanism = self._resolve(mechanism, reasons)
 
         self._lock = threading.Lock()
@@ -194,12 +235,36 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._side_stream_pool: list[torch.cuda.Stream] = []
         self._sync_event_pool: list[torch.cuda.Event] = []
         self._closed = False
-        self.jobs_by_mechanism: dict[str, int] = {"kernel": 0, "dma": 0, "hybrid": 0, "torch": 0}
+        self.jobs_by_mechanism: dict[str, int] = {
+            "kernel": 0,
+            "dma": 0,
+            "staged": 0,
+            "hybrid": 0,
+            "torch": 0,
+        }
         self._ref_table: torch.Tensor | None = None
         self._ref_start = np.zeros(len(self._group_refs) + 1, dtype=np.int64)
         self._kernel_align = 1
         if self.kernel_ok and self.mechanism in ("auto", "kernel", "hybrid"):
             self._build_ref_table()
+        self._staged: StagedCopier | None = None
+        if self.mechanism == "staged" or (
+            self.mechanism == "auto"
+            and self.staged_ok
+            and staging.auto_min_piece_bytes is not None
+            and all(t.numel() == 0 or t.is_pinned() for t in cpu_tensors)
+        ):
+            assert self._runtime is not None
+            self._staged = StagedCopier(
+                gpu_tensors,
+                cpu_tensors,
+                factor,
+                self._group_refs,
+                gpu_to_cpu,
+                self._runtime,
+                config=staging,
+                kernel_config=kernel_config,
+            )
 
         self._fallback: ThreadedOffloadingHandler | None = None
         if self.mechanism == "torch":
@@ -238,14 +303,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             raise ConfigError(f"mechanism 'kernel' is unavailable: {reasons['kernel']}")
         if wanted == "dma" and not self.dma_ok:
             raise ConfigError(f"mechanism 'dma' is unavailable: {reasons['dma']}")
+        if wanted == "staged" and not self.staged_ok:
+            raise ConfigError(f"mechanism 'staged' is unavailable: {reasons['staged']}")
         if wanted == "hybrid" and not (self.kernel_ok and self.dma_ok):
             raise ConfigError(
                 "mechanism 'hybrid' needs the kernel and the DMA: "
                 + "; ".join(f"{k}: {v}" for k, v in reasons.items())
             )
-        if wanted not in ("auto", "kernel", "dma", "hybrid", "torch"):
+        if wanted not in ("auto", "kernel", "dma", "staged", "hybrid", "torch"):
             raise ConfigError(
-                f"mechanism must be auto, kernel, dma, hybrid or torch, got {wanted!r}"
+                f"mechanism must be auto, kernel, dma, staged, hybrid or torch, got {wanted!r}"
             )
         if wanted == "auto" and not (self.kernel_ok or self.dma_ok):
             logger.warning(
@@ -343,9 +410,14 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def choose_mechanism(self, plan: TransferPlan) -> str:
         if self.mechanism != "auto":
             return self.mechanism
-        if self.dma_ok and (
-            not self.kernel_ok or plan.mean_fragment_bytes >= self.dma_min_fragment_bytes
-        ):
+        if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
+            return "dma"
+        staged = self._staged
+        if staged is not None and staged.config.auto_min_piece_bytes is not None:
+            pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
+            if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
+                return "staged"
+        if self.dma_ok and not self.kernel_ok:
             return "dma"
         if self.dma_ok and self.hybrid_dma_share > 0:
             return "hybrid"
@@ -363,7 +435,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             if job_id in self._transfer_events:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
             mechanism = self.choose_mechanism(plan)
-            self._submit(job_id, plan, mechanism)
+            if mechanism == "staged":
+                self._submit_staged(job_id, plan)
+            else:
+                if self._transfers and not self._transfers[-1].issued():
+                    # The submit thread has not issued the previous (staged) job: its end
+                    # event is not recorded yet, and this job must wait on it.
+                    assert self._transfers[-1].staged is not None
+                    self._transfers[-1].staged.issued.wait()
+                self._submit(job_id, plan, mechanism)
             self.jobs_by_mechanism[mechanism] += 1
         return True
 
@@ -460,6 +540,43 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._transfers.append(transfer)
         self._transfer_events[job_id] = end
 
+    def _submit_staged(self, job_id: int, plan: TransferPlan) -> None:
+        assert self._staged is not None
+        pool = self._event_pool
+        start = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        end = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        slot = self._slot_pool.pop() if self._slot_pool else _TableSlot(self.device)
+        ready: torch.cuda.Event | None = None
+        if self.gpu_to_cpu:
+            sp = self._sync_event_pool
+            ready = sp.pop() if sp else torch.cuda.Event()
+            with torch.cuda.device(self.device):
+                ready.record(torch.cuda.current_stream(self.device))
+        prev = self._transfers[-1] if self._transfers else None
+        job = StagedJob(
+            plan,
+            start,
+            end,
+            slot,
+            ready_event=ready,
+            prev_end=prev.end_event if prev is not None else None,
+        )
+        transfer = _Transfer(
+            job_id,
+            plan.num_bytes,
+            None,
+            start,
+            end,
+            slot,
+            "staged",
+            None,
+            None,
+            job,
+        )
+        self._staged.submit(job)
+        self._transfers.append(transfer)
+        self._transfer_events[job_id] = end
+
     def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
         """Group rows then source and destination units; returns the number of units."""
         n_groups = len(groups)
@@ -490,17 +607,19 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             return self._fallback.get_finished()
         results = []
         with self._lock:
-            while self._transfers and self._transfers[0].end_event.query():
+            while self._transfers and self._transfers[0].done():
                 t = self._transfers.popleft()
-                seconds = t.start_event.elapsed_time(t.end_event) * 1e-3
+                failed = t.staged is not None and t.staged.error is not None
+                seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
                 results.append(
-                    TransferResult(t.job_id, True, t.num_bytes, seconds, self.transfer_type)
+                    TransferResult(t.job_id, not failed, t.num_bytes, seconds, self.transfer_type)
                 )
                 self._recycle(t)
         return results
 
     def _recycle(self, t: _Transfer) -> None:
-        self._stream_pool.append(t.stream)
+        if t.stream is not None:
+            self._stream_pool.append(t.stream)
         self._event_pool.extend((t.start_event, t.end_event))
         if t.slot is not None:
             self._slot_pool.append(t.slot)
@@ -508,6 +627,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._side_stream_pool.append(t.side_stream)
         if t.sync_events is not None:
             self._sync_event_pool.extend(t.sync_events)
+        if t.staged is not None and t.staged.ready_event is not None:
+            self._sync_event_pool.append(t.staged.ready_event)
         self._transfer_events.pop(t.job_id, None)
 
     def wait(self, job_ids: set[int]) -> None:
@@ -515,9 +636,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._fallback.wait(job_ids)
             return
         with self._lock:
-            events = [self._transfer_events[j] for j in job_ids if j in self._transfer_events]
-        for event in events:
-            event.synchronize()
+            waiting = [t for t in self._transfers if t.job_id in job_ids]
+        for t in waiting:
+            t.synchronize()
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Forwarded to the torch fallback's thread; CUDA-event jobs are polled instead."""
@@ -536,8 +657,12 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._fallback.shutdown()
         with self._lock:
             self._closed = True
+            if self._staged is not None:
+                self._staged.close()  # issues what is queued, then stops its thread
             for t in self._transfers:
-                t.end_event.synchronize()
+                t.synchronize()
+            if self._staged is not None:
+                self._staged.release()
             self._transfers.clear()
             self._transfer_events.clear()
             self._stream_pool.clear()
@@ -558,6 +683,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
             "hybrid_dma_share": self.hybrid_dma_share,
             "kernel_config": repr(self.kernel_config),
+            "staging": self._staged.describe() if self._staged is not None else None,
             "jobs_by_mechanism": dict(self.jobs_by_mechanism),
         }
 
@@ -581,6 +707,7 @@ class CpuGpuOffloadingHandlers:
         dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
         hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
+        staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         pin_memory: bool = True,
     ) -> None:
         self.gpu_tensors = canonical_int8_views(kv_caches)
@@ -600,6 +727,7 @@ class CpuGpuOffloadingHandlers:
             "dma_min_fragment_bytes": dma_min_fragment_bytes,
             "kernel_config": kernel_config,
             "hybrid_dma_share": hybrid_dma_share,
+            "staging": staging,
         }
         refs = kv_caches.group_data_refs
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(

@@ -29,7 +29,7 @@ from tests._roundtrip import (  # noqa: E402
     snapshot,
 )
 
-MECHANISMS = ["kernel", "dma", "hybrid", "torch", "auto"]
+MECHANISMS = ["kernel", "dma", "staged", "hybrid", "torch", "auto"]
 
 
 def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
@@ -45,9 +45,9 @@ def _skip_unavailable(mechanism: str) -> None:
     from kvcache_offload.cpu.copy.dma import get_cuda_runtime
     from kvcache_offload.cpu.copy.triton_kernel import triton_available
 
-    if mechanism in ("kernel", "hybrid") and not triton_available()[0]:
+    if mechanism in ("kernel", "hybrid", "staged") and not triton_available()[0]:
         pytest.skip("triton unavailable")
-    if mechanism in ("dma", "hybrid"):
+    if mechanism in ("dma", "hybrid", "staged"):
         rt = get_cuda_runtime()
         if rt is None or not rt.has_batch_memcpy:
             pytest.skip("cudaMemcpyBatchAsync unavailable")
@@ -154,6 +154,7 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         assert h.gpu_to_cpu_handler.jobs_by_mechanism == {
             "kernel": 1,
             "dma": 1,
+            "staged": 0,
             "hybrid": 0,
             "torch": 0,
         }
@@ -161,7 +162,7 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "hybrid", "torch"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "hybrid", "torch"])
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
     _skip_unavailable(mechanism)
     gen = torch.Generator().manual_seed(5)
@@ -224,7 +225,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_store_waits_for_the_compute_stream(mechanism):
     """The KV written by a slow kernel on the compute stream is what gets stored."""
     _skip_unavailable(mechanism)
@@ -255,7 +256,7 @@ def test_cuda_store_waits_for_the_compute_stream(mechanism):
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
     _skip_unavailable(mechanism)
     gen = torch.Generator().manual_seed(7)
@@ -296,7 +297,7 @@ def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "torch"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
     _skip_unavailable(mechanism)
     from kvcache_offload.base import GPULoadStoreSpec
