@@ -64,7 +64,7 @@ def test_staged_round_trip_through_a_small_ring_is_byte_exact(
     )
     cell = 3 * 4096 * factor
     h = _handlers(
-        kv, factor, 60, chunk_bytes=chunk_cells * cell, depth=depth, submit_thread=submit_thread
+        kv, factor, 80, chunk_bytes=chunk_cells * cell, depth=depth, submit_thread=submit_thread
     )
     try:
         job = random_job(
@@ -73,7 +73,7 @@ def test_staged_round_trip_through_a_small_ring_is_byte_exact(
             block_indices=[factor - 1, 2, 1, 4],
             factor=factor,
             num_gpu_blocks=128,
-            num_cpu_blocks=60,
+            num_cpu_blocks=80,
         )
         store, load = round_trip(h, kv, job)
         assert store.success and load.success and store.transfer_time > 0
