@@ -171,7 +171,7 @@ def measure_handlers(
     reps: int,
     ids: _Ids,
 ) -> dict[str, Any]:
-    d2h, h2d, sub_store, sub_load, both = [], [], [], [], []
+    d2h, h2d, sub_store, sub_load, both, both_gpu = [], [], [], [], [], []
     nbytes = 0
     for i in range(reps + 1):  # first round warms up (compilation, pools)
         gpu_spec, cpu_spec = jobs[i % len(jobs)]
@@ -195,10 +195,10 @@ def measure_handlers(
         store.wait({j1})
         load.wait({j2})
         dt = time.perf_counter() - t0
-        store.get_finished()
-        load.get_finished()
+        done = store.get_finished() + load.get_finished()
         if i:
             both.append(dt)
+            both_gpu.append(max(r.transfer_time or 0.0 for r in done))
     return {
         "job_bytes": nbytes,
         "d2h_gbps": nbytes / statistics.median(d2h) / 1e9,
@@ -209,6 +209,8 @@ def measure_handlers(
         "d2h_s": d2h,
         "h2d_s": h2d,
         "both_s": both,
+        "both_event_s": both_gpu,
+        "both_event_gbps": 2 * nbytes / statistics.median(both_gpu) / 1e9,
     }
 
 

@@ -241,6 +241,7 @@ class StagedCopier:
         self._ring: torch.Tensor | None = None
         self._ring_base = np.zeros(config.depth, dtype=np.int64)
         self._ref_tables: torch.Tensor | None = None
+        self._ref_views: list[torch.Tensor] = []
         self._align = 1
         self._kernel_stream: torch.cuda.Stream | None = None
         self._dma_stream: torch.cuda.Stream | None = None
@@ -262,6 +263,7 @@ class StagedCopier:
         )
         tables, self._align = self.ref_tables(self._ring_base)
         self._ref_tables = torch.from_numpy(tables).to(self.device)
+        self._ref_views = list(self._ref_tables.unbind(0))
         self._kernel_stream = torch.cuda.Stream(self.device)
         self._dma_stream = torch.cuda.Stream(self.device)
         self._filled = [torch.cuda.Event() for _ in range(depth)]
@@ -358,42 +360,55 @@ class StagedCopier:
             stage = cpu = size = np.zeros(0, dtype=np.int64)
             bounds = np.zeros(n_chunks + 1, dtype=np.int64)
         dst, src = (cpu, stage) if self.gpu_to_cpu else (stage, cpu)
-        # Kernel tables, one per chunk, 16-byte aligned in the job's table.
-        unit_bounds = [np.searchsorted(ch, np.arange(n_chunks + 1)) for *_r, ch in per_group]
+        # Kernel tables, one per chunk, 16-byte aligned in the job's table: vectorised over
+        # chunks, one pass per group (a Python loop over chunks costs ~1 ms per job).
         n_groups = len(per_group)
-        total_units = sum(len(u) for _g, u, _s, _c in per_group)
-        entries = n_chunks * (GROUP_ROW * n_groups + 2) + 2 * total_units
+        counts = np.zeros((n_groups, n_chunks), dtype=np.int64)
+        for i, (_g, _gu, _su, ch) in enumerate(per_group):
+            counts[i] = np.bincount(ch, minlength=n_chunks)
+        live = counts > 0
+        refs = np.asarray([len(g.ref_tensors) for g, *_r in per_group], dtype=np.int64)
+        # per chunk: rows of its live groups, then source units, then destination units
+        n_live = live.sum(axis=0)
+        n_units = counts.sum(axis=0)
+        sizes = GROUP_ROW * n_live + 2 * n_units
+        sizes += sizes & 1
+        offsets = np.zeros(n_chunks + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        entries = int(offsets[-1])
         host = job.table.ensure(max(entries, 2), need_device=True)
-        chunks = []
-        off = 0
-        for c in range(n_chunks):
-            rows_at = off
-            counts = [int(ub[c + 1] - ub[c]) for ub in unit_bounds]
-            live = [i for i, cnt in enumerate(counts) if cnt]
-            n_units = sum(counts)
-            off += GROUP_ROW * len(live)
-            src_at, dst_at = off, off + n_units
-            pair_start = unit_start = 0
-            for r, i in enumerate(live):
-                g, gpu_units, stage_units, _ch = per_group[i]
-                lo, hi = int(unit_bounds[i][c]), int(unit_bounds[i][c + 1])
-                row = rows_at + GROUP_ROW * r
-                host[row] = pair_start
-                host[row + 1] = hi - lo
-                host[row + 2] = self._ref_start[g.index] + g.ref_offset
-                host[row + 3] = unit_start
-                rel = stage_units[lo:hi] - c * k * f
-                s_units, d_units = (gpu_units[lo:hi], rel) if self.gpu_to_cpu else (
-                    rel, gpu_units[lo:hi])  # fmt: skip
-                host[src_at + unit_start : src_at + unit_start + hi - lo] = s_units
-                host[dst_at + unit_start : dst_at + unit_start + hi - lo] = d_units
-                pair_start += (hi - lo) * len(g.ref_tensors)
-                unit_start += hi - lo
-            off = dst_at + n_units
-            off += off & 1
-            chunks.append(
-                _Chunk(rows_at, len(live), n_units, pair_start, int(bounds[c]), int(bounds[c + 1]))
+        rank: np.ndarray = (
+            np.cumsum(live, axis=0) - live
+        )  # a live group's row among its chunk's rows
+        unit_start = np.cumsum(counts, axis=0) - counts
+        pair_start = np.cumsum(counts * refs[:, None], axis=0) - counts * refs[:, None]
+        src_at = offsets[:-1] + GROUP_ROW * n_live
+        for i, (g, gpu_units, stage_units, ch) in enumerate(per_group):
+            cs = np.flatnonzero(live[i])
+            row = offsets[cs] + GROUP_ROW * rank[i, cs]
+            host[row] = pair_start[i, cs]
+            host[row + 1] = counts[i, cs]
+            host[row + 2] = self._ref_start[g.index] + g.ref_offset
+            host[row + 3] = unit_start[i, cs]
+            first = np.concatenate([[0], np.cumsum(counts[i])[:-1]])
+            at = src_at[ch] + unit_start[i, ch] + np.arange(len(ch), dtype=np.int64) - first[ch]
+            rel = stage_units - ch * (k * f)
+            s_units, d_units = (gpu_units, rel) if self.gpu_to_cpu else (rel, gpu_units)
+            host[at] = s_units
+            host[at + n_units[ch]] = d_units
+        chunks = [
+            _Chunk(int(o), int(gl), int(u), int(p), int(b0), int(b1))
+            for o, gl, u, p, b0, b1 in zip(
+                offsets[:-1].tolist(),
+                n_live.tolist(),
+                n_units.tolist(),
+                (pair_start[-1] + counts[-1] * refs[-1]).tolist() if n_groups else [],
+                bounds[:-1].tolist(),
+                bounds[1:].tolist(),
+                strict=True,
             )
+        ]
+        off = entries
         return _Prepared(
             chunks,
             off,
@@ -447,16 +462,17 @@ class StagedCopier:
         assert ks is not None and ds is not None and self._ref_tables is not None
         slot = job.table
         first, last = (ks, ds) if self.gpu_to_cpu else (ds, ks)
-        with torch.cuda.device(self.device):
+        # The kernel stream is current for the whole job (the launches use it); events and
+        # the DMA name their streams explicitly.
+        with torch.cuda.device(self.device), torch.cuda.stream(ks):
             if job.ready_event is not None:
                 first.wait_event(job.ready_event)
             if job.prev_end is not None:
                 first.wait_event(job.prev_end)
             job.start_event.record(first)
             if prep.table_entries:
-                with torch.cuda.stream(ks):
-                    n = prep.table_entries
-                    slot.dev[:n].copy_(slot.host[:n], non_blocking=True)
+                n = prep.table_entries
+                slot.dev[:n].copy_(slot.host[:n], non_blocking=True)
             src_factor, dst_factor = (1, self.layout.factor)
             if not self.gpu_to_cpu:
                 src_factor, dst_factor = dst_factor, src_factor
@@ -490,19 +506,18 @@ class StagedCopier:
                 ks.wait_event(self._freed[s])
         else:
             ks.wait_event(self._filled[s])
-        with torch.cuda.stream(ks):
-            launch_copy_kernel(
-                self._ref_tables[s],
-                slot.dev[chunk.table_offset :],
-                n_groups=chunk.n_groups,
-                n_units=chunk.n_units,
-                total_pairs=chunk.total_pairs,
-                max_size=plan.max_size,
-                src_factor=src_factor,
-                dst_factor=dst_factor,
-                alignment=self._align,
-                config=self.kernel_config,
-            )
+        launch_copy_kernel(  # on the current stream: ks (see _issue)
+            self._ref_views[s],
+            slot.dev[chunk.table_offset :],
+            n_groups=chunk.n_groups,
+            n_units=chunk.n_units,
+            total_pairs=chunk.total_pairs,
+            max_size=plan.max_size,
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            alignment=self._align,
+            config=self.kernel_config,
+        )
         if self.gpu_to_cpu:
             self._filled[s].record(ks)
         else:
@@ -542,6 +557,7 @@ class StagedCopier:
         """Drop the ring and tables (after every job has ended)."""
         self._ring = None
         self._ref_tables = None
+        self._ref_views = []
 
     def describe(self) -> dict[str, Any]:
         return {
