@@ -1,5 +1,8 @@
 """kvcache-offload: offload LLM KV-cache blocks from GPU memory to CPU memory and back."""
 
+# First: with KVCACHE_OFFLOAD_PURE_PYTHON=1, importing _compiled makes the imports below take
+# the Python sources of the compiled modules.
+from kvcache_offload._compiled import compiled_modules
 from kvcache_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
@@ -68,6 +71,7 @@ __all__ = [
     "UnknownPolicyError",
     "UnknownSpecError",
     "__version__",
+    "compiled_modules",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "load_config",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from kvcache_offload.base import (
     OffloadingEvent,
@@ -50,8 +51,12 @@ class CPUManagerStats:
         return self.num_blocks - self.free
 
 
-def _check_keys(keys: Sequence[OffloadKey]) -> None:
-    """Raise InvalidKeyError for the first malformed key (a plain loop: fastest on 3.11+)."""
+def _check_keys(keys: Sequence[object]) -> None:
+    """Raise InvalidKeyError for the first malformed key (a plain loop: fastest on 3.11+).
+
+    Typed ``object`` on purpose: compiled, a loop over ``OffloadKey`` items would raise a
+    bare TypeError at the first non-bytes item before this check could name it.
+    """
     for key in keys:
         if type(key) is not bytes or len(key) <= 4:
             validate_offload_key(key)
@@ -64,7 +69,7 @@ class CPUOffloadingManager(OffloadingManager):
     or a :class:`CachePolicy` subclass.
     """
 
-    medium = MEDIUM
+    medium: ClassVar[str] = MEDIUM
 
     def __init__(
         self,
@@ -72,7 +77,10 @@ class CPUOffloadingManager(OffloadingManager):
         cache_policy: str | type[CachePolicy] = "lru",
         enable_events: bool = False,
     ) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+        # A compiled build rejects a non-int before this line with its own TypeError.
+        if not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {num_blocks!r}")
+        if num_blocks < 0:
             raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         policy_cls = (
             cache_policy
@@ -134,7 +142,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- lookups and loads ---------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
+    def lookup(self, key: Any, req_context: ReqContext | None = None) -> bool | None:
+        # ``key: Any``: a malformed key must raise InvalidKeyError, also when compiled.
         block = self._blocks.get(key)
         if block is None:
             _check_keys((key,))
@@ -144,12 +153,12 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> CPULoadStoreSpec:
+        _check_keys(keys)
         get = self._blocks.get
         blocks = []
         for key in keys:
             block = get(key)
             if block is None or block.ref_cnt < 0:
-                _check_keys((key,))
                 state = "absent" if block is None else "being written"
                 raise BlockStateError(f"cannot load key {key.hex()}: it is {state}, not ready")
             blocks.append(block)
@@ -168,12 +177,12 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
+        _check_keys(keys)
         get = self._blocks.get
         blocks = []
         for key in keys:
             block = get(key)
             if block is None or block.ref_cnt <= 0:
-                _check_keys((key,))
                 raise BlockStateError(f"cannot complete load of key {key.hex()}: not being read")
             blocks.append(block)
         if len(set(keys)) != len(keys):
@@ -195,12 +204,11 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
+        _check_keys(keys)
         table = self._blocks
         keys_to_store = [key for key in keys if key not in table]
         if not keys_to_store:
-            _check_keys(keys)
             return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
-        _check_keys(keys_to_store)
         key_set = set(keys)  # duplicate check now, eviction protection below
         if len(key_set) != len(keys) and len(set(keys_to_store)) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
@@ -260,14 +268,13 @@ class CPUOffloadingManager(OffloadingManager):
         req_context: ReqContext | None = None,
         success: bool = True,
     ) -> None:
+        _check_keys(keys)  # before any change: a bad key in the middle must change nothing
         get = self._blocks.get
         if success:
             stored: list[OffloadKey] = []
             for key in keys:
                 block = get(key)
-                if block is None:
-                    _check_keys((key,))
-                elif block.ref_cnt == -1:
+                if block is not None and block.ref_cnt == -1:
                     block.ref_cnt = 0
                     stored.append(key)
             self._writing -= len(stored)
@@ -279,7 +286,6 @@ class CPUOffloadingManager(OffloadingManager):
         table = self._blocks
         free_list = self._free_list
         failed = 0
-        _check_keys(keys)
         for key in keys:
             block = get(key)
             if block is not None and block.ref_cnt == -1:

@@ -124,17 +124,7 @@ def test_eviction_is_one_pass_not_a_rescan_per_victim() -> None:
         block = BlockStatus(i)
         block.ref_cnt = 1 if i < pinned else 0
         policy.insert(key(i), block)
-    visited = 0
-    original_items = policy.t1.items
-
-    class CountingView:
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            nonlocal visited
-            for item in original_items():
-                visited += 1
-                yield item
-
-    policy.t1.items = lambda: CountingView()  # type: ignore[method-assign]
     victims = policy.evict(50, protected=set())
     assert victims is not None and len(victims) == 50
-    assert visited <= pinned + 50 + 1
+    # T1 holds everything; the pinned head is crossed once, not once per victim.
+    assert policy.scanned <= pinned + 50 + 1

@@ -4,153 +4,279 @@ T1 holds blocks seen once, T2 blocks seen again; ghost lists B1/B2 remember rece
 keys and steer the target size of T1. Two deliberate fixes over vLLM's classic version:
 eviction is one monotonic pass over each list (not a rescan from the head per victim), and
 when T2 has no evictable block left eviction falls back to T1 instead of failing.
+
+Storage: one dict maps every key of the four lists to its node, and each list is an
+intrusive doubly-linked ring of nodes. A key is found with one probe whichever list holds it,
+and moving it between lists (promotion, eviction to a ghost list) is pointer work, not dict
+work: about half the hash operations of four ordered dicts. The module is compiled with mypyc
+(``kvcache_offload/_compiled.py``), where node fields are plain struct fields.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
+from typing import Final
 
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
 
 __all__ = ["ARCCachePolicy"]
 
+T1: Final = 0
+T2: Final = 1
+B1: Final = 2
+B2: Final = 3
 
-def _take(
-    entries: Iterator[tuple[OffloadKey, BlockStatus]], count: int, protected: Collection[OffloadKey]
-) -> list[tuple[OffloadKey, BlockStatus]]:
-    """Up to ``count`` idle, unprotected entries from ``entries``, which is left positioned
-    after the last one taken so a later call continues the same pass."""
-    taken: list[tuple[OffloadKey, BlockStatus]] = []
-    if count <= 0:
-        return taken
-    for key, block in entries:
-        if block.ref_cnt == 0 and key not in protected:
-            taken.append((key, block))
-            if len(taken) == count:
-                break
-    return taken
+
+class _Node:
+    """One key in one of the four lists; ``block`` is None while it is a ghost."""
+
+    def __init__(self, key: OffloadKey, block: BlockStatus | None, where: int) -> None:
+        self.key = key
+        self.block = block
+        self.where = where
+        self.prev: _Node = self
+        self.next: _Node = self
+
+
+class _Ring:
+    """A list of nodes, least recent first, around a sentinel."""
+
+    def __init__(self) -> None:
+        self.head = _Node(OffloadKey(b""), None, -1)
+        self.size = 0
+
+    def append(self, node: _Node) -> None:
+        """Insert at the most-recent end."""
+        head = self.head
+        last = head.prev
+        node.prev = last
+        node.next = head
+        last.next = node
+        head.prev = node
+        self.size += 1
+
+    def unlink(self, node: _Node) -> None:
+        node.prev.next = node.next
+        node.next.prev = node.prev
+        self.size -= 1
+
+    def move_to_end(self, node: _Node) -> None:
+        head = self.head
+        if node.next is head:
+            return
+        node.prev.next = node.next
+        node.next.prev = node.prev
+        last = head.prev
+        node.prev = last
+        node.next = head
+        last.next = node
+        head.prev = node
+
+    def keys(self) -> list[OffloadKey]:
+        out: list[OffloadKey] = []
+        head = self.head
+        node = head.next
+        while node is not head:
+            out.append(node.key)
+            node = node.next
+        return out
+
+    def clear(self) -> None:
+        self.head.prev = self.head
+        self.head.next = self.head
+        self.size = 0
 
 
 class ARCCachePolicy(CachePolicy):
-    """ARC as vLLM drives it: adaptation on ``touch`` of ghost keys, new blocks enter T1."""
+    """ARC as vLLM drives it: adaptation on ``touch`` of ghost keys, new blocks enter T1.
+
+    ``t1``, ``t2``, ``b1`` and ``b2`` are snapshots of the lists' keys, least recent first
+    (introspection and tests); ``scanned`` counts nodes eviction has looked at, to show
+    eviction stays proportional to victims plus the pinned or protected blocks it skips.
+    """
 
     name = "arc"
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
         self.target_t1_size = 0.0
-        self.t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self.t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.scanned = 0
+        self._nodes: dict[OffloadKey, _Node] = {}
+        self._t1 = _Ring()
+        self._t2 = _Ring()
+        self._b1 = _Ring()
+        self._b2 = _Ring()
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def t1(self) -> list[OffloadKey]:
+        return self._t1.keys()
+
+    @property
+    def t2(self) -> list[OffloadKey]:
+        return self._t2.keys()
+
+    @property
+    def b1(self) -> list[OffloadKey]:
+        return self._b1.keys()
+
+    @property
+    def b2(self) -> list[OffloadKey]:
+        return self._b2.keys()
+
+    def _ring(self, where: int) -> _Ring:
+        if where == T1:
+            return self._t1
+        if where == T2:
+            return self._t2
+        return self._b1 if where == B1 else self._b2
+
+    # -- the policy ------------------------------------------------------------------------
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
-        block = self.t1.get(key)
-        if block is None:
-            block = self.t2.get(key)
-        return block
+        node = self._nodes.get(key)
+        if node is None or node.where >= B1:
+            return None
+        return node.block
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        self.t1[key] = block
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
+        node = self._nodes.get(key)
+        if node is None:
+            node = _Node(key, block, T1)
+            self._nodes[key] = node
+        else:  # a ghost comes back: it leaves its ghost list
+            self._ring(node.where).unlink(node)
+            node.block = block
+            node.where = T1
+        self._t1.append(node)
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
-        self.t1.update(pairs)
-        b1, b2 = self.b1, self.b2
-        if b1 or b2:
-            for key, _ in pairs:
-                b1.pop(key, None)
-                b2.pop(key, None)
+        for key, block in pairs:
+            self.insert(key, block)
 
     def remove(self, key: OffloadKey) -> None:
-        if self.t1.pop(key, None) is None:
-            del self.t2[key]
+        node = self._nodes.pop(key)
+        self._ring(node.where).unlink(node)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        capacity = self.cache_capacity
-        t1_get, t1_move, t2_move = t1.get, t1.move_to_end, t2.move_to_end
-        for key in reversed(keys):
-            block = t1_get(key)
-            if block is not None:
-                if block.ref_cnt == -1:
+        nodes = self._nodes
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        capacity = float(self.cache_capacity)
+        for i in range(len(keys) - 1, -1, -1):
+            node = nodes.get(keys[i])
+            if node is None:
+                continue
+            where = node.where
+            if where == T1:
+                block = node.block
+                if block is not None and block.ref_cnt == -1:
                     # A store just prepared is not a second access.
-                    t1_move(key)
+                    t1.move_to_end(node)
                 else:
-                    del t1[key]
-                    t2[key] = block
-            elif key in t2:
-                t2_move(key)
-            elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, float(capacity))
-                b1.move_to_end(key)
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
+                    t1.unlink(node)
+                    node.where = T2
+                    t2.append(node)
+            elif where == T2:
+                t2.move_to_end(node)
+            elif where == B1:
+                delta = max(1.0, b2.size / b1.size)
+                self.target_t1_size = min(self.target_t1_size + delta, capacity)
+                b1.move_to_end(node)
+            else:
+                delta = max(1.0, b1.size / b2.size)
                 self.target_t1_size = max(self.target_t1_size - delta, 0.0)
-                b2.move_to_end(key)
+                b2.move_to_end(node)
+
+    def _take(
+        self,
+        ring: _Ring,
+        start: _Node,
+        count: int,
+        protected: Collection[OffloadKey],
+        out: list[_Node],
+    ) -> _Node:
+        """Append up to ``count`` idle, unprotected nodes from ``start`` on to ``out``; return
+        the node after the last one looked at, so a later call continues the same pass."""
+        head = ring.head
+        node = start
+        taken = 0
+        scanned = 0
+        while taken < count and node is not head:
+            scanned += 1
+            block = node.block
+            if block is not None and block.ref_cnt == 0 and node.key not in protected:
+                out.append(node)
+                taken += 1
+            node = node.next
+        self.scanned += scanned
+        return node
 
     def evict(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        t1, t2 = self.t1, self.t2
+        t1, t2 = self._t1, self._t2
         # Victim i comes from T1 while |T1| - (T1 victims so far) >= int(p): that is, the
         # first len(T1) - int(p) + 1 victims (capped to n), the rest from T2; when T2 has no
         # evictable block left, from T1 after all (vLLM #55461). Each list is walked once.
-        from_t1_target = len(t1) - int(self.target_t1_size) + 1
+        from_t1_target = t1.size - int(self.target_t1_size) + 1
         from_t1_target = 0 if from_t1_target < 0 else min(from_t1_target, n)
-        t1_iter = iter(t1.items())
-        from_t1 = _take(t1_iter, from_t1_target, protected)
-        from_t2 = _take(iter(t2.items()), n - len(from_t1), protected)
-        fallback: list[tuple[OffloadKey, BlockStatus]] = []
+        from_t1: list[_Node] = []
+        t1_next = self._take(t1, t1.head.next, from_t1_target, protected, from_t1)
+        from_t2: list[_Node] = []
+        self._take(t2, t2.head.next, n - len(from_t1), protected, from_t2)
         missing = n - len(from_t1) - len(from_t2)
+        fallback: list[_Node] = []
         if missing:
-            fallback = _take(t1_iter, missing, protected)
+            self._take(t1, t1_next, missing, protected, fallback)
             if len(fallback) < missing:
                 return None
-        b1, b2 = self.b1, self.b2
-        for key, _ in from_t1:
-            del t1[key]
-            b1[key] = None
-        for key, _ in fallback:
-            del t1[key]
-            b1[key] = None
-        for key, _ in from_t2:
-            del t2[key]
-            b2[key] = None
-        capacity = self.cache_capacity
-        for ghosts in (b1, b2):
-            excess = len(ghosts) - capacity
-            popitem = ghosts.popitem
-            for _ in range(excess):
-                popitem(last=False)
-        if fallback:
-            return from_t1 + from_t2 + fallback
-        if from_t2:
-            return from_t1 + from_t2
-        return from_t1
+        b1, b2 = self._b1, self._b2
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        for group, source, ghosts, where in (
+            (from_t1, t1, b1, B1),
+            (from_t2, t2, b2, B2),
+            (fallback, t1, b1, B1),
+        ):
+            for node in group:
+                block = node.block
+                assert block is not None
+                victims.append((node.key, block))
+                source.unlink(node)
+                node.block = None
+                node.where = where
+                ghosts.append(node)
+        self._trim(b1)
+        self._trim(b2)
+        return victims
+
+    def _trim(self, ghosts: _Ring) -> None:
+        """Forget the least recent ghosts beyond the cache capacity."""
+        nodes = self._nodes
+        head = ghosts.head
+        while ghosts.size > self.cache_capacity:
+            node = head.next
+            ghosts.unlink(node)
+            del nodes[node.key]
 
     def clear(self) -> None:
-        self.t1.clear()
-        self.t2.clear()
-        self.b1.clear()
-        self.b2.clear()
+        self._nodes.clear()
+        for ring in (self._t1, self._t2, self._b1, self._b2):
+            ring.clear()
         self.target_t1_size = 0.0
 
     def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+        return self._t1.size + self._t2.size
 
     def debug_state(self) -> dict[str, object]:
         return {
             "size": len(self),
-            "t1": len(self.t1),
-            "t2": len(self.t2),
-            "b1": len(self.b1),
-            "b2": len(self.b2),
+            "t1": self._t1.size,
+            "t2": self._t2.size,
+            "b1": self._b1.size,
+            "b2": self._b2.size,
             "target_t1_size": self.target_t1_size,
         }

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.base import OffloadKey
 
@@ -33,6 +36,7 @@ class BlockStatus:
         return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CachePolicy(ABC):
     """Stores offloaded blocks and decides which idle ones to evict.
 
@@ -42,10 +46,11 @@ class CachePolicy(ABC):
     plus the pinned/protected blocks it skips, never to the cache size.
     """
 
-    name: str = ""
+    name: ClassVar[str] = ""
 
-    @abstractmethod
-    def __init__(self, cache_capacity: int) -> None: ...
+    def __init__(self, cache_capacity: int) -> None:
+        # Concrete (not abstract) so compiled subclasses can chain to it.
+        self.cache_capacity = cache_capacity
 
     @abstractmethod
     def get(self, key: OffloadKey) -> BlockStatus | None:

@@ -1,0 +1,84 @@
+"""Build hook: compile the manager and its LRU/ARC policies with mypyc when possible.
+
+Everything else about the package is in ``pyproject.toml``. The compiled modules are listed
+in ``kvcache_offload/_compiled.py``. The build falls back to the pure-Python package (same
+behaviour, slower manager) when mypyc is missing, when ``KVCACHE_OFFLOAD_COMPILE=0``, or when
+the C compiler fails; the warning says which.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+
+
+def _warn(message: str) -> None:
+    print(f"kvcache-offload: {message}; installing the pure-Python manager", file=sys.stderr)
+
+
+def _compiled_sources() -> list[str]:
+    names = runpy.run_path(str(HERE / "kvcache_offload" / "_compiled.py"))["COMPILED_MODULES"]
+    return [name.replace(".", "/") + ".py" for name in names]
+
+
+def _ext_modules() -> list[Any]:
+    if os.environ.get("KVCACHE_OFFLOAD_COMPILE", "1").strip().lower() in ("0", "false", "no"):
+        _warn("KVCACHE_OFFLOAD_COMPILE=0")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _warn("mypyc is not available")
+        return []
+    cwd = os.getcwd()
+    os.chdir(HERE)  # mypycify resolves module names from paths relative to the project root
+    try:
+        return list(
+            mypycify(
+                ["--config-file", "mypyc.ini", *_compiled_sources()],
+                opt_level="3",
+                group_name="kvcache_offload",
+            )
+        )
+    except Exception as exc:  # a type error in a compiled module must not block installs
+        _warn(f"mypyc failed ({exc})")
+        return []
+    finally:
+        os.chdir(cwd)
+
+
+class OptionalBuildExt(build_ext):
+    """Installs without the extensions if the C compiler is missing or fails.
+
+    All or nothing: mypyc's per-module extensions need its shared runtime extension, so one
+    failure removes every extension built here.
+    """
+
+    def run(self) -> None:
+        self._failed = False
+        try:
+            super().run()
+        except Exception as exc:
+            self._failed = True
+            _warn(f"building the C extensions failed ({exc})")
+        if self._failed:
+            for ext in self.extensions:
+                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+
+    def build_extension(self, ext: Any) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._failed = True
+            _warn(f"compiling {ext.name} failed ({exc})")
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,102 @@
+"""The manager and its LRU/ARC policies ship compiled (mypyc); their sources are the fallback."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvcache_offload import CPUOffloadingManager, compiled_modules
+from kvcache_offload._compiled import COMPILED_MODULES, PURE_PYTHON_ENV
+from kvcache_offload.cpu.policies import CachePolicy, LRUCachePolicy
+
+
+def test_compiled_modules_are_all_or_nothing() -> None:
+    # mypyc's extensions share one runtime library: a mix means a broken or stale build.
+    states = compiled_modules()
+    assert set(states) == set(COMPILED_MODULES)
+    assert len(set(states.values())) == 1, states
+
+
+def test_the_build_is_compiled_where_the_test_command_expects_it() -> None:
+    # scripts/test.sh sets KVCACHE_OFFLOAD_EXPECT_COMPILED=1 (0 for its pure-Python pass).
+    expected = os.environ.get("KVCACHE_OFFLOAD_EXPECT_COMPILED")
+    states = compiled_modules()
+    if expected == "1":
+        assert all(states.values()), f"the install fell back to pure Python: {states}"
+    elif expected == "0":
+        assert not any(states.values()), states
+    else:
+        assert set(states.values()) <= {True, False}
+
+
+def test_extensions_are_not_older_than_their_sources() -> None:
+    # An editable install keeps the extension beside the edited .py, which it shadows.
+    for name in COMPILED_MODULES:
+        module = importlib.import_module(name)
+        origin = Path(module.__file__ or "")
+        if origin.suffix == ".py":
+            continue
+        source = origin.parent / (name.rpartition(".")[2] + ".py")
+        assert origin.stat().st_mtime >= source.stat().st_mtime, (
+            f"{origin.name} is older than {source.name}: rebuild with ./scripts/setup.sh "
+            f"or set {PURE_PYTHON_ENV}=1"
+        )
+
+
+def test_pure_python_switch_loads_the_sources() -> None:
+    code = (
+        "import kvcache_offload as k, kvcache_offload.cpu.manager as m;"
+        "print(m.__file__);"
+        "assert not any(k.compiled_modules().values());"
+        "mgr = k.CPUOffloadingManager(2, 'arc');"
+        "out = mgr.prepare_store([b'key-0001', b'key-0002']);"
+        "assert out is not None and out.store_spec.block_ids.tolist() == [0, 1]"
+    )
+    env = {**os.environ, PURE_PYTHON_ENV: "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("manager.py")
+
+
+def test_out_of_tree_policies_subclass_the_compiled_base() -> None:
+    class Wrapped(CachePolicy):
+        """A Python policy over the compiled base (what an out-of-tree policy does)."""
+
+        name = "wrapped-lru"
+
+        def __init__(self, cache_capacity: int) -> None:
+            super().__init__(cache_capacity)
+            self.inner = LRUCachePolicy(cache_capacity)
+
+        def get(self, key):  # type: ignore[no-untyped-def]
+            return self.inner.get(key)
+
+        def insert(self, key, block):  # type: ignore[no-untyped-def]
+            self.inner.insert(key, block)
+
+        def remove(self, key):  # type: ignore[no-untyped-def]
+            self.inner.remove(key)
+
+        def touch(self, keys):  # type: ignore[no-untyped-def]
+            self.inner.touch(keys)
+
+        def evict(self, n, protected):  # type: ignore[no-untyped-def]
+            return self.inner.evict(n, protected)
+
+        def clear(self) -> None:
+            self.inner.clear()
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+    manager = CPUOffloadingManager(1, Wrapped)
+    first = manager.prepare_store([b"key-0001"])
+    assert first is not None
+    manager.complete_store([b"key-0001"])
+    second = manager.prepare_store([b"key-0002"])
+    assert second is not None and second.evicted_keys == [b"key-0001"]
