@@ -10,11 +10,11 @@ Layouts (Llama-3-8B-like: 32 layers, 8 KV heads, head size 128, bf16, 16-token G
 Each job moves 1,024 random GPU blocks to (or from) 1,024 random CPU slots of the handlers'
 default CPU allocation (block-major: one pinned buffer, a slot's pages back to back). For
 every mechanism (``kernel``: one Triton UVA launch per job; ``dma``: one
-``cudaMemcpyBatchAsync`` per job; ``staged[:chunk MiB:depth[:inline]]``: device gather or
-scatter through a GPU staging ring plus one DMA per CPU block, issued by a submit thread
-unless ``inline``; ``STORE/LOAD``: a different mechanism per direction, e.g.
-``kernel/staged``; ``auto``: the handler's per-job choice; ``torch``: the plain-torch
-fallback) it
+``cudaMemcpyBatchAsync`` per job; ``staged[:chunk MiB:depth[:inline][:yield=us]]``: device
+gather or scatter through a GPU staging ring plus one DMA per CPU block, issued by a submit
+thread (pausing ``yield`` us after each chunk) unless ``inline``; ``STORE/LOAD``: a
+different mechanism per direction, e.g. ``kernel/staged``; ``auto``: the handler's per-job
+choice; ``torch``: the plain-torch fallback) it
 reports GB/s GPU->CPU and CPU->GPU (CUDA-event time of each job), both directions at once
 (wall time of a store and a load submitted together), the host time of ``transfer_async``,
 and the ratio to one bulk pinned copy of the same bytes measured in the same run. A sweep
@@ -218,7 +218,8 @@ def _handlers(
     gpu: list[torch.Tensor], cpu: list[torch.Tensor], kv: CanonicalKVCaches, mech: str, **kw: Any
 ) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
     """``mech`` is a mechanism name, ``hybrid:<share>`` for a DMA share of the layers,
-    ``staged:<chunk MiB>:<depth>[:inline]`` or ``STORE/LOAD`` (one mechanism per direction)."""
+    ``staged:<chunk MiB>:<depth>[:inline][:yield=<us>]`` or ``STORE/LOAD`` (one mechanism
+    per direction)."""
     if "/" in mech:
         store_mech, load_mech = mech.split("/")
         return _handlers(gpu, cpu, kv, store_mech, **kw)[0], _handlers(gpu, cpu, kv, load_mech)[1]
@@ -227,10 +228,13 @@ def _handlers(
         if mech == "hybrid":
             kw["hybrid_dma_share"] = float(opts[0])
         elif mech == "staged":
+            flags = opts[2:]
+            pause = [float(f[6:]) * 1e-6 for f in flags if f.startswith("yield=")]
             kw["staging"] = StagingConfig(
                 chunk_bytes=int(float(opts[0]) * 1024 * 1024),
                 depth=int(opts[1]) if len(opts) > 1 else 2,
-                submit_thread=not (len(opts) > 2 and opts[2] == "inline"),
+                submit_thread="inline" not in flags,
+                yield_s=pause[0] if pause else StagingConfig.yield_s,
             )
     refs = kv.group_data_refs
     return (

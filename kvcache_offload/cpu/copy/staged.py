@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,10 @@ class StagingConfig:
     """Staging buffers per direction (GPU memory: ``depth * chunk_bytes``)."""
     submit_thread: bool = True
     """Issue chunks from a dedicated thread (``transfer_async`` only queues the job)."""
+    yield_s: float = 20e-6
+    """The submit thread sleeps this long after issuing each chunk, so that the other
+    direction's thread and the caller get the GIL instead of waiting out Python's switch
+    interval (5 ms) behind a burst of issuing; 0: no pause."""
     auto_min_piece_bytes: int | None = 256 * 1024
     """``auto`` picks the staged path for a small-fragment job whose DMA pieces average at
     least this many bytes; None: never."""
@@ -476,6 +481,7 @@ class StagedCopier:
             src_factor, dst_factor = (1, self.layout.factor)
             if not self.gpu_to_cpu:
                 src_factor, dst_factor = dst_factor, src_factor
+            pause = self.config.yield_s if threading.current_thread() is self._thread else 0.0
             for c, chunk in enumerate(prep.chunks):
                 s = c % self.config.depth
                 if self.gpu_to_cpu:
@@ -484,6 +490,8 @@ class StagedCopier:
                 else:
                     self._dma_step(ds, ks, s, prep, chunk)
                     self._kernel_step(ks, s, slot, chunk, job.plan, src_factor, dst_factor)
+                if pause > 0 and c + 1 < len(prep.chunks):
+                    time.sleep(pause)
             last.wait_stream(first)  # also orders a job without chunks
             job.end_event.record(last)
             job.end_recorded = True
@@ -565,6 +573,7 @@ class StagedCopier:
             "blocks_per_chunk": self.blocks_per_chunk,
             "depth": self.config.depth,
             "submit_thread": self.config.submit_thread,
+            "yield_s": self.config.yield_s,
             "auto_min_piece_bytes": self.config.auto_min_piece_bytes,
             "block_major": self.layout.block_major,
             "staging_gpu_bytes": self.memory_bytes(),
