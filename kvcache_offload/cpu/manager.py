@@ -29,6 +29,8 @@ __all__ = ["CPUManagerStats", "CPUOffloadingManager"]
 
 MEDIUM = "CPU"
 
+_NOTHING_PROTECTED: frozenset[OffloadKey] = frozenset()
+
 
 @dataclass(frozen=True)
 class CPUManagerStats:
@@ -206,17 +208,35 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         _check_keys(keys)
         table = self._blocks
-        keys_to_store = [key for key in keys if key not in table]
+        get = table.get
+        keys_to_store: list[OffloadKey] = []
+        present: list[BlockStatus] = []
+        for key in keys:
+            block = get(key)
+            if block is None:
+                keys_to_store.append(key)
+            elif block.ref_cnt >= 0:
+                present.append(block)
         if not keys_to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
-        key_set = set(keys)  # duplicate check now, eviction protection below
-        if len(key_set) != len(keys) and len(set(keys_to_store)) != len(keys_to_store):
+        if len(set(keys_to_store)) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         if needed > 0:
-            victims = self._policy.evict(needed, key_set) if self._num_idle() >= needed else None
+            victims = None
+            if self._num_idle() >= needed:
+                # Every key of this call must survive the eviction. The ready ones are pinned
+                # for it (blocks being read or written are never evicted anyway): the same
+                # effect as passing the keys as ``protected``, without building a set of them.
+                for block in present:
+                    block.ref_cnt += 1
+                try:
+                    victims = self._policy.evict(needed, _NOTHING_PROTECTED)
+                finally:
+                    for block in present:
+                        block.ref_cnt -= 1
             if victims is None:
                 self._rejected_stores += 1
                 return None

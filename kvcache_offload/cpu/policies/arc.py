@@ -27,6 +27,9 @@ T2: Final = 1
 B1: Final = 2
 B2: Final = 3
 
+_NO_KEY: Final = OffloadKey(b"")
+_MAX_SPARE_NODES: Final = 4096
+
 
 class _Node:
     """One key in one of the four lists; ``block`` is None while it is a ghost."""
@@ -43,7 +46,7 @@ class _Ring:
     """A list of nodes, least recent first, around a sentinel."""
 
     def __init__(self) -> None:
-        self.head = _Node(OffloadKey(b""), None, -1)
+        self.head = _Node(_NO_KEY, None, -1)
         self.size = 0
 
     def append(self, node: _Node) -> None:
@@ -103,6 +106,8 @@ class ARCCachePolicy(CachePolicy):
         self.target_t1_size = 0.0
         self.scanned = 0
         self._nodes: dict[OffloadKey, _Node] = {}
+        # Nodes of forgotten ghosts, reused by insert: steady-state stores allocate nothing.
+        self._spare: list[_Node] = []
         self._t1 = _Ring()
         self._t2 = _Ring()
         self._b1 = _Ring()
@@ -142,11 +147,15 @@ class ARCCachePolicy(CachePolicy):
         return node.block
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        node = self._nodes.get(key)
-        if node is None:
-            node = _Node(key, block, T1)
-            self._nodes[key] = node
+        spare = self._spare
+        fresh = spare.pop() if spare else _Node(key, block, T1)
+        node = self._nodes.setdefault(key, fresh)  # one probe, ghost or not
+        if node is fresh:
+            node.key = key
+            node.block = block
+            node.where = T1
         else:  # a ghost comes back: it leaves its ghost list
+            spare.append(fresh)
             self._ring(node.where).unlink(node)
             node.block = block
             node.where = T1
@@ -257,13 +266,18 @@ class ARCCachePolicy(CachePolicy):
         """Forget the least recent ghosts beyond the cache capacity."""
         nodes = self._nodes
         head = ghosts.head
+        spare = self._spare
         while ghosts.size > self.cache_capacity:
             node = head.next
             ghosts.unlink(node)
             del nodes[node.key]
+            if len(spare) < _MAX_SPARE_NODES:
+                node.key = _NO_KEY
+                spare.append(node)
 
     def clear(self) -> None:
         self._nodes.clear()
+        self._spare.clear()
         for ring in (self._t1, self._t2, self._b1, self._b2):
             ring.clear()
         self.target_t1_size = 0.0
