@@ -3,6 +3,8 @@
 * :mod:`~kvcache_offload.cpu.copy.plan` (torch-free): a job's fragments, vectorised.
 * :mod:`~kvcache_offload.cpu.copy.triton_kernel`: one persistent Triton UVA launch per job.
 * :mod:`~kvcache_offload.cpu.copy.dma`: one ``cudaMemcpyBatchAsync`` per job (ctypes).
+* :mod:`~kvcache_offload.cpu.copy.staged`: device gather/scatter through a GPU staging ring
+  plus one DMA per (block-major) CPU block.
 * :mod:`~kvcache_offload.cpu.copy.torch_copy`: the plain-torch fallback, also the CPU backend.
 
 Only the torch-free planning names are exported here; import the others by module path.

@@ -73,8 +73,9 @@ class StagingConfig:
     """Issue chunks from a dedicated thread (``transfer_async`` only queues the job)."""
     yield_s: float = 20e-6
     """The submit thread sleeps this long after issuing each chunk, so that the other
-    direction's thread and the caller get the GIL instead of waiting out Python's switch
-    interval (5 ms) behind a burst of issuing; 0: no pause."""
+    direction's thread and the caller can take the GIL between chunks; 0: no pause. (On the
+    H200 bench, one job per direction, 0, 20 and 100 us measured the same within noise; the
+    thread stays far ahead of the copy engine either way.)"""
     auto_min_piece_bytes: int | None = 256 * 1024
     """``auto`` picks the staged path for a small-fragment job whose DMA pieces average at
     least this many bytes; None: never."""
