@@ -10,7 +10,8 @@ Layouts (Llama-3-8B-like: 32 layers, 8 KV heads, head size 128, bf16, 16-token G
 Each job moves 1,024 random GPU blocks to (or from) 1,024 random CPU slots of the handlers'
 default CPU allocation (block-major: one pinned buffer, a slot's pages back to back). For
 every mechanism (``kernel``: one Triton UVA launch per job; ``dma``: one
-``cudaMemcpyBatchAsync`` per job; ``staged[:chunk MiB:depth[:inline][:yield=us]]``: device
+``cudaMemcpyBatchAsync`` per job;
+``staged[:chunk MiB:depth[:inline][:yield=us][:nothrottle]]``: device
 gather or scatter through a GPU staging ring plus one DMA per CPU block, issued by a submit
 thread (pausing ``yield`` us after each chunk) unless ``inline``; ``STORE/LOAD``: a
 different mechanism per direction, e.g. ``kernel/staged``; ``auto``: the handler's per-job
@@ -218,8 +219,8 @@ def _handlers(
     gpu: list[torch.Tensor], cpu: list[torch.Tensor], kv: CanonicalKVCaches, mech: str, **kw: Any
 ) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
     """``mech`` is a mechanism name, ``hybrid:<share>`` for a DMA share of the layers,
-    ``staged:<chunk MiB>:<depth>[:inline][:yield=<us>]`` or ``STORE/LOAD`` (one mechanism
-    per direction)."""
+    ``staged:<chunk MiB>:<depth>[:inline][:yield=<us>][:nothrottle]`` or ``STORE/LOAD`` (one
+    mechanism per direction)."""
     if "/" in mech:
         store_mech, load_mech = mech.split("/")
         return _handlers(gpu, cpu, kv, store_mech, **kw)[0], _handlers(gpu, cpu, kv, load_mech)[1]
@@ -235,6 +236,7 @@ def _handlers(
                 depth=int(opts[1]) if len(opts) > 1 else 2,
                 submit_thread="inline" not in flags,
                 yield_s=pause[0] if pause else StagingConfig.yield_s,
+                throttle="nothrottle" not in flags,
             )
     refs = kv.group_data_refs
     return (
