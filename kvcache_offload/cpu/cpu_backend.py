@@ -131,7 +131,13 @@ def allocate_cpu_tensors(
             )
         return [mmap_region.create_next_view(page) for page in pages]
     cell = sum(pages)
-    buf = torch.zeros((num_cpu_blocks, cell), dtype=torch.int8, pin_memory=pin_memory)
+    if pin_memory:
+        # Exactly sized: torch's own pinned allocator rounds up to a power of two.
+        from kvcache_offload.cpu.pinned_buffer import pinned_zeros
+
+        buf = pinned_zeros(num_cpu_blocks, cell)
+    else:
+        buf = torch.zeros((num_cpu_blocks, cell), dtype=torch.int8)
     out = []
     offset = 0
     for page in pages:
