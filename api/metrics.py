@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvcache_offload import __version__, compiled_modules
 from kvcache_offload.aio.types import EngineStats, EventType
 
 __all__ = [
@@ -58,11 +59,19 @@ class EngineCollector(Collector):
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
+        self._manager_build = "compiled" if all(compiled_modules().values()) else "python"
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: the engine may not exist when the registry is built
 
     def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily(
+            P + "build_info",
+            "Always 1: the package version and how its manager runs (compiled or python).",
+            labels=["version", "manager"],
+        )
+        build.add_metric([__version__, self._manager_build], 1)
+        yield build
         s = self._stats()
         if s is None:
             return

@@ -108,6 +108,19 @@ async def test_metrics_parse_and_move_with_the_traffic(client: OffloadClient) ->
     )
 
 
+async def test_metrics_say_which_manager_build_serves(client: OffloadClient) -> None:
+    from kvcache_offload import __version__, compiled_modules
+
+    text = await client.metrics_text()
+    (family,) = [
+        f for f in text_string_to_metric_families(text) if f.name == "kvcache_offload_build_info"
+    ]
+    (sample,) = family.samples
+    build = "compiled" if all(compiled_modules().values()) else "python"
+    assert sample.labels == {"version": __version__, "manager": build}
+    assert sample.value == 1
+
+
 def test_sigterm_runs_the_lifespan_shutdown_that_closes_the_engine() -> None:
     with running_server("--log-level", "info") as srv:
         code = srv.stop()
