@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from kvcache_offload.base import (
     OffloadingEvent,
     OffloadingManager,
@@ -64,6 +66,7 @@ def _check_keys(keys: Sequence[object]) -> None:
             validate_offload_key(key)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class CPUOffloadingManager(OffloadingManager):
     """vLLM's classic CPU manager: fresh slot ids ascending, then freed ids LIFO.
 

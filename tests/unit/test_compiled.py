@@ -100,3 +100,32 @@ def test_out_of_tree_policies_subclass_the_compiled_base() -> None:
     manager.complete_store([b"key-0001"])
     second = manager.prepare_store([b"key-0002"])
     assert second is not None and second.evicted_keys == [b"key-0001"]
+
+
+def test_the_compiled_manager_and_policies_can_be_subclassed_in_python() -> None:
+    from kvcache_offload.cpu.policies import ARCCachePolicy
+
+    class CountingManager(CPUOffloadingManager):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            self.lookups = 0
+
+        def lookup(self, key, req_context=None):  # type: ignore[no-untyped-def]
+            self.lookups += 1
+            return super().lookup(key, req_context)
+
+    class NoTouchLRU(LRUCachePolicy):
+        def touch(self, keys):  # type: ignore[no-untyped-def]
+            pass  # recency follows insertion only
+
+    class NamedARC(ARCCachePolicy):
+        name = "named-arc"
+
+    m = CountingManager(2, NoTouchLRU)
+    assert m.prepare_store([b"key-0001", b"key-0002"]) is not None
+    m.complete_store([b"key-0001", b"key-0002"])
+    m.touch([b"key-0001"])  # ignored by the subclass: key 1 stays least recent
+    out = m.prepare_store([b"key-0003"])
+    assert out is not None and out.evicted_keys == [b"key-0001"]
+    assert m.lookup(b"key-0002") is True and m.lookups == 1
+    assert CPUOffloadingManager(1, NamedARC).stats().policy == "named-arc"

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Final
 
+from mypy_extensions import mypyc_attr
+
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
 
@@ -91,6 +93,7 @@ class _Ring:
         self.size = 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class ARCCachePolicy(CachePolicy):
     """ARC as vLLM drives it: adaptation on ``touch`` of ghost keys, new blocks enter T1.
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.cpu.policies.base import BlockStatus, CachePolicy
 
 __all__ = ["LRUCachePolicy"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class LRUCachePolicy(CachePolicy):
     """vLLM's LRU: insertion and ``touch`` move a key to the most-recent end.
 
