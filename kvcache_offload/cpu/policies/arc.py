@@ -29,12 +29,18 @@ T2: Final = 1
 B1: Final = 2
 B2: Final = 3
 
-_NO_KEY: Final = OffloadKey(b"")
 _MAX_SPARE_NODES: Final = 4096
 
 
+@mypyc_attr(acyclic=True)
 class _Node:
-    """One key in one of the four lists; ``block`` is None while it is a ghost."""
+    """One key in one of the four lists; ``block`` is None while it is a ghost.
+
+    Compiled, nodes stay out of the cyclic garbage collector (``acyclic``): a cache of a
+    million blocks would otherwise add a million objects to every full collection. The
+    rings are the only cycles, so they are cut by hand: a node leaving a ring is detached,
+    and a policy cuts its rings when cleared or freed.
+    """
 
     def __init__(self, key: OffloadKey, block: BlockStatus | None, where: int) -> None:
         self.key = key
@@ -44,11 +50,15 @@ class _Node:
         self.next: _Node = self
 
 
+_DETACHED: Final = _Node(OffloadKey(b""), None, -1)
+"""What a node outside any ring points to (instead of its former neighbours)."""
+
+
 class _Ring:
     """A list of nodes, least recent first, around a sentinel."""
 
     def __init__(self) -> None:
-        self.head = _Node(_NO_KEY, None, -1)
+        self.head = _Node(OffloadKey(b""), None, -1)
         self.size = 0
 
     def append(self, node: _Node) -> None:
@@ -64,6 +74,8 @@ class _Ring:
     def unlink(self, node: _Node) -> None:
         node.prev.next = node.next
         node.next.prev = node.prev
+        node.prev = _DETACHED
+        node.next = _DETACHED
         self.size -= 1
 
     def move_to_end(self, node: _Node) -> None:
@@ -87,10 +99,23 @@ class _Ring:
             node = node.next
         return out
 
+    def cut(self) -> None:
+        """Detach every node and the sentinel: no reference cycle is left."""
+        head = self.head
+        node = head.next
+        while node is not head:
+            following = node.next
+            node.prev = _DETACHED
+            node.next = _DETACHED
+            node = following
+        head.prev = _DETACHED
+        head.next = _DETACHED
+        self.size = 0
+
     def clear(self) -> None:
+        self.cut()
         self.head.prev = self.head
         self.head.next = self.head
-        self.size = 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -275,7 +300,7 @@ class ARCCachePolicy(CachePolicy):
             ghosts.unlink(node)
             del nodes[node.key]
             if len(spare) < _MAX_SPARE_NODES:
-                node.key = _NO_KEY
+                node.key = _DETACHED.key
                 spare.append(node)
 
     def clear(self) -> None:
@@ -284,6 +309,10 @@ class ARCCachePolicy(CachePolicy):
         for ring in (self._t1, self._t2, self._b1, self._b2):
             ring.clear()
         self.target_t1_size = 0.0
+
+    def __del__(self) -> None:
+        for ring in (self._t1, self._t2, self._b1, self._b2):
+            ring.cut()
 
     def __len__(self) -> int:
         return self._t1.size + self._t2.size
