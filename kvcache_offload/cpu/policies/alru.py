@@ -126,18 +126,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 self._probation[tail] = _DEMOTED
                 self._probation.move_to_end(tail, last=False)
 
-    def remove(self, key: OffloadKey) -> None:
-        self._flush_batch()
-        del self._blocks[key]
+    def _dequeue(self, key: OffloadKey) -> None:
         self._tails.discard(key)
         if key in self._probation:
             del self._probation[key]
         else:
             del self._main[key]
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._batch.clear()
+    def _clear_queues(self) -> None:
         self._probation.clear()
         self._main.clear()
         self._ghost.clear()

@@ -130,7 +130,7 @@ class ARCCachePolicy(CachePolicy):
     name = "arc"
 
     def __init__(self, cache_capacity: int) -> None:
-        self.cache_capacity = cache_capacity
+        super().__init__(cache_capacity)
         self.target_t1_size = 0.0
         self.scanned = 0
         self._nodes: dict[OffloadKey, _Node] = {}

@@ -25,7 +25,7 @@ class LRUCachePolicy(CachePolicy):
     name = "lru"
 
     def __init__(self, cache_capacity: int) -> None:
-        self.cache_capacity = cache_capacity
+        super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
 
     def get(self, key: OffloadKey) -> BlockStatus | None:

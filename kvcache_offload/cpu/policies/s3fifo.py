@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
 from kvcache_offload.base import OffloadKey
-from kvcache_offload.cpu.policies._prefix_batch import QueuePolicy
+from kvcache_offload.cpu.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.cpu.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.cpu.policies.base import BlockStatus
 
@@ -22,7 +22,7 @@ _MAX_FREQ = 3
 _SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
 
 
-class S3FIFOCachePolicy(QueuePolicy):
+class S3FIFOCachePolicy(PlannedQueuePolicy):
     """S3-FIFO driven by the manager: ``touch`` is the access, a store is not.
 
     The small queue targets ``small_ratio`` of the capacity; a block leaving it moves to the
@@ -68,9 +68,7 @@ class S3FIFOCachePolicy(QueuePolicy):
         else:
             self._small[key] = None
 
-    def remove(self, key: OffloadKey) -> None:
-        self._flush_batch()
-        del self._blocks[key]
+    def _dequeue(self, key: OffloadKey) -> None:
         del self._freq[key]
         if key in self._small:
             del self._small[key]
@@ -92,15 +90,6 @@ class S3FIFOCachePolicy(QueuePolicy):
             count = freq[key]
             if count < _MAX_FREQ:
                 freq[key] = count + 1
-
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
-        steps = self._plan(n, protected)
-        return None if steps is None else self._apply(steps)
 
     def _plan(
         self, n: int, protected: Collection[OffloadKey]
@@ -189,9 +178,7 @@ class S3FIFOCachePolicy(QueuePolicy):
                 main_ghost.popitem(last=False)
         return victims
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._batch.clear()
+    def _clear_queues(self) -> None:
         self._small.clear()
         self._main.clear()
         self._ghost.clear()

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 from itertools import chain
 
 from kvcache_offload.base import OffloadKey
-from kvcache_offload.cpu.policies._prefix_batch import QueuePolicy
+from kvcache_offload.cpu.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.cpu.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.cpu.policies.base import BlockStatus
 
@@ -21,7 +21,7 @@ __all__ = ["SIEVECachePolicy"]
 _KEEP, _CLEAR, _EVICT = range(3)
 
 
-class SIEVECachePolicy(QueuePolicy):
+class SIEVECachePolicy(PlannedQueuePolicy):
     """SIEVE with the queue split at the hand.
 
     ``_ahead`` holds the blocks from the hand to the newest (new blocks join its end);
@@ -41,9 +41,7 @@ class SIEVECachePolicy(QueuePolicy):
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._ahead[key] = None
 
-    def remove(self, key: OffloadKey) -> None:
-        self._flush_batch()
-        del self._blocks[key]
+    def _dequeue(self, key: OffloadKey) -> None:
         self._visited.discard(key)
         if key in self._ahead:
             del self._ahead[key]
@@ -58,15 +56,6 @@ class SIEVECachePolicy(QueuePolicy):
             # A store just prepared is not an access.
             if block is not None and block.ref_cnt != -1:
                 visited.add(key)
-
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
-        steps = self._plan(n, protected)
-        return None if steps is None else self._apply(steps)
 
     def _plan(
         self, n: int, protected: Collection[OffloadKey]
@@ -119,9 +108,7 @@ class SIEVECachePolicy(QueuePolicy):
                     visited.discard(key)
         return victims
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._batch.clear()
+    def _clear_queues(self) -> None:
         self._ahead.clear()
         self._behind.clear()
         self._visited.clear()

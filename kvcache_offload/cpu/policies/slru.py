@@ -50,9 +50,7 @@ class SLRUCachePolicy(QueuePolicy):
             key, _ = protected.popitem(last=False)
             probation[key] = None
 
-    def remove(self, key: OffloadKey) -> None:
-        self._flush_batch()
-        del self._blocks[key]
+    def _dequeue(self, key: OffloadKey) -> None:
         if key in self._probation:
             del self._probation[key]
         else:
@@ -118,9 +116,7 @@ class SLRUCachePolicy(QueuePolicy):
             ghost.popitem(last=False)
         return victims
 
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._batch.clear()
+    def _clear_queues(self) -> None:
         self._probation.clear()
         self._protected.clear()
         self._ghost.clear()
