@@ -145,9 +145,7 @@ class TransferPlan:
         bits = 0
         for s in sizes:
             bits |= s
-        alignment = 16
-        while alignment > 1 and bits % alignment:
-            alignment //= 2
+        alignment = _alignment_of(bits)
         return cls(
             groups=groups,
             num_fragments=sum(g.num_fragments for g in groups),
@@ -291,9 +289,7 @@ def build_plan(
             f"the groups consume {src_off} source and {dst_off} destination block ids, but "
             f"the job names {len(src_ids)} and {len(dst_ids)}"
         )
-    alignment = 16
-    while alignment > 1 and align_bits % alignment:
-        alignment //= 2
+    alignment = _alignment_of(align_bits)
     return TransferPlan(
         groups=groups,
         num_fragments=sum(g.num_fragments for g in groups),
@@ -311,6 +307,11 @@ def geometry_alignment(*sides: SideGeometry) -> int:
         for arr in (side.base, side.row_stride, side.sub_bytes):
             if len(arr):
                 bits |= int(np.bitwise_or.reduce(arr))
+    return _alignment_of(bits)
+
+
+def _alignment_of(bits: int) -> int:
+    """Largest power of two (<= 16) dividing ``bits``, an OR of sizes or addresses."""
     alignment = 16
     while alignment > 1 and bits % alignment:
         alignment //= 2
