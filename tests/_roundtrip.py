@@ -191,3 +191,19 @@ def round_trip(
 
 def job_bytes(kv: CanonicalKVCaches, job: Job) -> int:
     return sum(ref.page_size_bytes for g, *_ in job.fragments for ref in kv.group_data_refs[g])
+
+
+def skip_unless_available(mechanism: str) -> None:
+    """Skip a CUDA test whose copy mechanism this machine cannot run (no Triton, or a CUDA
+    runtime without ``cudaMemcpyBatchAsync``)."""
+    import pytest
+
+    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
+    from kvcache_offload.cpu.copy.triton_kernel import triton_available
+
+    if mechanism in ("kernel", "hybrid", "staged") and not triton_available()[0]:
+        pytest.skip("triton unavailable")
+    if mechanism in ("dma", "hybrid", "staged"):
+        rt = get_cuda_runtime()
+        if rt is None or not rt.has_batch_memcpy:
+            pytest.skip("cudaMemcpyBatchAsync unavailable")

@@ -26,6 +26,7 @@ from tests._roundtrip import (  # noqa: E402
     poison,
     random_job,
     round_trip,
+    skip_unless_available,
     snapshot,
 )
 
@@ -41,22 +42,10 @@ def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
     return CpuGpuOffloadingHandlers(kv, factor, num_cpu, region, mechanism=mechanism, **kw)
 
 
-def _skip_unavailable(mechanism: str) -> None:
-    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
-    from kvcache_offload.cpu.copy.triton_kernel import triton_available
-
-    if mechanism in ("kernel", "hybrid", "staged") and not triton_available()[0]:
-        pytest.skip("triton unavailable")
-    if mechanism in ("dma", "hybrid", "staged"):
-        rt = get_cuda_runtime()
-        if rt is None or not rt.has_batch_memcpy:
-            pytest.skip("cudaMemcpyBatchAsync unavailable")
-
-
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("factor", [1, 4])
 def test_cuda_round_trip_is_byte_exact_with_groups_skips_and_padding(mechanism, factor):
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(10 + factor)
     rng = np.random.default_rng(factor)
     kv = make_caches(
@@ -91,7 +80,7 @@ def test_cuda_round_trip_is_byte_exact_with_groups_skips_and_padding(mechanism, 
 @pytest.mark.parametrize("mechanism", ["kernel", "torch"])
 def test_cuda_odd_page_sizes_copy_exactly(mechanism):
     """Unaligned sizes force the byte-granular kernel variant."""
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(3)
     kv = make_caches(
         num_tensors=2,
@@ -119,7 +108,7 @@ def test_cuda_odd_page_sizes_copy_exactly(mechanism):
 def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
     from kvcache_offload.cpu.copy.triton_kernel import triton_available
 
-    _skip_unavailable("dma")
+    skip_unless_available("dma")
     if not triton_available()[0]:
         pytest.skip("triton unavailable")
     gen = torch.Generator().manual_seed(4)
@@ -164,7 +153,7 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
 
 @pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "hybrid", "torch"])
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(5)
     kv = make_caches(
         num_tensors=4,
@@ -228,7 +217,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
 @pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_store_waits_for_the_compute_stream(mechanism):
     """The KV written by a slow kernel on the compute stream is what gets stored."""
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(6)
     kv = make_caches(
         num_tensors=1,
@@ -258,7 +247,7 @@ def test_cuda_store_waits_for_the_compute_stream(mechanism):
 
 @pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(7)
     kv = make_caches(
         num_tensors=2,
@@ -299,7 +288,7 @@ def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
 
 @pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
-    _skip_unavailable(mechanism)
+    skip_unless_available(mechanism)
     from kvcache_offload.base import GPULoadStoreSpec
     from kvcache_offload.worker.worker import OffloadingWorker
 

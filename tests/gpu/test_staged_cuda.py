@@ -24,17 +24,9 @@ from tests._roundtrip import (  # noqa: E402
     poison,
     random_job,
     round_trip,
+    skip_unless_available,
     snapshot,
 )
-
-
-def _need_staged() -> None:
-    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
-    from kvcache_offload.cpu.copy.triton_kernel import triton_available
-
-    rt = get_cuda_runtime()
-    if rt is None or not rt.has_batch_memcpy or not triton_available()[0]:
-        pytest.skip("the staged path needs triton and cudaMemcpyBatchAsync")
 
 
 def _handlers(kv, factor, num_cpu, mechanism="staged", **staging):
@@ -52,7 +44,7 @@ def test_staged_round_trip_through_a_small_ring_is_byte_exact(
     submit_thread, factor, chunk_cells, depth
 ):
     """Jobs of many chunks (ring wraps many times), groups, skips, padding, a shared tensor."""
-    _need_staged()
+    skip_unless_available("staged")
     gen = torch.Generator().manual_seed(factor * 10 + chunk_cells)
     kv = make_caches(
         num_tensors=3,
@@ -84,7 +76,7 @@ def test_staged_round_trip_through_a_small_ring_is_byte_exact(
 
 
 def test_auto_picks_staged_for_whole_blocks_and_the_kernel_for_scattered_pieces():
-    _need_staged()
+    skip_unless_available("staged")
     from kvcache_offload.cpu.copy.triton_kernel import triton_available
     from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
@@ -128,7 +120,7 @@ def test_auto_picks_staged_for_whole_blocks_and_the_kernel_for_scattered_pieces(
 
 def test_staged_concurrent_loads_and_stores_of_many_jobs_are_exact():
     """Both directions in flight at once, several jobs each, through two-buffer rings."""
-    _need_staged()
+    skip_unless_available("staged")
     gen = torch.Generator().manual_seed(5)
     kv = make_caches(
         num_tensors=8,
@@ -180,7 +172,7 @@ def test_staged_concurrent_loads_and_stores_of_many_jobs_are_exact():
 
 @pytest.mark.parametrize("submit_thread", [True, False])
 def test_staged_shutdown_with_jobs_in_flight_finishes_them_and_refuses_more(submit_thread):
-    _need_staged()
+    skip_unless_available("staged")
     from kvcache_offload.errors import TransferError
 
     gen = torch.Generator().manual_seed(8)
