@@ -29,10 +29,28 @@ def _compiled_sources() -> list[str]:
     return [name.replace(".", "/") + ".py" for name in names]
 
 
+HOSTCOPY = "kvcache_offload.cpu.copy._hostcopy"
+
+
+def _hostcopy_extension() -> Any:
+    """The CPU backend's GIL-free fragment copy (optional: ctypes is the fallback)."""
+    from setuptools import Extension
+
+    return Extension(
+        HOSTCOPY,
+        ["kvcache_offload/cpu/copy/_hostcopy.c"],
+        extra_compile_args=["-O3"],
+    )
+
+
 def _ext_modules() -> list[Any]:
     if os.environ.get("KVCACHE_OFFLOAD_COMPILE", "1").strip().lower() in ("0", "false", "no"):
         _warn("KVCACHE_OFFLOAD_COMPILE=0")
         return []
+    return [*_mypyc_modules(), _hostcopy_extension()]
+
+
+def _mypyc_modules() -> list[Any]:
     try:
         from mypyc.build import mypycify
     except ImportError:
@@ -58,8 +76,9 @@ def _ext_modules() -> list[Any]:
 class OptionalBuildExt(build_ext):
     """Installs without the extensions if the C compiler is missing or fails.
 
-    All or nothing: mypyc's per-module extensions need its shared runtime extension, so one
-    failure removes every extension built here.
+    All or nothing for mypyc: its per-module extensions need its shared runtime extension, so
+    one failure removes every mypyc extension built here. The host-copy extension stands alone:
+    if it fails, only it is missing (the CPU backend then copies through ctypes).
     """
 
     def run(self) -> None:
@@ -71,12 +90,19 @@ class OptionalBuildExt(build_ext):
             _warn(f"building the C extensions failed ({exc})")
         if self._failed:
             for ext in self.extensions:
-                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+                if ext.name != HOSTCOPY:
+                    Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
 
     def build_extension(self, ext: Any) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
+            if ext.name == HOSTCOPY:
+                print(
+                    f"kvcache-offload: {ext.name} not built ({exc}); ctypes instead",
+                    file=sys.stderr,
+                )
+                return
             self._failed = True
             _warn(f"compiling {ext.name} failed ({exc})")
 

@@ -71,6 +71,11 @@ class OffloadConfig(BaseSettings):
     layout: KVCacheLayout = Field(default_factory=KVCacheLayout)
     backend: Literal["auto", "cpu", "cuda"] = "auto"
     """Data plane: "cuda" needs a GPU, "cpu" copies between CPU tensors, "auto" picks."""
+    transfer_mechanism: Literal["auto", "kernel", "dma", "staged", "torch"] = "auto"
+    """How the CUDA handlers copy a job: "auto" picks per job from its size and fragment
+    size (docs/transfers.md gives the rule and the measurements behind it); the others force
+    one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
+    plain torch ops). Ignored by the CPU backend."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None

@@ -8,7 +8,6 @@ the task is busy is remembered and makes the next ``wait`` return at once (no lo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 __all__ = ["Waker"]
 
@@ -25,6 +24,7 @@ class Waker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._woken = False
+        self._wake_scheduled = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -37,12 +37,24 @@ class Waker:
             waiter.set_result(None)
 
     def wake_threadsafe(self) -> None:
-        """Wake the waiting task from any thread; a no-op once the loop is gone."""
+        """Wake the waiting task from any thread; a no-op once the loop is gone.
+
+        Wakes that arrive while one is already scheduled are folded into it (one self-pipe
+        write per loop iteration, however many copies finish): the flag is cleared before
+        the wake runs, so whatever happened before a folded call is seen by the woken task.
+        """
         loop = self._loop
-        if loop is None:
+        if loop is None or self._wake_scheduled:
             return
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(self.wake)
+        self._wake_scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._wake_from_thread)
+        except RuntimeError:  # the loop is closed
+            self._wake_scheduled = False
+
+    def _wake_from_thread(self) -> None:
+        self._wake_scheduled = False
+        self.wake()
 
     async def wait(self, timeout: float | None = None) -> None:
         """Return when woken (or at once if a wake is pending) or after ``timeout`` seconds."""

@@ -129,7 +129,6 @@ class OffloadEngine:
             self._poller = TransferPoller(
                 self._worker, spin_s=poll_spin_s, backoff_s=poll_backoff_s
             )
-            self._connect_wakeups(self._worker, self._poller)
         self._block_memory: BlockMemory | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
@@ -163,14 +162,6 @@ class OffloadEngine:
                 self._guard(spec_shutdown, "shutting the spec down after a failed start")
             raise
         return worker
-
-    @staticmethod
-    def _connect_wakeups(worker: OffloadingWorker, poller: TransferPoller) -> None:
-        """Let handlers that know when a copy ends (thread pools) wake the poller."""
-        for handler in worker.handlers:
-            setter = getattr(handler, "set_completion_callback", None)
-            if callable(setter):
-                setter(poller.wake_threadsafe)
 
     def _observer_methods(self, name: str) -> list[Callable[..., object]]:
         methods = []

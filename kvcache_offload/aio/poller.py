@@ -6,13 +6,22 @@ job's completion callback on the loop thread, then resolves its future. The call
 awaiting coroutine, releases the manager's pins: a caller cancelled while it waits leaves
 nothing pinned, because the completion still runs when the copy finishes.
 
-Polling cost follows the load. With no job in flight the task sleeps on a :class:`Waker`
-(no CPU). With jobs in flight it spins on ``asyncio.sleep(0)`` (other coroutines still run
-between polls) for up to ``spin_s`` (20 ms) after the last submission or completion, so a
-copy that ends within that window resumes its caller within tens of microseconds. Past the
-window it waits ``backoff_s`` at a time; asyncio timers have ~1 ms granularity, so a longer
-copy pays up to ~1 ms, at most ~5% of its own duration. A handler that knows when a copy
-ends (a thread pool) cuts that wait short by calling :meth:`TransferPoller.wake_threadsafe`.
+Handlers that know when a copy ends (:class:`~kvcache_offload.worker.worker.NotifiesCompletion`:
+the CPU backend's copy threads, the CUDA handlers' completion watcher, which sleeps in the
+driver on each job's end event) wake the task; it then only sleeps and never spins, so the
+loop thread stays free for the callers and the copy threads never wait for the GIL behind a
+polling loop. A wake costs one self-pipe write however many jobs finished together, and the
+task polls again at least every ``backstop_s`` while jobs are in flight (a safety net that a
+correct handler never needs).
+
+Handlers that batch (:class:`~kvcache_offload.worker.worker.BatchesJobs`: the CUDA handlers'
+kernel and DMA paths) hold the jobs submitted during one loop iteration and issue them as one
+copy when the iteration ends (``loop.call_soon``): a serving engine's dozens of concurrent
+small jobs then cost one launch, one end event and one wake-up per batch instead of per job.
+
+Handlers that cannot notify are polled: with jobs in flight the task spins on
+``asyncio.sleep(0)`` for up to ``spin_s`` after the last submission or completion, then
+waits ``backoff_s`` at a time.
 """
 
 from __future__ import annotations
@@ -45,17 +54,29 @@ class TransferPoller:
     """Owns job ids and in-flight futures for one worker; :meth:`run` is its task."""
 
     def __init__(
-        self, worker: OffloadingWorker, *, spin_s: float = 0.02, backoff_s: float = 0.001
+        self,
+        worker: OffloadingWorker,
+        *,
+        spin_s: float = 0.02,
+        backoff_s: float = 0.001,
+        backstop_s: float = 0.01,
+        batch: bool = True,
     ) -> None:
         self.worker = worker
         self.spin_s = spin_s
         self.backoff_s = backoff_s
+        self.backstop_s = backstop_s
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._waker = Waker()
         self._last_activity = 0.0
         self._drained: asyncio.Event | None = None
         self.polls = 0
+        self.pushed = worker.set_completion_callback(self.wake_threadsafe)
+        """True when every handler wakes the poller itself (no spinning)."""
+        self.batched = worker.enable_batching() if batch else False
+        """True when jobs submitted in one loop tick are issued together (one copy)."""
+        self._flush_scheduled = False
 
     @property
     def in_flight(self) -> int:
@@ -79,11 +100,20 @@ class TransferPoller:
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
+        if self.batched and not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         now = time.perf_counter()
         self._jobs[job_id] = _Job(loop.create_future(), on_done, now)
         self._last_activity = now
         self._waker.wake()
         return self._jobs[job_id].future
+
+    def _flush(self) -> None:
+        """Issue what the handlers held this tick: runs once per loop iteration with jobs
+        submitted, after every coroutine that was ready in that iteration submitted its own."""
+        self._flush_scheduled = False
+        self.worker.flush()
 
     def poll_once(self) -> int:
         """Collect finished jobs, run their callbacks, resolve their futures; returns count."""
@@ -124,7 +154,11 @@ class TransferPoller:
             if not self._jobs:
                 await self._waker.wait()
                 continue
-            if self.poll_once():
+            if self.pushed:
+                self.poll_once()
+                if self._jobs:
+                    await self._waker.wait(self.backstop_s)
+            elif self.poll_once():
                 await asyncio.sleep(0)  # let the resumed coroutines run before polling again
             elif time.perf_counter() - self._last_activity < self.spin_s:
                 await asyncio.sleep(0)

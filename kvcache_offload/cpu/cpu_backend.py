@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCaches
+from kvcache_offload.cpu.copy.host_copy import HostCopier
 from kvcache_offload.cpu.copy.plan import (
+    PlanBuilder,
     SideGeometry,
     TransferPlan,
-    build_plan,
     parse_job,
     refs_arrays,
 )
-from kvcache_offload.cpu.copy.torch_copy import TorchCopier
 from kvcache_offload.errors import ConfigError, TransferError
 from kvcache_offload.worker.worker import (
     OffloadingHandler,
@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+HOST_BATCH_MAX_BYTES = 4 * 1024 * 1024
+"""A batch of held jobs goes to the copy thread once it holds this many bytes, so the thread
+copies one batch while the loop prepares the next."""
 
 GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
@@ -172,6 +176,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         run_plan: Callable[[TransferPlan, Any], None],
         prepare: Callable[[], Any] | None = None,
         thread_name: str = "kvoffload-copy",
+        can_batch: bool = False,
     ) -> None:
         if not src_tensors or len(src_tensors) != len(dst_tensors):
             raise ConfigError(
@@ -183,6 +188,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         self.src_geom = SideGeometry.from_tensors(src_tensors, src_factor)
         self.dst_geom = SideGeometry.from_tensors(dst_tensors, dst_factor)
         self._group_refs = [refs_arrays(refs) for refs in group_data_refs]
+        self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
         self._run_plan = run_plan
         self._prepare = prepare
         self._lock = threading.Lock()
@@ -192,6 +198,10 @@ class ThreadedOffloadingHandler(OffloadingHandler):
             max_workers=1, thread_name_prefix=thread_name
         )
         self._on_complete: Callable[[], None] | None = None
+        self._can_batch = can_batch and prepare is None
+        self._batching = False
+        self._held: list[tuple[int, TransferPlan]] = []
+        self._held_bytes = 0
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` (from the copy thread) each time a job finishes, so a poller
@@ -200,30 +210,54 @@ class ThreadedOffloadingHandler(OffloadingHandler):
 
     def plan(self, spec: TransferSpec) -> TransferPlan:
         src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
-        return build_plan(
-            src_ids,
-            dst_ids,
-            group_sizes,
-            block_indices,
-            self._group_refs,
-            self.src_geom,
-            self.dst_geom,
-        )
+        return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         plan = self.plan(spec)
         with self._lock:
             if self._executor is None:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._pending:
+            if job_id in self._pending or any(j == job_id for j, _ in self._held):
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            token = self._prepare() if self._prepare is not None else None
-            future = self._executor.submit(self._execute, plan, token)
-            future.add_done_callback(self._notify)
-            job = _Job(job_id, plan.num_bytes, future)
+            if self._batching:
+                self._held.append((job_id, plan))
+                self._held_bytes += plan.num_bytes
+                if self._held_bytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
+                    self._held_bytes = 0
+                    held, self._held = self._held, []
+                    self._issue(held)
+                return True
+            self._issue([(job_id, plan)])
+        return True
+
+    def set_batching(self, enabled: bool) -> None:
+        """Hold jobs until :meth:`flush` and run those held as one copy on the thread (one
+        hand-off and one wake-up for all of them). Fragments are copied in submission order,
+        so a later job still wins over an earlier one writing the same block."""
+        if not self._can_batch:
+            return
+        if not enabled:
+            self.flush()
+        self._batching = enabled
+
+    def flush(self) -> None:
+        if self._held:
+            with self._lock:
+                held, self._held = self._held, []
+                self._held_bytes = 0
+                if held and self._executor is not None:
+                    self._issue(held)
+
+    def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
+        assert self._executor is not None
+        plan = jobs[0][1] if len(jobs) == 1 else TransferPlan.merge([p for _, p in jobs])
+        token = self._prepare() if self._prepare is not None else None
+        future = self._executor.submit(self._execute, plan, token)
+        future.add_done_callback(self._notify)
+        for job_id, job_plan in jobs:
+            job = _Job(job_id, job_plan.num_bytes, future)
             self._jobs.append(job)
             self._pending[job_id] = job
-        return True
 
     def _notify(self, _future: Future[float]) -> None:
         callback = self._on_complete
@@ -259,6 +293,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         )
 
     def wait(self, job_ids: set[int]) -> None:
+        self.flush()
         with self._lock:
             futures = [self._pending[j].future for j in job_ids if j in self._pending]
         if futures:
@@ -270,10 +305,11 @@ class ThreadedOffloadingHandler(OffloadingHandler):
 
     def pending_job_ids(self) -> list[int]:
         with self._lock:
-            return [job.job_id for job in self._jobs]
+            return [j for j, _ in self._held] + [job.job_id for job in self._jobs]
 
     def shutdown(self) -> None:
         """Cancel jobs not started, wait for the running one, drop every job. Idempotent."""
+        self.flush()
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
@@ -311,20 +347,9 @@ class CpuBackendOffloadingHandlers:
             self.gpu_tensors, self.block_size_factor, num_cpu_blocks, mmap_region
         )
         refs = kv_caches.group_data_refs
-        store = TorchCopier(
-            self.gpu_tensors,
-            self.cpu_tensors,
-            1,
-            self.block_size_factor,
-            max_staging_bytes=max_staging_bytes,
-        )
-        load = TorchCopier(
-            self.cpu_tensors,
-            self.gpu_tensors,
-            self.block_size_factor,
-            1,
-            max_staging_bytes=max_staging_bytes,
-        )
+        del max_staging_bytes  # the host copy needs no staging; kept for callers that pass it
+        store = HostCopier(self.gpu_tensors, self.cpu_tensors, 1, self.block_size_factor)
+        load = HostCopier(self.cpu_tensors, self.gpu_tensors, self.block_size_factor, 1)
         self.gpu_to_cpu_handler = ThreadedOffloadingHandler(
             src_tensors=self.gpu_tensors,
             dst_tensors=self.cpu_tensors,
@@ -334,6 +359,7 @@ class CpuBackendOffloadingHandlers:
             gpu_to_cpu=True,
             run_plan=lambda plan, _token: store.run(plan),
             thread_name="kvoffload-store",
+            can_batch=True,
         )
         self.cpu_to_gpu_handler = ThreadedOffloadingHandler(
             src_tensors=self.cpu_tensors,
@@ -344,6 +370,7 @@ class CpuBackendOffloadingHandlers:
             gpu_to_cpu=False,
             run_plan=lambda plan, _token: load.run(plan),
             thread_name="kvoffload-load",
+            can_batch=True,
         )
 
     @property

@@ -40,9 +40,9 @@ import torch
 from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCaches
 from kvcache_offload.cpu.copy.dma import get_cuda_runtime
 from kvcache_offload.cpu.copy.plan import (
+    PlanBuilder,
     SideGeometry,
     TransferPlan,
-    build_plan,
     parse_job,
     refs_arrays,
 )
@@ -90,11 +90,33 @@ logger = logging.getLogger(__name__)
 
 Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
 
-DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
-"""Jobs whose mean fragment is at least this large use the batched DMA, smaller ones the
-kernel (measured on an H200, see bench/RESULTS.md)."""
+DEFAULT_DMA_MIN_FRAGMENT_BYTES = 64 * 1024
+"""``auto`` sends a job whose mean fragment is at least this large through the batched DMA
+(with at most ``DEFAULT_DMA_MAX_FRAGMENTS`` fragments), smaller ones through the kernel.
+From bench.serving on an H200: with 8 KiB fragments the DMA runs at 0.05-0.13 of the link,
+the kernel at 0.4; with 64 KiB fragments the DMA wins single jobs of up to 8 blocks and the
+mixed stream (its copy engines run both directions at once), the kernel wins larger jobs."""
+DEFAULT_DMA_MAX_FRAGMENTS = 1024
+"""A DMA job of 64 KiB fragments costs the copy engines ~2.4 us per fragment (2,048
+fragments: 4.98 ms against 3.51 ms through the kernel), so jobs with more fragments than
+this use the kernel unless their fragments are whole blocks of 1 MiB or more."""
+DMA_ANY_COUNT_FRAGMENT_BYTES = 1024 * 1024
 DEFAULT_HYBRID_DMA_SHARE = 0.0
 """Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
+DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
+"""``auto`` sends a small-fragment job through the staged path only from this size on; a
+smaller job goes through the kernel, which starts at once instead of queueing on the submit
+thread (bench.serving, docs/transfers.md)."""
+
+DEFAULT_BATCH_MAX_BYTES = 16 * 1024 * 1024
+"""A batch is issued once it holds this many bytes, and larger jobs go alone: several
+batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
+everything would leave the link idle while the host completes it and submits the next)."""
+
+CompletionWait = Literal["blocking", "spin"]
+"""How the completion watcher waits on a job's end event: ``blocking`` sleeps in the
+driver (no CPU while copies run), ``spin`` busy-waits in the driver (one core per direction
+while jobs are in flight, a few microseconds sooner)."""
 
 
 class _TableSlot:
@@ -123,8 +145,8 @@ class _TableSlot:
 
 @dataclass
 class _Transfer:
-    job_id: int
-    num_bytes: int
+    jobs: list[tuple[int, int]]
+    """``(job id, bytes)`` of every job this one copy carries (several when batched)."""
     stream: torch.cuda.Stream | None
     start_event: torch.cuda.Event
     end_event: torch.cuda.Event
@@ -155,6 +177,56 @@ class _Transfer:
         self.end_event.synchronize()
 
 
+class _CompletionWatcher:
+    """One thread that waits on each job's end, in submission order, and reports it.
+
+    ``synchronize`` on a CUDA event releases the GIL, so the wait costs the event loop
+    nothing; after each wait the watcher also takes every later job that has already
+    finished, then calls ``callback()`` once for all of them.
+    """
+
+    def __init__(self, callback: Callable[[], None], name: str) -> None:
+        self._callback = callback
+        self._cond = threading.Condition()
+        self._queue: deque[_Transfer] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, transfer: _Transfer) -> None:
+        with self._cond:
+            self._queue.append(transfer)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop after the jobs already queued finished (they are still reported)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                head = self._queue.popleft()
+            try:
+                head.synchronize()
+            except Exception:
+                logger.exception("waiting for a transfer's end failed")
+            with self._cond:
+                while self._queue and self._queue[0].done():
+                    self._queue.popleft()
+            try:
+                self._callback()
+            except Exception:
+                logger.exception("completion callback raised; ignored")
+
+
 class SingleDirectionOffloadingHandler(OffloadingHandler):
     """Copies jobs of one direction between GPU canonical tensors and CPU tensors."""
 
@@ -172,6 +244,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         max_staging_bytes: int = 256 * 1024 * 1024,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
+        staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        completion_wait: CompletionWait = "blocking",
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
     ) -> None:
         if not gpu_tensors or len(gpu_tensors) != len(cpu_tensors):
             raise ConfigError(
@@ -208,11 +283,17 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.src_geom = SideGeometry.from_tensors(src, src_factor)
         self.dst_geom = SideGeometry.from_tensors(dst, dst_factor)
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
+        self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
         self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
+        self.dma_max_fragments = DEFAULT_DMA_MAX_FRAGMENTS
         self.kernel_config = kernel_config
         if not 0.0 <= hybrid_dma_share < 1.0:
             raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
         self.hybrid_dma_share = float(hybrid_dma_share)
+        self.staged_min_job_bytes = int(staged_min_job_bytes)
+        if completion_wait not in ("blocking", "spin"):
+            raise ConfigError(f"completion_wait must be blocking or spin, got {completion_wait!r}")
+        self._blocking_events = completion_wait == "blocking"
 
         self._runtime = get_cuda_runtime()
         self.kernel_ok, self.dma_ok, reasons = self._probe(cpu_tensors)
@@ -235,6 +316,15 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._side_stream_pool: list[torch.cuda.Stream] = []
         self._sync_event_pool: list[torch.cuda.Event] = []
         self._closed = False
+        self._watcher: _CompletionWatcher | None = None
+        self._batching = False
+        self.batch_max_bytes = int(batch_max_bytes)
+        self._queued: list[tuple[int, int, TransferPlan]] = []
+        self._queued_ids: set[int] = set()
+        self._queued_dst: set[int] = set()
+        self._queued_bytes = 0
+        self.batches = 0
+        self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = {
             "kernel": 0,
             "dma": 0,
@@ -397,23 +487,25 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     # -- the handler contract ---------------------------------------------------------------
     def plan(self, spec: TransferSpec) -> TransferPlan:
         src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
-        return build_plan(
-            src_ids,
-            dst_ids,
-            group_sizes,
-            block_indices,
-            self._group_refs,
-            self.src_geom,
-            self.dst_geom,
-        )
+        return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def choose_mechanism(self, plan: TransferPlan) -> str:
         if self.mechanism != "auto":
             return self.mechanism
-        if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
+        mean = plan.mean_fragment_bytes
+        if self.dma_ok and (
+            mean >= DMA_ANY_COUNT_FRAGMENT_BYTES
+            or (
+                mean >= self.dma_min_fragment_bytes and plan.num_fragments <= self.dma_max_fragments
+            )
+        ):
             return "dma"
         staged = self._staged
-        if staged is not None and staged.config.auto_min_piece_bytes is not None:
+        if (
+            staged is not None
+            and staged.config.auto_min_piece_bytes is not None
+            and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok)
+        ):
             pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
             if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
                 return "staged"
@@ -432,22 +524,82 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         with self._lock:
             if self._closed:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._transfer_events:
+            if job_id in self._transfer_events or job_id in self._queued_ids:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            mechanism = self.choose_mechanism(plan)
-            if mechanism == "staged":
-                self._submit_staged(job_id, plan)
-            else:
-                if self._transfers and not self._transfers[-1].issued():
-                    # The submit thread has not issued the previous (staged) job: its end
-                    # event is not recorded yet, and this job must wait on it.
-                    assert self._transfers[-1].staged is not None
-                    self._transfers[-1].staged.issued.wait()
-                self._submit(job_id, plan, mechanism)
-            self.jobs_by_mechanism[mechanism] += 1
+            if self._batching and self._can_batch(plan):
+                dst = self._dst_blocks(plan)
+                if not dst.isdisjoint(self._queued_dst):
+                    self._flush_locked()  # the later job must land after the earlier one
+                self._queued.append((job_id, plan.num_bytes, plan))
+                self._queued_ids.add(job_id)
+                self._queued_dst |= dst
+                self._queued_bytes += plan.num_bytes
+                if self._queued_bytes >= self.batch_max_bytes:
+                    self._flush_locked()
+                return True
+            self._flush_locked()
+            self._issue([(job_id, plan.num_bytes)], plan)
         return True
 
-    def _submit(self, job_id: int, plan: TransferPlan, mechanism: str) -> None:
+    # -- batching: the jobs submitted in one event-loop tick share one copy ----------------
+    def set_batching(self, enabled: bool) -> None:
+        """Hold kernel and DMA jobs until :meth:`flush` (the caller promises to call it soon,
+        e.g. once per event-loop tick) and issue them as one copy. A batch is one launch and
+        one end event for all its jobs, which is what lets dozens of small concurrent jobs
+        reach the link; jobs still complete in submission order."""
+        if self._fallback is not None:
+            return
+        if not enabled:
+            self.flush()
+        self._batching = enabled
+
+    def flush(self) -> None:
+        """Issue the held jobs now (a no-op when none is held)."""
+        if self._queued:
+            with self._lock:
+                self._flush_locked()
+
+    def _can_batch(self, plan: TransferPlan) -> bool:
+        mechanism = self.choose_mechanism(plan)
+        return mechanism in ("kernel", "dma") and plan.num_bytes < self.batch_max_bytes
+
+    def _dst_blocks(self, plan: TransferPlan) -> set[int]:
+        factor = self.dst_geom.factor
+        out: set[int] = set()
+        for g in plan.groups:
+            units = g.dst_units if factor == 1 else g.dst_units // factor
+            out.update(units.tolist())
+        return out
+
+    def _flush_locked(self) -> None:
+        queued = self._queued
+        if not queued:
+            return
+        self._queued = []
+        self._queued_ids = set()
+        self._queued_dst = set()
+        self._queued_bytes = 0
+        jobs = [(job_id, nbytes) for job_id, nbytes, _ in queued]
+        plan = queued[0][2] if len(queued) == 1 else TransferPlan.merge([p for _, _, p in queued])
+        self._issue(jobs, plan)
+
+    def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
+        mechanism = self.choose_mechanism(plan)
+        if mechanism == "staged":
+            self._submit_staged(jobs, plan)
+        else:
+            if self._transfers and not self._transfers[-1].issued():
+                # The submit thread has not issued the previous (staged) job: its end
+                # event is not recorded yet, and this job must wait on it.
+                assert self._transfers[-1].staged is not None
+                self._transfers[-1].staged.issued.wait()
+            self._submit(jobs, plan, mechanism)
+        self.jobs_by_mechanism[mechanism] += len(jobs)
+        if len(jobs) > 1:
+            self.batches += 1
+            self.batched_jobs += len(jobs)
+
+    def _submit(self, jobs: list[tuple[int, int]], plan: TransferPlan, mechanism: str) -> None:
         dma_part: TransferPlan | None = None
         kernel_part: TransferPlan | None = None
         if mechanism == "dma":
@@ -478,10 +630,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 self.dst_geom,
                 host[k_entries : k_entries + 3 * n_dma].reshape(3, n_dma),
             )
-        pool = self._event_pool
         stream = self._stream_pool.pop() if self._stream_pool else torch.cuda.Stream(self.device)
-        start = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
-        end = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        start, end = self._timing_events()
         side: torch.cuda.Stream | None = None
         sync: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         if dma_table is not None and kernel_part is not None:
@@ -534,17 +684,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                     sync[1].record(side)
                     stream.wait_event(sync[1])
                 end.record(stream)
-        transfer = _Transfer(
-            job_id, plan.num_bytes, stream, start, end, slot, mechanism, side, sync
-        )
+        transfer = _Transfer(jobs, stream, start, end, slot, mechanism, side, sync)
         self._transfers.append(transfer)
-        self._transfer_events[job_id] = end
+        for job_id, _ in jobs:
+            self._transfer_events[job_id] = end
+        if self._watcher is not None:
+            self._watcher.watch(transfer)
 
-    def _submit_staged(self, job_id: int, plan: TransferPlan) -> None:
+    def _submit_staged(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
         assert self._staged is not None
-        pool = self._event_pool
-        start = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
-        end = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        start, end = self._timing_events()
         slot = self._slot_pool.pop() if self._slot_pool else _TableSlot(self.device)
         ready: torch.cuda.Event | None = None
         if self.gpu_to_cpu:
@@ -562,8 +711,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             prev_end=prev.end_event if prev is not None else None,
         )
         transfer = _Transfer(
-            job_id,
-            plan.num_bytes,
+            jobs,
             None,
             start,
             end,
@@ -575,7 +723,21 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         )
         self._staged.submit(job)
         self._transfers.append(transfer)
-        self._transfer_events[job_id] = end
+        for job_id, _ in jobs:
+            self._transfer_events[job_id] = end
+        if self._watcher is not None:
+            self._watcher.watch(transfer)
+
+    def _timing_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """A job's start and end events (pooled); the watcher sleeps on the end event."""
+        pool = self._event_pool
+        if len(pool) >= 2:
+            return pool.pop(), pool.pop()
+        blocking = self._blocking_events
+        return (
+            torch.cuda.Event(enable_timing=True, blocking=blocking),
+            torch.cuda.Event(enable_timing=True, blocking=blocking),
+        )
 
     def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
         """Group rows then source and destination units; returns the number of units."""
@@ -611,9 +773,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 t = self._transfers.popleft()
                 failed = t.staged is not None and t.staged.error is not None
                 seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
-                results.append(
-                    TransferResult(t.job_id, not failed, t.num_bytes, seconds, self.transfer_type)
-                )
+                for job_id, nbytes in t.jobs:
+                    results.append(
+                        TransferResult(job_id, not failed, nbytes, seconds, self.transfer_type)
+                    )
                 self._recycle(t)
         return results
 
@@ -629,34 +792,56 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._sync_event_pool.extend(t.sync_events)
         if t.staged is not None and t.staged.ready_event is not None:
             self._sync_event_pool.append(t.staged.ready_event)
-        self._transfer_events.pop(t.job_id, None)
+        for job_id, _ in t.jobs:
+            self._transfer_events.pop(job_id, None)
 
     def wait(self, job_ids: set[int]) -> None:
         if self._fallback is not None:
             self._fallback.wait(job_ids)
             return
+        self.flush()
         with self._lock:
-            waiting = [t for t in self._transfers if t.job_id in job_ids]
+            waiting = [t for t in self._transfers if any(j in job_ids for j, _ in t.jobs)]
         for t in waiting:
             t.synchronize()
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
-        """Forwarded to the torch fallback's thread; CUDA-event jobs are polled instead."""
+        """Call ``callback()`` from a watcher thread once jobs finished (None: stop).
+
+        The watcher waits on each job's end event in submission order (sleeping in the
+        driver with ``completion_wait="blocking"``), so nobody has to poll ``get_finished``.
+        """
         if self._fallback is not None:
             self._fallback.set_completion_callback(callback)
+            return
+        with self._lock:
+            watcher, self._watcher = self._watcher, None
+            if callback is not None and not self._closed:
+                self._watcher = _CompletionWatcher(
+                    callback, "kvoffload-done-" + ("store" if self.gpu_to_cpu else "load")
+                )
+                for t in self._transfers:
+                    self._watcher.watch(t)
+        if watcher is not None:
+            watcher.close()
 
     def pending_job_ids(self) -> list[int]:
         if self._fallback is not None:
             return self._fallback.pending_job_ids()
         with self._lock:
-            return [t.job_id for t in self._transfers]
+            return [j for j, _, _ in self._queued] + [j for t in self._transfers for j, _ in t.jobs]
 
     def shutdown(self) -> None:
         """Wait for in-flight jobs, then drop them with every pooled resource. Idempotent."""
         if self._fallback is not None:
             self._fallback.shutdown()
         with self._lock:
+            self._flush_locked()
             self._closed = True
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.close()
+        with self._lock:
             if self._staged is not None:
                 self._staged.close()  # issues what is queued, then stops its thread
             for t in self._transfers:
@@ -682,9 +867,14 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             "dma_available": self.dma_ok,
             "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
             "hybrid_dma_share": self.hybrid_dma_share,
+            "staged_min_job_bytes": self.staged_min_job_bytes,
+            "completion_wait": "blocking" if self._blocking_events else "spin",
             "kernel_config": repr(self.kernel_config),
             "staging": self._staged.describe() if self._staged is not None else None,
             "jobs_by_mechanism": dict(self.jobs_by_mechanism),
+            "batching": self._batching,
+            "batches": self.batches,
+            "batched_jobs": self.batched_jobs,
         }
 
 
@@ -708,6 +898,8 @@ class CpuGpuOffloadingHandlers:
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
         hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
+        staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
     ) -> None:
         self.gpu_tensors = canonical_int8_views(kv_caches)
@@ -728,6 +920,8 @@ class CpuGpuOffloadingHandlers:
             "kernel_config": kernel_config,
             "hybrid_dma_share": hybrid_dma_share,
             "staging": staging,
+            "staged_min_job_bytes": staged_min_job_bytes,
+            "completion_wait": completion_wait,
         }
         refs = kv_caches.group_data_refs
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(

@@ -135,7 +135,11 @@ class CPUOffloadingSpec(OffloadingSpec):
             from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
 
             self._handlers = CpuGpuOffloadingHandlers(
-                kv_caches, self.block_size_factor, self.num_blocks, region
+                kv_caches,
+                self.block_size_factor,
+                self.num_blocks,
+                region,
+                mechanism=self.config.transfer_mechanism,
             )
         else:
             from kvcache_offload.cpu.cpu_backend import CpuBackendOffloadingHandlers

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from kvcache_offload.base import LoadStoreSpec
 from kvcache_offload.errors import ConfigError
 
 __all__ = [
+    "BatchesJobs",
+    "NotifiesCompletion",
     "OffloadingHandler",
     "OffloadingWorker",
     "TransferResult",
@@ -58,6 +61,32 @@ class OffloadingHandler(ABC):
 
     def shutdown(self) -> None:  # noqa: B027
         """Wait for or drop in-flight jobs and release streams, events and threads."""
+
+
+@runtime_checkable
+class NotifiesCompletion(Protocol):
+    """A handler that knows when a job ends and says so, so nobody has to poll it.
+
+    ``callback()`` is called from the handler's own thread after one or more jobs finished
+    (several completions may share one call); the caller then reads them with
+    ``get_finished``. Handlers without this capability are polled.
+    """
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None: ...
+
+
+@runtime_checkable
+class BatchesJobs(Protocol):
+    """A handler that can hold jobs and issue those submitted close together as one copy.
+
+    After ``set_batching(True)`` the caller promises to call ``flush()`` soon after each
+    submission (the engine does it once per event-loop tick); jobs still complete in
+    submission order and are reported one by one.
+    """
+
+    def set_batching(self, enabled: bool) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 class OffloadingWorker:
@@ -109,6 +138,34 @@ class OffloadingWorker:
         ids = set(job_ids)
         for handler in self.handlers:
             handler.wait(ids)
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> bool:
+        """Give ``callback`` to every handler that can notify; True if all of them can."""
+        every = True
+        for handler in self.handlers:
+            if isinstance(handler, NotifiesCompletion):
+                handler.set_completion_callback(callback)
+            else:
+                every = False
+        return every
+
+    def enable_batching(self) -> bool:
+        """Turn batching on in every handler that can batch; True if any can."""
+        any_batches = False
+        for handler in self.handlers:
+            if isinstance(handler, BatchesJobs):
+                handler.set_batching(True)
+                any_batches = True
+        return any_batches
+
+    def flush(self) -> None:
+        """Issue the jobs held by batching handlers; a handler that raises is logged."""
+        for handler in self.handlers:
+            if isinstance(handler, BatchesJobs):
+                try:
+                    handler.flush()
+                except Exception:
+                    logger.exception("flushing held jobs failed")
 
     def shutdown(self) -> None:
         for handler in self.handlers:

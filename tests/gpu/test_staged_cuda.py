@@ -29,11 +29,12 @@ from tests._roundtrip import (  # noqa: E402
 )
 
 
-def _handlers(kv, factor, num_cpu, mechanism="staged", **staging):
+def _handlers(kv, factor, num_cpu, mechanism="staged", staged_min_job_bytes=None, **staging):
     from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, StagingConfig
 
+    extra = {} if staged_min_job_bytes is None else {"staged_min_job_bytes": staged_min_job_bytes}
     return CpuGpuOffloadingHandlers(
-        kv, factor, num_cpu, mechanism=mechanism, staging=StagingConfig(**staging)
+        kv, factor, num_cpu, mechanism=mechanism, staging=StagingConfig(**staging), **extra
     )
 
 
@@ -91,7 +92,9 @@ def test_auto_picks_staged_for_whole_blocks_and_the_kernel_for_scattered_pieces(
         gen=gen,
         device="cuda",
     )
-    h = _handlers(kv, 1, 64, mechanism="auto")
+    # A job this small goes through the kernel by default (staged_min_job_bytes); the
+    # threshold is lowered here to check the staged choice itself.
+    h = _handlers(kv, 1, 64, mechanism="auto", staged_min_job_bytes=0)
     try:
         job = random_job(
             np.random.default_rng(2),
@@ -109,7 +112,9 @@ def test_auto_picks_staged_for_whole_blocks_and_the_kernel_for_scattered_pieces(
     # One pinned tensor per canonical tensor (not block-major): 32 KiB pieces -> kernel.
     gpu = [t.tensor for t in kv.tensors]
     cpu = [torch.zeros((64, 32768), dtype=torch.int8, pin_memory=True) for _ in gpu]
-    store = SingleDirectionOffloadingHandler(gpu, cpu, 1, kv.group_data_refs, True)
+    store = SingleDirectionOffloadingHandler(
+        gpu, cpu, 1, kv.group_data_refs, True, staged_min_job_bytes=0
+    )
     try:
         assert store.transfer_async(1, (job.gpu_spec, job.cpu_spec))
         finish(store, [1])

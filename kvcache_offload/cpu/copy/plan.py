@@ -34,6 +34,7 @@ from kvcache_offload.errors import TransferError
 
 __all__ = [
     "GroupPlan",
+    "PlanBuilder",
     "SideGeometry",
     "TransferPlan",
     "build_plan",
@@ -155,6 +156,41 @@ class TransferPlan:
             alignment=alignment,
         )
 
+    @classmethod
+    def merge(cls, plans: Sequence[TransferPlan]) -> TransferPlan:
+        """One plan that copies every fragment of ``plans`` (jobs of one handler, so a KV-cache
+        group has the same refs in each): each group's units are concatenated in order."""
+        by_group: dict[int, list[GroupPlan]] = {}
+        for plan in plans:
+            for g in plan.groups:
+                by_group.setdefault(g.index, []).append(g)
+        groups = []
+        for index in sorted(by_group):
+            parts = by_group[index]
+            first = parts[0]
+            if len(parts) == 1:
+                groups.append(first)
+                continue
+            groups.append(
+                GroupPlan(
+                    first.ref_tensors,
+                    first.ref_sizes,
+                    np.concatenate([g.src_units for g in parts]),
+                    np.concatenate([g.dst_units for g in parts]),
+                    index,
+                    first.ref_offset,
+                )
+            )
+        sizes = {p.uniform_size for p in plans}
+        return cls(
+            groups=groups,
+            num_fragments=sum(p.num_fragments for p in plans),
+            num_bytes=sum(p.num_bytes for p in plans),
+            uniform_size=plans[0].uniform_size if len(sizes) == 1 else None,
+            max_size=max(p.max_size for p in plans),
+            alignment=min(p.alignment for p in plans),
+        )
+
     def split_refs(self, share: float) -> tuple[TransferPlan, TransferPlan]:
         """About ``share`` of every group's refs (by count) and the rest, as two plans."""
         first, rest = [], []
@@ -202,8 +238,137 @@ def refs_arrays(refs: Sequence[CanonicalKVCacheRef]) -> tuple[np.ndarray, np.nda
     )
 
 
+@dataclass(frozen=True)
+class _GroupFacts:
+    """What a job of one group always has in common, checked once per handler."""
+
+    tensors: np.ndarray
+    sizes: np.ndarray
+    bytes_per_unit: int
+    distinct_sizes: frozenset[int]
+    max_size: int
+    align_bits: int
+
+
+class PlanBuilder:
+    """Builds the plans of one handler's jobs; the per-group checks run once, here.
+
+    A job's own work is then the block-id arithmetic and one bounds check per side, which
+    keeps the host cost of a small job (the common case in serving) to a few microseconds.
+    """
+
+    def __init__(
+        self,
+        group_refs: Sequence[tuple[np.ndarray, np.ndarray]],
+        src: SideGeometry,
+        dst: SideGeometry,
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.num_groups = len(group_refs)
+        self._facts: list[_GroupFacts | None] = []
+        for g, (tensors, sizes) in enumerate(group_refs):
+            if len(tensors) == 0:
+                self._facts.append(None)
+                continue
+            if int(sizes.min()) <= 0:
+                raise TransferError(f"group {g}: page sizes must be > 0, got {sizes.tolist()}")
+            for side, what in ((src, "source"), (dst, "destination")):
+                if int(tensors.max()) >= len(side.base) or int(tensors.min()) < 0:
+                    raise TransferError(
+                        f"group {g} refers to canonical tensor {int(tensors.max())}, but the "
+                        f"{what} side has {len(side.base)}"
+                    )
+                too_big = sizes > side.sub_bytes[tensors]
+                if too_big.any():
+                    i = int(np.argmax(too_big))
+                    raise TransferError(
+                        f"group {g}: page of {int(sizes[i])} bytes does not fit the {what} "
+                        f"tensor {int(tensors[i])}'s page of "
+                        f"{int(side.sub_bytes[tensors[i]])} bytes"
+                    )
+            self._facts.append(
+                _GroupFacts(
+                    tensors,
+                    sizes,
+                    int(sizes.sum()),
+                    frozenset(int(x) for x in np.unique(sizes)),
+                    int(sizes.max()),
+                    int(np.bitwise_or.reduce(sizes)),
+                )
+            )
+
+    def build(
+        self,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+    ) -> TransferPlan:
+        """Validate one job against the geometry and compute its fragments.
+
+        Raises :class:`TransferError` naming the offending value when the specs do not fit.
+        """
+        src, dst = self.src, self.dst
+        if src_ids.ndim != 1 or dst_ids.ndim != 1:
+            raise TransferError("block ids must be 1-D")
+        if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
+            raise TransferError(
+                f"the job names {len(group_sizes)} group sizes and {len(block_indices)} block "
+                f"indices, expected one per KV-cache group ({self.num_groups})"
+            )
+        _check_ids(src_ids, src.num_rows, "source")
+        _check_ids(dst_ids, dst.num_rows, "destination")
+        src_off = dst_off = 0
+        groups: list[GroupPlan] = []
+        sizes_seen: set[int] = set()
+        max_size = align_bits = num_fragments = num_bytes = 0
+        for g, (size, start) in enumerate(zip(group_sizes, block_indices, strict=True)):
+            size, start = int(size), int(start)
+            if size < 0 or start < 0:
+                raise TransferError(f"group {g}: size {size} and start index {start} must be >= 0")
+            if size == 0:
+                continue
+            s_units, s_n = _side_units(
+                src_ids, src_off, size, start % src.factor, src.factor, "source"
+            )
+            d_units, d_n = _side_units(
+                dst_ids, dst_off, size, start % dst.factor, dst.factor, "destination"
+            )
+            src_off += s_n
+            dst_off += d_n
+            facts = self._facts[g]
+            if facts is None:
+                continue
+            groups.append(GroupPlan(facts.tensors, facts.sizes, s_units, d_units, g))
+            sizes_seen |= facts.distinct_sizes
+            max_size = max(max_size, facts.max_size)
+            align_bits |= facts.align_bits
+            num_fragments += len(facts.tensors) * size
+            num_bytes += facts.bytes_per_unit * size
+        if src_off != len(src_ids) or dst_off != len(dst_ids):
+            raise TransferError(
+                f"the groups consume {src_off} source and {dst_off} destination block ids, but "
+                f"the job names {len(src_ids)} and {len(dst_ids)}"
+            )
+        return TransferPlan(
+            groups=groups,
+            num_fragments=num_fragments,
+            num_bytes=num_bytes,
+            uniform_size=next(iter(sizes_seen)) if len(sizes_seen) == 1 else None,
+            max_size=max_size,
+            alignment=_alignment_of(align_bits),
+        )
+
+
+def _check_ids(ids: np.ndarray, num_rows: int, what: str) -> None:
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+        raise TransferError(
+            f"{what} block ids must be in [0, {num_rows}), got {ids.min()}..{ids.max()}"
+        )
+
+
 def _side_units(
-    ids: np.ndarray, offset: int, count: int, skip: int, factor: int, num_rows: int, what: str
+    ids: np.ndarray, offset: int, count: int, skip: int, factor: int, what: str
 ) -> tuple[np.ndarray, int]:
     """Units of ``count`` pieces starting ``skip`` units into block ``ids[offset]``."""
     n_blocks = -(-(count + skip) // factor)
@@ -212,10 +377,6 @@ def _side_units(
             f"{what} spec has {len(ids)} block ids but the groups need at least {offset + n_blocks}"
         )
     blocks = ids[offset : offset + n_blocks]
-    if n_blocks and (int(blocks.min()) < 0 or int(blocks.max()) >= num_rows):
-        raise TransferError(
-            f"{what} block ids must be in [0, {num_rows}), got {blocks.min()}..{blocks.max()}"
-        )
     if factor == 1:
         return blocks.astype(np.int64, copy=True), n_blocks
     units = (blocks[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).reshape(-1)
@@ -231,73 +392,13 @@ def build_plan(
     src: SideGeometry,
     dst: SideGeometry,
 ) -> TransferPlan:
-    """Validate a job against the geometry and compute its fragments.
-
-    ``group_refs[g]`` is ``refs_arrays(kv_caches.group_data_refs[g])``. Raises
-    :class:`TransferError` naming the offending value when the specs do not fit.
-    """
-    if src_ids.ndim != 1 or dst_ids.ndim != 1:
-        raise TransferError("block ids must be 1-D")
+    """One job's plan without a cached builder (handlers keep a :class:`PlanBuilder`)."""
     if len(group_sizes) != len(group_refs) or len(block_indices) != len(group_refs):
         raise TransferError(
             f"the job names {len(group_sizes)} group sizes and {len(block_indices)} block "
             f"indices, expected one per KV-cache group ({len(group_refs)})"
         )
-    src_off = dst_off = 0
-    groups: list[GroupPlan] = []
-    sizes_seen: set[int] = set()
-    max_size = 0
-    align_bits = 0
-    for g, (size, start) in enumerate(zip(group_sizes, block_indices, strict=True)):
-        size, start = int(size), int(start)
-        if size < 0 or start < 0:
-            raise TransferError(f"group {g}: size {size} and start index {start} must be >= 0")
-        if size == 0:
-            continue
-        s_units, s_n = _side_units(
-            src_ids, src_off, size, start % src.factor, src.factor, src.num_rows, "source"
-        )
-        d_units, d_n = _side_units(
-            dst_ids, dst_off, size, start % dst.factor, dst.factor, dst.num_rows, "destination"
-        )
-        src_off += s_n
-        dst_off += d_n
-        tensors, sizes = group_refs[g]
-        if len(tensors) == 0:
-            continue
-        if int(sizes.min()) <= 0:
-            raise TransferError(f"group {g}: page sizes must be > 0, got {sizes.tolist()}")
-        for side, what in ((src, "source"), (dst, "destination")):
-            if int(tensors.max()) >= len(side.base) or int(tensors.min()) < 0:
-                raise TransferError(
-                    f"group {g} refers to canonical tensor {int(tensors.max())}, but the "
-                    f"{what} side has {len(side.base)}"
-                )
-            too_big = sizes > side.sub_bytes[tensors]
-            if too_big.any():
-                i = int(np.argmax(too_big))
-                raise TransferError(
-                    f"group {g}: page of {int(sizes[i])} bytes does not fit the {what} "
-                    f"tensor {int(tensors[i])}'s page of {int(side.sub_bytes[tensors[i]])} bytes"
-                )
-        groups.append(GroupPlan(tensors, sizes, s_units, d_units, g))
-        sizes_seen.update(int(s) for s in np.unique(sizes))
-        max_size = max(max_size, int(sizes.max()))
-        align_bits |= int(np.bitwise_or.reduce(sizes))
-    if src_off != len(src_ids) or dst_off != len(dst_ids):
-        raise TransferError(
-            f"the groups consume {src_off} source and {dst_off} destination block ids, but "
-            f"the job names {len(src_ids)} and {len(dst_ids)}"
-        )
-    alignment = _alignment_of(align_bits)
-    return TransferPlan(
-        groups=groups,
-        num_fragments=sum(g.num_fragments for g in groups),
-        num_bytes=sum(g.num_bytes for g in groups),
-        uniform_size=sizes_seen.pop() if len(sizes_seen) == 1 else None,
-        max_size=max_size,
-        alignment=alignment,
-    )
+    return PlanBuilder(group_refs, src, dst).build(src_ids, dst_ids, group_sizes, block_indices)
 
 
 def geometry_alignment(*sides: SideGeometry) -> int:

@@ -1,0 +1,434 @@
+"""Serving-traffic benchmark: what an embedding server feels from ``await engine.load/store``.
+
+    python -m bench.serving [--device auto|cuda|cpu] [--layouts llama8b,tp4_70b,cross_layer]
+                            [--mechanisms auto,kernel,dma,staged] [--reps 200] [--stream-s 3]
+
+Uses the public API the way a serving engine does: one ``OffloadEngine`` built from the
+default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-default rows),
+``await engine.load(keys, gpu_blocks)`` per request and ``await engine.store(...)`` per step.
+
+1. **Single job**: wall time of one ``await`` for 1, 8 and 64 offloaded blocks, ``--reps``
+   times, p50 and p99, against the *floor*: one contiguous copy of the same number of bytes
+   between pinned host memory and the GPU plus ``event.synchronize()``, timed the same way in
+   the same process (CPU device: one ``memcpy`` of the same bytes in the calling thread).
+2. **Stream**: ``--tasks`` asyncio tasks, each looping over jobs on its own keys and GPU
+   blocks for ``--stream-s`` seconds: 4-block loads only, 4-block stores only (fresh keys each
+   job, so every store copies), half loading and half storing, and 1-block loads. GB/s against
+   the bulk rate measured in the same run (one 1 GiB copy each way; both ways at once for the
+   mixed row; CPU device: one thread copying the same jobs' bytes), job p50/p99 against
+   2 x (bytes in flight / bulk rate), and the host CPU the process used (cores).
+
+Prints one table per section and writes JSON under ``bench/out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench._common import OUT_DIR, machine_info
+from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
+from kvcache_offload.aio import OffloadEngine
+from kvcache_offload.base import CanonicalKVCaches, OffloadKey
+from kvcache_offload.cpu import layouts
+
+console = Console(width=180)
+MiB = 1024 * 1024
+SINGLE_SIZES = (1, 8, 64)
+STREAM_JOB_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    describe: str
+    build: Callable[[int, str], CanonicalKVCaches]
+
+
+def _random(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n = 2
+    for d in shape:
+        n *= d
+    raw = torch.empty(n, dtype=torch.uint8, device=device)
+    raw.random_(0, 256, generator=gen)
+    return raw.view(torch.bfloat16).view(shape)
+
+
+def _blocks_first(layers: int, heads: int) -> Callable[[int, str], CanonicalKVCaches]:
+    def build(num_blocks: int, device: str) -> CanonicalKVCaches:
+        tensors = [_random((num_blocks, 2, 16, heads, 128), device, seed) for seed in range(layers)]
+        return layouts.blocks_first_per_layer(tensors)
+
+    return build
+
+
+def _kv_first(layers: int, heads: int) -> Callable[[int, str], CanonicalKVCaches]:
+    def build(num_blocks: int, device: str) -> CanonicalKVCaches:
+        tensors = [_random((2, num_blocks, 16, heads, 128), device, seed) for seed in range(layers)]
+        return layouts.kv_first_per_layer(tensors)
+
+    return build
+
+
+def _cross(num_blocks: int, device: str) -> CanonicalKVCaches:
+    return layouts.cross_layer(_random((num_blocks, 32, 2, 16, 8, 128), device, 7))
+
+
+LAYOUTS = {
+    "llama8b": Layout(
+        "llama8b", "32 layers x (blocks, 2, 16, 8, 128) bf16: 32 x 64 KiB", _blocks_first(32, 8)
+    ),
+    "tp4_70b": Layout(
+        "tp4_70b", "80 layers x K,V (2, blocks, 16, 2, 128) bf16: 160 x 8 KiB", _kv_first(80, 2)
+    ),
+    "cross_layer": Layout("cross_layer", "one 2 MiB piece per block", _cross),
+    "cpu_small": Layout(
+        "cpu_small", "8 layers x (blocks, 2, 16, 4, 128) bf16: 8 x 32 KiB", _blocks_first(8, 4)
+    ),
+}
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if len(values) else float("nan")
+
+
+# -- floors -----------------------------------------------------------------------------------
+
+
+class Floors:
+    """The physical limits, measured in this process: one contiguous copy per job size."""
+
+    def __init__(self, device: str, max_bytes: int) -> None:
+        self.device = device
+        if device == "cuda":
+            self.host = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True)
+            self.gpu = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
+            self.host.random_(0, 256)
+            self.gpu.random_(0, 256)
+            self.event = torch.cuda.Event()
+            self.stream = torch.cuda.Stream()
+        else:
+            self.src = np.random.default_rng(0).integers(0, 256, max_bytes, dtype=np.uint8)
+            self.dst = np.empty_like(self.src)
+
+    def job(self, nbytes: int, to_gpu: bool, reps: int) -> list[float]:
+        """Wall seconds of one contiguous copy of ``nbytes`` (+ event wait on CUDA)."""
+        out = []
+        for _ in range(reps + 5):
+            t0 = time.perf_counter()
+            if self.device == "cuda":
+                with torch.cuda.stream(self.stream):
+                    if to_gpu:
+                        self.gpu[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+                    else:
+                        self.host[:nbytes].copy_(self.gpu[:nbytes], non_blocking=True)
+                    self.event.record(self.stream)
+                self.event.synchronize()
+            else:
+                ctypes.memmove(self.dst.ctypes.data, self.src.ctypes.data, nbytes)
+            out.append(time.perf_counter() - t0)
+        return out[5:]
+
+    def bulk(self, nbytes: int, both: bool = False) -> float:
+        """Bytes/s of one big copy one way (``both``: H2D and D2H at once, summed)."""
+        if self.device != "cuda":
+            return self.host_stream_rate(nbytes)
+        half = nbytes // 2 if both else nbytes
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        best = 0.0
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.stream(s1):
+                self.gpu[:half].copy_(self.host[:half], non_blocking=True)
+            if both:
+                with torch.cuda.stream(s2):
+                    self.host[half : 2 * half].copy_(self.gpu[half : 2 * half], non_blocking=True)
+            torch.cuda.synchronize()
+            moved = 2 * half if both else half
+            best = max(best, moved / (time.perf_counter() - t0))
+        return best
+
+    def host_stream_rate(self, job_bytes: int, tasks: int = 32, seconds: float = 1.0) -> float:
+        """One thread copying ``tasks`` distinct jobs' bytes round-robin (CPU device)."""
+        n = min(len(self.src) // job_bytes, tasks)
+        src, dst = self.src.ctypes.data, self.dst.ctypes.data
+        moved = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for i in range(n):
+                ctypes.memmove(dst + i * job_bytes, src + i * job_bytes, job_bytes)
+            moved += n * job_bytes
+        return moved / (time.perf_counter() - t0)
+
+
+# -- the engine under test -------------------------------------------------------------------
+
+
+class Rig:
+    """One engine over one layout; keys and GPU blocks handed out so tasks never share."""
+
+    def __init__(self, layout: Layout, device: str, mechanism: str, num_gpu_blocks: int) -> None:
+        self.kv = layout.build(num_gpu_blocks, device)
+        self.block_bytes = layouts.block_nbytes(self.kv)
+        config = OffloadConfig(
+            cpu_bytes_to_use=1024 * self.block_bytes,
+            transfer_mechanism=mechanism,  # type: ignore[arg-type]
+            layout=KVCacheLayout(
+                gpu_block_sizes=[16],
+                bytes_per_block=self.block_bytes,
+                num_gpu_blocks=num_gpu_blocks,
+            ),
+        )
+        self.engine = OffloadEngine(config, kv_caches=self.kv)
+        self._ids = itertools.count()
+
+    def fresh_keys(self, n: int) -> list[OffloadKey]:
+        return [make_offload_key(next(self._ids).to_bytes(8, "little"), 0) for _ in range(n)]
+
+
+async def single_jobs(rig: Rig, reps: int) -> dict[str, dict[int, list[float]]]:
+    engine = rig.engine
+    out: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
+    for n in SINGLE_SIZES:
+        keys = rig.fresh_keys(n)
+        blocks = list(range(n))
+        await engine.store(keys, blocks)
+        times = []
+        for _ in range(reps + 5):
+            t0 = time.perf_counter()
+            await engine.load(keys, blocks)
+            times.append(time.perf_counter() - t0)
+        out["load"][n] = times[5:]
+        times = []
+        for _ in range(reps + 5):
+            fresh = rig.fresh_keys(n)
+            t0 = time.perf_counter()
+            await engine.store(fresh, blocks)
+            times.append(time.perf_counter() - t0)
+        out["store"][n] = times[5:]
+    return out
+
+
+@dataclass
+class StreamResult:
+    name: str
+    bytes_moved: int
+    seconds: float
+    job_times: list[float]
+    cpu_cores: float
+    bytes_in_flight: int
+
+    @property
+    def rate(self) -> float:
+        return self.bytes_moved / self.seconds
+
+
+async def stream(
+    rig: Rig, name: str, tasks: int, job_blocks: int, loaders: int, seconds: float
+) -> StreamResult:
+    """``loaders`` of ``tasks`` load, the rest store; each on its own keys and GPU blocks."""
+    engine = rig.engine
+    job_bytes = job_blocks * rig.block_bytes
+    load_keys = [rig.fresh_keys(job_blocks) for _ in range(loaders)]
+    gpu = [list(range(i * job_blocks, (i + 1) * job_blocks)) for i in range(tasks)]
+    for keys, blocks in zip(load_keys, gpu, strict=False):
+        await engine.store(keys, blocks)
+    times: list[float] = []
+    moved = 0
+    deadline = 0.0
+
+    async def loader(i: int) -> None:
+        nonlocal moved
+        while time.perf_counter() < deadline:
+            await engine.touch(load_keys[i])  # as a scheduler does: keeps them from eviction
+            t0 = time.perf_counter()
+            await engine.load(load_keys[i], gpu[i])
+            times.append(time.perf_counter() - t0)
+            moved += job_bytes
+
+    async def storer(i: int) -> None:
+        nonlocal moved
+        while time.perf_counter() < deadline:
+            keys = rig.fresh_keys(job_blocks)
+            t0 = time.perf_counter()
+            await engine.store(keys, gpu[i])
+            times.append(time.perf_counter() - t0)
+            moved += job_bytes
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    deadline = t0 + seconds
+    async with asyncio.TaskGroup() as tg:
+        for i in range(tasks):
+            tg.create_task(loader(i) if i < loaders else storer(i))
+    wall = time.perf_counter() - t0
+    cores = (time.process_time() - cpu0) / wall
+    return StreamResult(name, moved, wall, times, cores, tasks * job_bytes)
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+
+async def bench_engine(
+    layout: Layout, device: str, mechanism: str, args: argparse.Namespace, floors: Floors
+) -> dict[str, Any]:
+    tasks = args.tasks
+    rig = Rig(layout, device, mechanism, max(tasks * STREAM_JOB_BLOCKS, max(SINGLE_SIZES)))
+    async with rig.engine:
+        single = await single_jobs(rig, args.reps)
+        streams = [
+            await stream(rig, "loads 4-block", tasks, STREAM_JOB_BLOCKS, tasks, args.stream_s),
+            await stream(rig, "stores 4-block", tasks, STREAM_JOB_BLOCKS, 0, args.stream_s),
+            await stream(rig, "mixed 4-block", tasks, STREAM_JOB_BLOCKS, tasks // 2, args.stream_s),
+            await stream(rig, "loads 1-block", tasks, 1, tasks, args.stream_s),
+        ]
+        describe = rig.engine.worker.handlers if rig.engine.worker is not None else []
+        jobs_by_mechanism = {}
+        for i, h in enumerate(describe):
+            info = h.describe() if hasattr(h, "describe") else {}
+            jobs_by_mechanism[info.get("direction", str(i))] = {
+                k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
+            }
+    return {
+        "mechanism": mechanism,
+        "block_bytes": rig.block_bytes,
+        "single": single,
+        "streams": streams,
+        "jobs_by_mechanism": jobs_by_mechanism,
+    }
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:,.0f} us" if x < 1e-2 else f"{x * 1e3:,.2f} ms"
+
+
+def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
+           args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    block_bytes = runs[0]["block_bytes"]
+    floor_single = {
+        d: {n: floors.job(n * block_bytes, d == "load", args.reps) for n in SINGLE_SIZES}
+        for d in ("load", "store")
+    }
+    one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
+        floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
+    )  # fmt: skip
+    both_ways = (
+        floors.bulk(min(1024 * MiB, floors_max(floors)), both=True) if device == "cuda" else one_way
+    )
+    table = Table(title=f"{layout.name} ({layout.describe}) on {device}: single job, p50 / p99")
+    table.add_column("job")
+    table.add_column("floor p50")
+    for run in runs:
+        table.add_column(run["mechanism"])
+    rows_json = []
+    for d in ("load", "store"):
+        for n in SINGLE_SIZES:
+            f50 = pct(floor_single[d][n], 50)
+            cells = []
+            for run in runs:
+                t = run["single"][d][n]
+                p50, p99 = pct(t, 50), pct(t, 99)
+                cells.append(f"{_us(p50)} ({p50 / f50:.2f}x, +{_us(p50 - f50)}) / {_us(p99)}")
+                rows_json.append({"direction": d, "blocks": n, "mechanism": run["mechanism"],
+                                  "p50_s": p50, "p99_s": p99, "floor_p50_s": f50,
+                                  "ratio_p50": p50 / f50})  # fmt: skip
+            table.add_row(f"{d} {n} ({n * block_bytes / MiB:g} MiB)", _us(f50), *cells)
+    console.print(table)
+    st = Table(title=f"{layout.name} on {device}: {args.tasks} concurrent tasks, GB/s (ratio)")
+    st.add_column("stream")
+    for run in runs:
+        st.add_column(run["mechanism"])
+    stream_json = []
+    names = [s.name for s in runs[0]["streams"]]
+    for idx, name in enumerate(names):
+        cells = []
+        for run in runs:
+            s: StreamResult = run["streams"][idx]
+            bulk = both_ways if name.startswith("mixed") else one_way
+            ratio = s.rate / one_way
+            bound = 2 * s.bytes_in_flight / bulk
+            p50, p99 = pct(s.job_times, 50), pct(s.job_times, 99)
+            cells.append(f"{s.rate / 1e9:.1f} ({ratio:.2f}x) p50 {_us(p50)} p99 {_us(p99)} "
+                         f"[<= {_us(bound)}] cpu {s.cpu_cores:.2f}")  # fmt: skip
+            stream_json.append({"stream": name, "mechanism": run["mechanism"],
+                                "gb_s": s.rate / 1e9, "ratio_to_one_way_bulk": ratio,
+                                "p50_s": p50, "p99_s": p99, "p99_bound_s": bound,
+                                "cpu_cores": s.cpu_cores, "jobs": len(s.job_times)})  # fmt: skip
+        st.add_row(name, *cells)
+    console.print(st)
+    floor_name = "one-way bulk copy" if device == "cuda" else "one thread copying the same jobs"
+    console.print(
+        f"floor: {floor_name} {one_way / 1e9:.1f} GB/s; "
+        f"both ways at once {both_ways / 1e9:.1f} GB/s"
+    )
+    for run in runs:
+        console.print(f"  {run['mechanism']}: jobs by mechanism {run['jobs_by_mechanism']}")
+    return {
+        "layout": layout.name,
+        "describe": layout.describe,
+        "block_bytes": block_bytes,
+        "bulk_one_way_gb_s": one_way / 1e9,
+        "bulk_both_ways_gb_s": both_ways / 1e9,
+        "single": rows_json,
+        "streams": stream_json,
+        "jobs_by_mechanism": {r["mechanism"]: r["jobs_by_mechanism"] for r in runs},
+    }
+
+
+def floors_max(floors: Floors) -> int:
+    return int(floors.host.numel()) if floors.device == "cuda" else len(floors.src)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = args.layouts.split(",") if args.layouts else (
+        ["llama8b", "tp4_70b", "cross_layer"] if device == "cuda" else ["cpu_small"]
+    )  # fmt: skip
+    mechanisms = args.mechanisms.split(",") if device == "cuda" else ["auto"]
+    floors = Floors(device, 1024 * MiB if device == "cuda" else 256 * MiB)
+    results = []
+    for name in names:
+        layout = LAYOUTS[name]
+        runs = []
+        for mechanism in mechanisms:
+            runs.append(await bench_engine(layout, device, mechanism, args, floors))
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        results.append(report(layout, device, runs, floors, args))
+    return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--layouts", default="")
+    parser.add_argument("--mechanisms", default="auto,kernel,dma,staged")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--stream-s", type=float, default=3.0)
+    parser.add_argument("--tasks", type=int, default=32)
+    parser.add_argument("--out", default=str(OUT_DIR / "serving.json"))
+    args = parser.parse_args(argv)
+    result = asyncio.run(main_async(args))
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
