@@ -202,6 +202,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         self._batching = False
         self._held: list[tuple[int, TransferPlan]] = []
         self._held_bytes = 0
+        self._held_ids: set[int] = set()
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` (from the copy thread) each time a job finishes, so a poller
@@ -217,14 +218,16 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         with self._lock:
             if self._executor is None:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._pending or any(j == job_id for j, _ in self._held):
+            if job_id in self._pending or job_id in self._held_ids:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
             if self._batching:
                 self._held.append((job_id, plan))
+                self._held_ids.add(job_id)
                 self._held_bytes += plan.num_bytes
                 if self._held_bytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
                     self._held_bytes = 0
                     held, self._held = self._held, []
+                    self._held_ids = set()
                     self._issue(held)
                 return True
             self._issue([(job_id, plan)])
@@ -245,6 +248,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
             with self._lock:
                 held, self._held = self._held, []
                 self._held_bytes = 0
+                self._held_ids = set()
                 if held and self._executor is not None:
                     self._issue(held)
 

@@ -90,17 +90,12 @@ logger = logging.getLogger(__name__)
 
 Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
 
-DEFAULT_DMA_MIN_FRAGMENT_BYTES = 64 * 1024
-"""``auto`` sends a job whose mean fragment is at least this large through the batched DMA
-(with at most ``DEFAULT_DMA_MAX_FRAGMENTS`` fragments), smaller ones through the kernel.
-From bench.serving on an H200: with 8 KiB fragments the DMA runs at 0.05-0.13 of the link,
-the kernel at 0.4; with 64 KiB fragments the DMA wins single jobs of up to 8 blocks and the
-mixed stream (its copy engines run both directions at once), the kernel wins larger jobs."""
-DEFAULT_DMA_MAX_FRAGMENTS = 1024
-"""A DMA job of 64 KiB fragments costs the copy engines ~2.4 us per fragment (2,048
-fragments: 4.98 ms against 3.51 ms through the kernel), so jobs with more fragments than
-this use the kernel unless their fragments are whole blocks of 1 MiB or more."""
-DMA_ANY_COUNT_FRAGMENT_BYTES = 1024 * 1024
+DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
+"""``auto`` sends a job whose mean fragment is at least this large through the batched DMA,
+smaller ones through the kernel. From bench.serving on an H200 (bench/RESULTS.md): with 8 KiB
+fragments the DMA ran at 0.04-0.13 of the link against the kernel's 0.2-0.5; with 64 KiB
+fragments the kernel led every stream by 10-35% and tied single jobs within the run-to-run
+spread; with 2 MiB fragments the DMA led the streams (mixed: 0.60 against 0.44)."""
 DEFAULT_HYBRID_DMA_SHARE = 0.0
 """Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
 DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
@@ -285,7 +280,6 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
         self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
         self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
-        self.dma_max_fragments = DEFAULT_DMA_MAX_FRAGMENTS
         self.kernel_config = kernel_config
         if not 0.0 <= hybrid_dma_share < 1.0:
             raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
@@ -492,13 +486,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def choose_mechanism(self, plan: TransferPlan) -> str:
         if self.mechanism != "auto":
             return self.mechanism
-        mean = plan.mean_fragment_bytes
-        if self.dma_ok and (
-            mean >= DMA_ANY_COUNT_FRAGMENT_BYTES
-            or (
-                mean >= self.dma_min_fragment_bytes and plan.num_fragments <= self.dma_max_fragments
-            )
-        ):
+        if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
             return "dma"
         staged = self._staged
         if (
