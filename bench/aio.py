@@ -8,7 +8,8 @@
    * ``cuda``: a job of known GPU duration (``torch.cuda._sleep``) signalled by a CUDA event.
    For the real backends the completion instant is not observable from Python, so each is
    measured against a baseline in the same run: a bare loop that submits the same job and
-   spins on ``get_finished()`` without asyncio. ``added`` = engine - baseline, per percentile.
+   blocks in ``handler.wait`` (the GIL released, nothing spinning) without asyncio.
+   ``added`` = engine - baseline, per percentile.
 2. CPU time of an idle engine (process CPU seconds / wall seconds) over ``--idle-s``.
 3. ``await engine.lookup(keys)`` against a direct maximal-prefix walk over the manager for
    the same trace (same cache state: both replay stores through the manager).
@@ -203,13 +204,16 @@ async def _engine_load_latencies(
 
 
 def _baseline_latencies(handler: OffloadingHandler, jobs: int, spec: TransferSpec) -> list[float]:
-    """Submit and spin on get_finished without asyncio: t_detect - t_submit."""
+    """Submit, then block in ``handler.wait`` (a CUDA event wait or a future wait, the GIL
+    released, nothing spinning) without asyncio: t_detect - t_submit. A loop spinning on
+    ``get_finished`` instead would hold the GIL and starve the handler's own threads."""
     out = []
     for job_id in range(10**9, 10**9 + jobs):
         t0 = time.perf_counter()
         handler.transfer_async(job_id, spec)
-        while not handler.get_finished():
-            pass
+        handler.wait({job_id})
+        done = handler.get_finished()
+        assert any(r.job_id == job_id for r in done)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -249,8 +253,8 @@ async def latency_cuda(jobs: int, job_s: float, spin_s: float) -> Latency:
     for job_id in range(jobs):
         t0 = time.perf_counter()
         handler.transfer_async(job_id, spec)
-        while not (done := handler.get_finished()):
-            pass
+        handler.wait({job_id})  # blocks on the stream without holding the GIL
+        done = handler.get_finished()
         base.append(time.perf_counter() - t0 - (done[0].transfer_time or 0.0))
     config = small_config(64)
     engine = OffloadEngine(
