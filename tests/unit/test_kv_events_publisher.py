@@ -221,3 +221,37 @@ async def test_events_gone_from_the_ring_are_counted_lost(monkeypatch: pytest.Mo
         assert pub.stats().events_lost == 100
     finally:
         await pub.aclose()
+
+
+def test_settings_come_from_a_config_file_and_the_environment_overrides_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcache_offload.config import load_config
+
+    path = tmp_path / "offload.toml"
+    path.write_text(
+        'kv_events_endpoint = "tcp://*:5557"\n'
+        'kv_events_replay_endpoint = "tcp://*:5558"\n'
+        'kv_events_topic = "kv"\n'
+        'kv_events_media = { CPU = "CPU_TIER1" }\n'
+    )
+    config = load_config(path)
+    assert (config.kv_events_endpoint, config.kv_events_replay_endpoint) == (
+        "tcp://*:5557",
+        "tcp://*:5558",
+    )
+    assert (config.kv_events_topic, config.kv_events_media) == ("kv", {"CPU": "CPU_TIER1"})
+    monkeypatch.setenv("KVCACHE_OFFLOAD_KV_EVENTS_TOPIC", "from-env")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_KV_EVENTS_ENCODING", "map")
+    config = load_config(path)
+    assert (config.kv_events_topic, config.kv_events_encoding) == ("from-env", "map")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_KV_EVENTS_ENCODING", "yaml")
+    with pytest.raises(ConfigError, match="kv_events_encoding"):
+        load_config(path)
+
+
+async def test_the_configured_media_names_reach_the_wire() -> None:
+    async with engine_and_subscriber(kv_events_media={"CPU": "CPU_TIER1"}) as (engine, sub):
+        await store(engine, [key(1)])
+        await sub.collect(lambda s: len(s.events) == 1)
+    assert sub.events[0].medium == "CPU_TIER1"
