@@ -191,9 +191,7 @@ class OffloadEngine:
                 hash_format=config.kv_events_hash_format,
                 block_sizes=[size * factor for size in self.spec.gpu_block_size],
                 media=config.kv_events_media,
-                replay_batches=max(
-                    config.kv_events_replay_batches or 0, config.event_buffer_size
-                ),
+                replay_batches=max(config.kv_events_replay_batches or 0, config.event_buffer_size),
                 hwm=config.kv_events_hwm,
                 data_parallel_rank=config.kv_events_data_parallel_rank,
             )

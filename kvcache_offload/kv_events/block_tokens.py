@@ -41,6 +41,9 @@ class BlockTokens:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
     def remember(
         self,
         keys: Sequence[OffloadKey],

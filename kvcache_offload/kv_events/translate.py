@@ -28,6 +28,7 @@ from kvcache_offload.kv_events.wire import HashFormat, WireCodec, external_block
 __all__ = ["PUBLISHED_TYPES", "EventTranslator", "split_key"]
 
 PUBLISHED_TYPES = (EventType.STORED, EventType.EVICTED, EventType.RESET)
+_STORED, _EVICTED, _RESET = PUBLISHED_TYPES
 
 
 def split_key(key: OffloadKey) -> tuple[bytes, int]:
@@ -58,26 +59,56 @@ class EventTranslator:
         self.tokens = tokens if tokens is not None else BlockTokens()
 
     def _hash(self, key: OffloadKey) -> int | bytes:
+        if self.hash_format == "int" and len(key) > 4:
+            # The hash part's last 8 bytes (all of it when shorter): vLLM's low 64 bits.
+            return int.from_bytes(key[-12:-4], "big")
         return external_block_hash(split_key(key)[0], self.hash_format)
 
-    def _medium(self, medium: str) -> str:
-        return self.media.get(medium, medium)
-
     def translate(self, event: EngineEvent) -> list[Any]:
-        if event.type is EventType.RESET:
+        kind, keys = event.type, event.keys
+        if kind is _RESET:
             # The token memory stays: it may already hold tokens of stores made after the reset.
             return [self.codec.cleared()]
-        if event.type is EventType.STORED:
-            return self._stored(event.keys, self._medium(event.medium))
-        if event.type is EventType.EVICTED:
-            medium = self._medium(event.medium)
-            return [
-                self.codec.removed([self._hash(k) for k in keys], medium=medium, group_idx=g)
-                for g, keys in _by_group(event.keys).items()
-            ]
-        return []
+        if kind is not _STORED and kind is not _EVICTED:
+            return []
+        medium = self.media.get(event.medium, event.medium)
+        if len(keys) == 1 and (kind is _EVICTED or not self.tokens):
+            return [self._single(kind, keys[0], medium)]  # the common case, kept short
+        if kind is _STORED:
+            return self._stored(keys, medium)
+        return [
+            self.codec.removed([self._hash(k) for k in group_keys], medium=medium, group_idx=g)
+            for g, group_keys in _by_group(keys).items()
+        ]
+
+    def _single(self, kind: EventType, key: OffloadKey, medium: str) -> Any:
+        group = int.from_bytes(key[-4:], "big") if len(key) > 4 else 0
+        if kind is _EVICTED:
+            return self.codec.removed([self._hash(key)], medium=medium, group_idx=group)
+        sizes = self.block_sizes
+        return self.codec.stored(
+            [self._hash(key)],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=sizes[group] if group < len(sizes) else sizes[0],
+            medium=medium,
+            group_idx=group,
+        )
 
     def _stored(self, keys: list[OffloadKey], medium: str) -> list[Any]:
+        if not self.tokens:  # no tokens remembered: one event per group, no chain
+            sizes, stored, hash_of = self.block_sizes, self.codec.stored, self._hash
+            return [
+                stored(
+                    [hash_of(k) for k in group_keys],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=sizes[group] if group < len(sizes) else sizes[0],
+                    medium=medium,
+                    group_idx=group,
+                )
+                for group, group_keys in _by_group(keys).items()
+            ]
         out: list[Any] = []
         for group, group_keys in _by_group(keys).items():
             sizes = self.block_sizes
@@ -138,5 +169,9 @@ def _continues(
 def _by_group(keys: list[OffloadKey]) -> dict[int, list[OffloadKey]]:
     groups: dict[int, list[OffloadKey]] = {}
     for key in keys:
-        groups.setdefault(split_key(key)[1], []).append(key)
+        group = int.from_bytes(key[-4:], "big") if len(key) > 4 else 0
+        if group in groups:
+            groups[group].append(key)
+        else:
+            groups[group] = [key]
     return groups

@@ -130,21 +130,23 @@ class WireCodec:
         lora_id: int | None = None,
         lora_name: str | None = None,
     ) -> Any:
+        # Positional, in the documented field order (extra_keys is never set).
         return self._stored(
-            block_hashes=block_hashes,
-            parent_block_hash=parent_block_hash,
-            token_ids=token_ids,
-            block_size=block_size,
-            lora_id=lora_id,
-            medium=medium,
-            lora_name=lora_name,
-            group_idx=group_idx,
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            None,
+            group_idx,
         )
 
     def removed(
         self, block_hashes: list[int | bytes], *, medium: str | None, group_idx: int | None
     ) -> Any:
-        return self._removed(block_hashes=block_hashes, medium=medium, group_idx=group_idx)
+        return self._removed(block_hashes, medium, group_idx)
 
     def cleared(self) -> Any:
         return self._cleared()
