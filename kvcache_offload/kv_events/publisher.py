@@ -28,7 +28,7 @@ import zmq
 
 from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.types import EngineEvent, GapMarker
-from kvcache_offload.errors import ConfigError
+from kvcache_offload.errors import ConfigError, OffloadError
 from kvcache_offload.kv_events.block_tokens import BlockTokens
 from kvcache_offload.kv_events.stats import KVEventStats
 from kvcache_offload.kv_events.translate import PUBLISHED_TYPES, EventTranslator
@@ -112,7 +112,10 @@ class KVEventPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             self._ctx.term()
-            raise ConfigError(f"cannot open the KV-event sockets ({endpoint!r}): {exc}") from None
+            where = (
+                repr(endpoint) if replay_endpoint is None else f"{endpoint!r}, {replay_endpoint!r}"
+            )
+            raise ConfigError(f"cannot open the KV-event sockets ({where}): {exc}") from None
         self._sub = hub.subscribe(PUBLISHED_TYPES, queue_size=max(_QUEUE_FLOOR, hub.buffer_size))
 
     @staticmethod
@@ -190,7 +193,7 @@ class KVEventPublisher:
     def send_batch(self, events: Sequence[Any], ts: float | None = None) -> int:
         """Encode, send and keep one batch; returns its sequence number."""
         if self._pub is None:
-            raise ConfigError("the KV-event publisher is closed")
+            raise OffloadError("the KV-event publisher is closed")
         payload = self.codec.encode_batch(events, ts)
         seq = self._next_seq
         self._next_seq += 1
