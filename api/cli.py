@@ -56,6 +56,16 @@ def serve(
         str | None,
         typer.Option(help="Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557."),
+    ] = None,
+    kv_events_replay_endpoint: Annotated[
+        str | None, typer.Option(help="ZMQ endpoint answering KV-event replay requests.")
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="Topic frame of every KV-event message.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -79,6 +89,9 @@ def serve(
             shared_region=shared_region,
             lease_ttl_s=lease_ttl,
             api_token=api_token,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_replay_endpoint=kv_events_replay_endpoint,
+            kv_events_topic=kv_events_topic,
         )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

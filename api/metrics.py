@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcache_offload import __version__, compiled_modules
 from kvcache_offload.aio.types import EngineStats, EventType
+from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = [
     "HTTP_DURATION_BUCKETS_S",
@@ -164,6 +165,26 @@ class EngineCollector(Collector):
         )
         yield _counter(
             "events_dropped", "Events subscribers missed by falling behind.", s.events_dropped
+        )
+        kv = s.kv_events if s.kv_events is not None else KVEventStats()
+        yield _counter(
+            "kv_events_batches_published",
+            "KV-event batches sent on the ZMQ PUB socket (0 when it is off).",
+            kv.batches_published,
+        )
+        yield _counter(
+            "kv_events_published",
+            "BlockStored / BlockRemoved / AllBlocksCleared events in published batches.",
+            kv.events_published,
+        )
+        yield _counter("kv_events_replay_requests", "Replay requests answered.", kv.replay_requests)
+        yield _counter(
+            "kv_events_batches_replayed", "KV-event batches re-sent on replay.", kv.batches_replayed
+        )
+        yield _counter(
+            "kv_events_lost",
+            "Engine events the KV-event publisher could not read in time.",
+            kv.events_lost,
         )
         mrc = GaugeMetricFamily(
             P + "mrc_hit_ratio",

@@ -86,6 +86,23 @@ class OffloadConfig(BaseSettings):
     event_buffer_size: int = Field(default=10_000, ge=1)
     subscriber_queue_size: int = Field(default=1_000, ge=1)
 
+    # -- KV events for routers (vLLM's ZMQ wire format, docs/kv-events.md) -----------------
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB endpoint, e.g. "tcp://*:5557" (bound; a host without "*" is connected to)."""
+    kv_events_replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint answering replay requests, e.g. "tcp://*:5558"."""
+    kv_events_topic: str = ""
+    kv_events_encoding: Literal["array", "map"] = "array"
+    """Event encoding: "array" as vLLM <= 0.23 decodes it, "map" as vLLM >= 0.24 does."""
+    kv_events_hash_format: Literal["int", "bytes"] = "int"
+    """Block hashes as vLLM publishes them by default (low 64 bits) or as raw bytes."""
+    kv_events_media: dict[str, str] = Field(default_factory=dict)
+    """Tier names as the router spells them, e.g. {"CPU": "CPU_TIER1"} for Dynamo."""
+    kv_events_replay_batches: int | None = Field(default=None, ge=1)
+    """Batches kept for replay; None = event_buffer_size (never fewer)."""
+    kv_events_hwm: int = Field(default=100_000, ge=0)
+    kv_events_data_parallel_rank: int = Field(default=0, ge=0)
+
     # -- HTTP service -----------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

@@ -7,7 +7,7 @@ from api.schemas import KeysRequest
 from kvcache_offload.base import OffloadKey, ReqContext
 from kvcache_offload.keys import token_block_keys
 
-__all__ = ["hex_keys", "request_context", "resolve_keys"]
+__all__ = ["hex_keys", "remember_block_tokens", "request_context", "resolve_keys"]
 
 
 def resolve_keys(body: KeysRequest, max_keys: int) -> list[OffloadKey]:
@@ -26,3 +26,13 @@ def request_context(body: KeysRequest) -> ReqContext | None:
 
 def hex_keys(keys: list[OffloadKey]) -> list[str]:
     return [k.hex() for k in keys]
+
+
+def remember_block_tokens(engine: object, body: KeysRequest, keys: list[OffloadKey]) -> None:
+    """Hand the tokens behind token-derived keys to the KV-event publisher, when there is one.
+
+    Its ``BlockStored`` events then carry the tokens routers hash (docs/kv-events.md).
+    """
+    publisher = getattr(engine, "kv_events", None)
+    if publisher is not None and body.token_ids is not None and body.block_size is not None:
+        publisher.remember_tokens(keys, body.token_ids, body.block_size)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from api.responses import FastJSONResponse
 from api.routes._body import json_body, parse_body
-from api.routes._keys import hex_keys, request_context, resolve_keys
+from api.routes._keys import hex_keys, remember_block_tokens, request_context, resolve_keys
 from api.routes._state import config_of, engine_of
 from api.schemas import (
     LoadCompleted,
@@ -30,7 +30,9 @@ async def prepare_store(request: Request) -> FastJSONResponse:
     """Allocate CPU slots for the keys not yet offloaded (evicting if needed) under a lease."""
     body = await parse_body(request, PrepareRequest)
     keys = resolve_keys(body, config_of(request).max_keys_per_request)
-    lease = await engine_of(request).prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
+    engine = engine_of(request)
+    remember_block_tokens(engine, body, keys)
+    lease = await engine.prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(
         {
             "lease_id": lease.lease_id,

@@ -69,6 +69,7 @@ from kvcache_offload.worker.worker import OffloadingWorker, TransferResult
 
 if TYPE_CHECKING:
     from kvcache_offload.cpu.block_memory import BlockMemory
+    from kvcache_offload.kv_events.publisher import KVEventPublisher
 
 __all__ = ["OffloadEngine"]
 
@@ -118,6 +119,9 @@ class OffloadEngine:
         self._factor = self.spec.block_size_factor
         self._num_groups = len(self.spec.gpu_block_size)
         self._hub = EventHub(config.event_buffer_size, config.subscriber_queue_size)
+        self._kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self._kv_events = self._open_kv_events(config)
         self._leases = LeaseTable(self._on_lease_expired, config.lease_ttl_s)
         self._observers = list(access_observers)
         self._on_lookup = self._observer_methods("on_lookup")
@@ -162,6 +166,31 @@ class OffloadEngine:
                 self._guard(spec_shutdown, "shutting the spec down after a failed start")
             raise
         return worker
+
+    def _open_kv_events(self, config: OffloadConfig) -> KVEventPublisher:
+        """The ZMQ publisher of block events for routers (docs/kv-events.md)."""
+        from kvcache_offload.kv_events.publisher import KVEventPublisher
+
+        factor = self.spec.block_size_factor
+        try:
+            return KVEventPublisher(
+                self._hub,
+                str(config.kv_events_endpoint),
+                replay_endpoint=config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic,
+                encoding=config.kv_events_encoding,
+                hash_format=config.kv_events_hash_format,
+                block_sizes=[size * factor for size in self.spec.gpu_block_size],
+                media=config.kv_events_media,
+                replay_batches=max(config.kv_events_replay_batches or 0, config.event_buffer_size),
+                hwm=config.kv_events_hwm,
+                data_parallel_rank=config.kv_events_data_parallel_rank,
+            )
+        except BaseException:
+            spec_shutdown = getattr(self.spec, "shutdown", None)
+            if callable(spec_shutdown):
+                self._guard(spec_shutdown, "shutting the spec down after a failed start")
+            raise
 
     def _observer_methods(self, name: str) -> list[Callable[..., object]]:
         methods = []
@@ -213,6 +242,8 @@ class OffloadEngine:
                 if self._poller is not None:
                     tg.start_soon(self._poller.run, name="kvcache-offload-poller")
                 tg.start_soon(self._leases.run, name="kvcache-offload-lease-reaper")
+                if self._kv_events is not None:
+                    tg.start_soon(self._kv_events.run, name="kvcache-offload-kv-events")
                 await stop.wait()
                 tg.cancel_scope.cancel()
         except Exception:
@@ -253,6 +284,11 @@ class OffloadEngine:
                 except BaseException:
                     logger.debug("background task ended with an error", exc_info=True)
             self._hub.close()
+            if self._kv_events is not None:
+                try:
+                    await self._kv_events.aclose()
+                except Exception:
+                    logger.exception("closing the KV-event publisher failed")
             if self._worker is not None:
                 try:
                     await anyio.to_thread.run_sync(self._worker.shutdown)
@@ -756,6 +792,8 @@ class OffloadEngine:
             events_dropped=self._hub.dropped,
             last_event_seq=self._hub.last_seq,
         )
+        if self._kv_events is not None:
+            stats.kv_events = self._kv_events.stats()
         for obs in self._observers:
             mrc = getattr(obs, "mrc_stats", None)
             if not callable(mrc):
@@ -791,6 +829,11 @@ class OffloadEngine:
     @property
     def event_hub(self) -> EventHub:
         return self._hub
+
+    @property
+    def kv_events(self) -> KVEventPublisher | None:
+        """The ZMQ KV-event publisher, when ``kv_events_endpoint`` is configured."""
+        return self._kv_events
 
     @property
     def worker(self) -> OffloadingWorker | None:

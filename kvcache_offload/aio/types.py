@@ -5,9 +5,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache_offload.base import OffloadKey
+
+if TYPE_CHECKING:
+    from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = [
     "TRANSFER_DURATION_BUCKETS_S",
@@ -186,3 +189,5 @@ class EngineStats:
     mrc_hit_ratio: dict[float, float] = field(default_factory=dict)
     """Estimated block hit ratio at ``scale`` x the current capacity (miss-ratio curve)."""
     mrc_sampled_keys: int = 0
+    kv_events: KVEventStats | None = None
+    """Counters of the ZMQ KV-event publisher, None when it is off."""

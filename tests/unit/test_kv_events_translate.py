@@ -1,0 +1,104 @@
+"""Which engine events become which vLLM KV events, and how keys become block hashes."""
+
+from __future__ import annotations
+
+from kvcache_offload.aio.types import EngineEvent, EventType
+from kvcache_offload.base import OffloadKey, make_offload_key
+from kvcache_offload.keys import chained_block_hashes, token_block_keys
+from kvcache_offload.kv_events import (
+    BlockTokens,
+    EventTranslator,
+    WireCodec,
+    external_block_hash,
+    split_key,
+)
+
+
+def event(type: EventType, keys: list[OffloadKey], medium: str = "CPU") -> EngineEvent:
+    return EngineEvent(seq=1, timestamp=0.0, type=type, keys=keys, medium=medium)
+
+
+def key(i: int, group: int = 0) -> OffloadKey:
+    return make_offload_key(i.to_bytes(32, "big"), group)
+
+
+def translator(**kwargs: object) -> EventTranslator:
+    return EventTranslator(WireCodec("map"), block_sizes=(16,), **kwargs)  # type: ignore[arg-type]
+
+
+def test_external_hash_is_vllms_low_64_bits_or_the_raw_bytes() -> None:
+    digest = bytes(range(32))
+    assert external_block_hash(digest, "int") == int.from_bytes(digest[-8:], "big")
+    assert external_block_hash(digest, "bytes") == digest
+    assert external_block_hash(b"\xff" * 32, "int") == 2**64 - 1
+
+
+def test_offload_keys_split_into_vllm_block_hash_and_group() -> None:
+    digest = bytes(range(32))
+    assert split_key(make_offload_key(digest, 7)) == (digest, 7)
+
+
+def test_stored_keys_become_one_block_stored_per_group_in_order() -> None:
+    keys = [key(1), key(2, group=1), key(3)]
+    out = translator().translate(event(EventType.STORED, keys))
+    assert [(e.block_hashes, e.group_idx) for e in out] == [([1, 3], 0), ([2], 1)]
+    assert all(e.medium == "CPU" and e.token_ids == [] and e.block_size == 16 for e in out)
+    assert all(e.parent_block_hash is None for e in out)
+
+
+def test_evictions_become_block_removed_and_reset_all_blocks_cleared() -> None:
+    t = translator()
+    (removed,) = t.translate(event(EventType.EVICTED, [key(5), key(6)]))
+    assert type(removed).__name__ == "BlockRemoved"
+    assert (removed.block_hashes, removed.medium, removed.group_idx) == ([5, 6], "CPU", 0)
+    (cleared,) = t.translate(event(EventType.RESET, []))
+    assert type(cleared).__name__ == "AllBlocksCleared"
+
+
+def test_loads_failures_and_lease_expiry_publish_nothing() -> None:
+    t = translator()
+    for kind in (EventType.LOAD_COMPLETED, EventType.STORE_FAILED, EventType.LEASE_EXPIRED):
+        assert t.translate(event(kind, [key(1)])) == []
+
+
+def test_media_are_renamed_for_the_router() -> None:
+    (stored,) = translator(media={"CPU": "CPU_TIER1"}).translate(event(EventType.STORED, [key(1)]))
+    assert stored.medium == "CPU_TIER1"
+
+
+def test_token_derived_keys_carry_tokens_block_size_and_parent_hash() -> None:
+    tokens = list(range(64))
+    keys = token_block_keys(tokens, 16)
+    hashes = chained_block_hashes(tokens, 16)
+    memory = BlockTokens()
+    memory.remember(keys, tokens, 16)
+    t = translator(tokens=memory)
+    # Blocks 0 and 1 were offloaded earlier: this store holds blocks 2 and 3.
+    (stored,) = t.translate(event(EventType.STORED, keys[2:]))
+    assert stored.token_ids == tokens[32:64]
+    assert stored.block_size == 16
+    assert stored.block_hashes == [external_block_hash(h, "int") for h in hashes[2:]]
+    assert stored.parent_block_hash == external_block_hash(hashes[1], "int")
+    (first,) = t.translate(event(EventType.STORED, keys[:1]))
+    assert first.parent_block_hash is None and first.token_ids == tokens[:16]
+
+
+def test_a_store_mixing_known_and_unknown_tokens_splits_into_runs() -> None:
+    tokens = list(range(32))
+    keys = token_block_keys(tokens, 16)
+    memory = BlockTokens()
+    memory.remember(keys, tokens, 16)
+    out = translator(tokens=memory).translate(event(EventType.STORED, [keys[0], key(9), keys[1]]))
+    assert [e.token_ids for e in out] == [tokens[:16], [], tokens[16:]]
+    assert out[2].parent_block_hash == out[0].block_hashes[0]
+
+
+def test_block_tokens_memory_is_bounded_and_forgets_published_keys() -> None:
+    memory = BlockTokens(capacity=2)
+    keys = [key(i) for i in range(3)]
+    memory.remember(keys, list(range(48)), 16)
+    assert len(memory) == 2
+    assert memory.take(keys[0]) is None
+    entry = memory.take(keys[2])
+    assert entry is not None and entry.parent == keys[1] and entry.token_ids == tuple(range(32, 48))
+    assert memory.take(keys[2]) is None
