@@ -82,24 +82,29 @@ async def test_stores_evictions_and_reset_reach_a_subscriber_written_from_the_do
 
 
 async def test_a_late_subscriber_replays_the_batches_it_missed_then_follows_live() -> None:
-    async with engine_and_subscriber() as (engine, sub):
+    async with engine_and_subscriber() as (engine, early):
         pub = engine.kv_events
-        assert pub is not None
+        assert pub is not None and pub.replay_endpoint is not None
         missed = [
             pub.send_batch([pub.codec.removed([i], medium="CPU", group_idx=0)]) for i in range(5)
         ]
         assert missed == list(range(5))
-        # Wait until the subscription is live: the first batch it sees live has seq >= 5.
-        with anyio.fail_after(10):
-            while not await sub.receive_once(0.05):
-                pub.send_batch([pub.codec.cleared()])
-        assert sub.live_seqs[0] >= 5
-        live = sub.live_seqs[0]
-        assert sub.replayed_seqs[:live] == list(range(live))  # the replay may include ``live``
-        # Batches sent while the replay ran may come with it: contiguous from 0, through live.
-        seqs = [seq for seq, _ in sub.batches]
-        assert seqs == list(range(len(seqs))) and len(seqs) >= live + 1
-        assert [e.block_hashes for e in sub.events[:5]] == [[i] for i in range(5)]
+        # A subscriber that connects only now has missed seqs 0-4 for certain.
+        sub = DocSubscriber(pub.endpoint, pub.replay_endpoint, early.topic)
+        try:
+            # Wait until the subscription is live: the first batch it sees has seq >= 5.
+            with anyio.fail_after(10):
+                while not await sub.receive_once(0.05):
+                    pub.send_batch([pub.codec.cleared()])
+            assert sub.live_seqs[0] >= 5
+            live = sub.live_seqs[0]
+            assert sub.replayed_seqs[:live] == list(range(live))  # may include ``live``
+            # Batches sent while the replay ran may come with it: contiguous from 0, past live.
+            seqs = [seq for seq, _ in sub.batches]
+            assert seqs == list(range(len(seqs))) and len(seqs) >= live + 1
+            assert [e.block_hashes for e in sub.events[:5]] == [[i] for i in range(5)]
+        finally:
+            sub.close()
         assert engine.stats().kv_events is not None
         stats = engine.stats().kv_events
         assert stats is not None and stats.replay_requests == 1
