@@ -15,8 +15,9 @@ task polls again at least every ``backstop_s`` while jobs are in flight (a safet
 correct handler never needs).
 
 Handlers that batch (:class:`~kvcache_offload.worker.worker.BatchesJobs`: the CUDA handlers'
-kernel and DMA paths) hold the jobs submitted during one loop iteration and issue them as one
-copy when the iteration ends (``loop.call_soon``): a serving engine's dozens of concurrent
+kernel and DMA paths, the CPU backend) hold the jobs submitted during one loop iteration while
+copies are in flight and issue them as one copy when the iteration ends (``loop.call_soon``;
+a job that finds its handler idle goes out at once): a serving engine's dozens of concurrent
 small jobs then cost one launch, one end event and one wake-up per batch instead of per job.
 
 Handlers that cannot notify are polled: with jobs in flight the task spins on

@@ -220,7 +220,9 @@ class ThreadedOffloadingHandler(OffloadingHandler):
                 raise TransferError(f"job {job_id}: the handler is shut down")
             if job_id in self._pending or job_id in self._held_ids:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            if self._batching:
+            if self._batching and (self._jobs or self._held):
+                # Copies are queued or running: hold this job for the batch. An idle thread
+                # gets the job at once, so a lone request pays no extra loop iteration.
                 self._held.append((job_id, plan))
                 self._held_ids.add(job_id)
                 self._held_bytes += plan.num_bytes

@@ -514,7 +514,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 raise TransferError(f"job {job_id}: the handler is shut down")
             if job_id in self._transfer_events or job_id in self._queued_ids:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            if self._batching and self._can_batch(plan):
+            if self._batching and self._can_batch(plan) and (self._transfers or self._queued):
+                # Copies are in flight: hold this job for the batch. On an idle link a job
+                # goes out at once, so a lone request pays no extra loop iteration.
                 dst = self._dst_blocks(plan)
                 if not dst.isdisjoint(self._queued_dst):
                     self._flush_locked()  # the later job must land after the earlier one
