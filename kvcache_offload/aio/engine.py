@@ -36,6 +36,7 @@ from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.tiering import EngineTiers
 from kvcache_offload.aio.types import (
     EngineStats,
     EventType,
@@ -131,6 +132,7 @@ class OffloadEngine:
             )
             self._connect_wakeups(self._worker, self._poller)
         self._block_memory: BlockMemory | None = None
+        self._tiers: EngineTiers | None = self._build_tiers()
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._closed = False
@@ -163,6 +165,36 @@ class OffloadEngine:
                 self._guard(spec_shutdown, "shutting the spec down after a failed start")
             raise
         return worker
+
+    def _build_tiers(self) -> EngineTiers | None:
+        """Secondary tiers from the config (disk, Redis), or None: then no hook costs anything."""
+        from kvcache_offload.tiers import TierSet, layout_fingerprint, tiers_from_config
+
+        cfg = self.config
+        fingerprint = layout_fingerprint(
+            model_id=cfg.model_id,
+            kv_dtype=cfg.kv_dtype,
+            block_nbytes=cfg.layout.bytes_per_block * self._factor,
+            block_tokens=self.spec.gpu_block_size[0] * self._factor,
+            gpu_block_sizes=cfg.layout.gpu_block_sizes,
+            world_size=cfg.layout.world_size,
+        )
+        tiers = tiers_from_config(cfg, fingerprint)
+        if not tiers:
+            return None
+
+        def publish(kind: str, keys: list[OffloadKey], medium: str) -> None:
+            self._hub.publish(EventType(kind), keys, medium=medium)
+
+        tier_set = TierSet(
+            tiers,
+            queue_size=cfg.tier_queue_size,
+            read_timeout_s=cfg.tier_read_timeout_s,
+            on_event=publish,
+        )
+        return EngineTiers(
+            tier_set, self.manager, self._get_block_memory, self.write_blocks, cfg.tier_write
+        )
 
     @staticmethod
     def _connect_wakeups(worker: OffloadingWorker, poller: TransferPoller) -> None:
@@ -208,6 +240,8 @@ class OffloadEngine:
         self._ensure_started()
         if self.config.shared_region and self._block_memory is None:
             await self._get_block_memory()
+        if self._tiers is not None:
+            await self._tiers.open()
 
     def _ensure_started(self) -> None:
         if self._runner is None and not self._closed:
@@ -222,6 +256,8 @@ class OffloadEngine:
                 if self._poller is not None:
                     tg.start_soon(self._poller.run, name="kvcache-offload-poller")
                 tg.start_soon(self._leases.run, name="kvcache-offload-lease-reaper")
+                if self._tiers is not None:
+                    tg.start_soon(self._tiers.run, name="kvcache-offload-tier-writer")
                 await stop.wait()
                 tg.cancel_scope.cancel()
         except Exception:
@@ -255,6 +291,8 @@ class OffloadEngine:
                     logger.warning("closed with %d transfers still in flight", n)
             for lease in self._leases.take_all():
                 self._rollback_lease(lease)
+            if self._tiers is not None:  # queued tier writes finish while the writer runs
+                await self._tiers.aclose(self.close_timeout_s if self._runner else 0.0)
             if self._runner is not None and self._stop is not None:
                 self._stop.set()
                 try:
@@ -296,9 +334,13 @@ class OffloadEngine:
         """Per-key states plus the ready prefix and vLLM's "retry later" flag.
 
         With ``prefix_only`` the walk stops at the first absent key (as vLLM's does), so
-        ``states`` covers only the keys up to and including it.
+        ``states`` covers only the keys up to and including it. With secondary tiers, keys the
+        CPU tier lacks are looked up below (one batch per tier) and ``tiers`` names each key's.
         """
-        return self.lookup_now(keys, req_context, prefix_only=prefix_only)
+        result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
+        if self._tiers is None:
+            return result
+        return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
 
     def lookup_now(
         self,
@@ -368,6 +410,8 @@ class OffloadEngine:
             )
         self._store_prepared += len(out.keys_to_store)
         self._evicted += len(out.evicted_keys)
+        if self._tiers is not None:
+            self._tiers.on_evicted(out.evicted_keys)
         self._publish_manager_events()
         return out
 
@@ -380,6 +424,8 @@ class OffloadEngine:
         if success:
             self._store_completed += len(keys)
             self._publish_manager_events()
+            if self._tiers is not None:
+                self._tiers.on_stored(keys)
             return
         self._store_failed += len(keys)
         self._publish_manager_events()
@@ -506,6 +552,8 @@ class OffloadEngine:
         keys = list(keys)
         if not keys:
             return LoadResult([])
+        if self._tiers is not None:
+            await self._tiers.promote(keys)
         gpu_spec = gpu_spec_for_keys(
             keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
         )
@@ -587,6 +635,8 @@ class OffloadEngine:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
+        if self._tiers is not None:
+            await self._tiers.promote(keys)
         block_ids = self._prepare_load(keys, ctx)
         lease = self._leases.add("load", keys, block_ids, ctx, ttl_s)
         self._ensure_started()
@@ -701,6 +751,8 @@ class OffloadEngine:
         """The bytes of one ready block; :class:`BlockStateError` if it is not ready."""
         memory = await self._get_block_memory()
         ctx = ReqContext()
+        if self._tiers is not None:
+            await self._tiers.promote([key])
         (block_id,) = self._prepare_load([key], ctx)
         start = time.perf_counter()
         try:
@@ -727,6 +779,8 @@ class OffloadEngine:
             self._rollback_lease(lease)
         self._publish_manager_events()
         self.manager.reset_cache()
+        if self._tiers is not None:
+            self._tiers.on_reset()
         self._hub.publish(EventType.RESET, [])
 
     def stats(self) -> EngineStats:
@@ -777,6 +831,10 @@ class OffloadEngine:
             stats.mrc_hit_ratio = dict(ratios)
             stats.mrc_sampled_keys = int(sampled)
             break
+        if self._tiers is not None:
+            stats.tiers = self._tiers.tier_set.stats()
+            stats.tier_write_queue_depth = self._tiers.tier_set.queue_depth
+            stats.tier_promoted_blocks = self._tiers.promoted_blocks
         return stats
 
     def subscribe(

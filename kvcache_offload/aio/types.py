@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvcache_offload.base import OffloadKey
+from kvcache_offload.tiers.base import TierStats
 
 __all__ = [
     "TRANSFER_DURATION_BUCKETS_S",
@@ -45,6 +46,9 @@ class LookupResult:
     hits: int
     pending: bool
     states: list[KeyState]
+    tiers: list[str | None] | None = None
+    """With secondary tiers configured: where each key in ``states`` is ("CPU", "disk",
+    "redis"), None when nowhere ready. A key below the CPU tier is READY: a load promotes it."""
 
 
 @dataclass(frozen=True)
@@ -186,3 +190,8 @@ class EngineStats:
     mrc_hit_ratio: dict[float, float] = field(default_factory=dict)
     """Estimated block hit ratio at ``scale`` x the current capacity (miss-ratio curve)."""
     mrc_sampled_keys: int = 0
+    tiers: list[TierStats] = field(default_factory=list)
+    """Secondary tiers below the CPU tier, in lookup order (empty when none is configured)."""
+    tier_write_queue_depth: int = 0
+    tier_promoted_blocks: int = 0
+    """Blocks copied up from a secondary tier into CPU slots for a load."""
