@@ -1,7 +1,7 @@
 """Prometheus families of the secondary tiers (disk, Redis), one label value per tier.
 
-Read from the same ``EngineStats`` snapshot as every other engine metric; yields nothing when
-no tier is configured, so a CPU-only service exports exactly what it did before.
+Read from the same ``EngineStats`` snapshot as every other engine metric. Without tiers the
+labelled families are exported empty (the contract in docs/metrics.md lists them all).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def _buckets(hist: LatencyHistogram) -> list[tuple[str, float]]:
 
 
 def tier_families(s: EngineStats) -> Iterator[Metric]:
-    if not s.tiers:
-        return
     for attr, name, doc in _COUNTERS:
         family = CounterMetricFamily(P + name, doc, labels=["tier"])
         for t in s.tiers:

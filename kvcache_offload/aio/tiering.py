@@ -5,7 +5,7 @@ The engine calls five hooks and nothing else; each is a no-op cost when no tier 
 
 * :meth:`on_stored` (a store completed): remembers each key's CPU slot; write-through also
   queues the keys, and the writer reads their bytes from the CPU tier when it gets to them,
-  pinning the blocks only while it copies them.
+  without pinning them (a tier write never takes CPU capacity away from stores).
 * :meth:`on_evicted` (a store evicted blocks): a victim whose bytes have not gone down yet
   (write-back: any victim; write-through: one the writer has not reached) is copied out now,
   before the evicting store overwrites its slot, and queued. So a lagging writer never loses
@@ -115,20 +115,24 @@ class EngineTiers:
         self._slots.update(zip(keys, ids, strict=True))
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
-        """Bytes of the keys still ready in the CPU tier, pinned while they are copied."""
+        """Bytes of the keys still in the CPU tier, read without pinning them.
+
+        The copy runs in a worker thread while the CPU tier goes on; a key evicted meanwhile
+        was already copied out by :meth:`on_evicted` (it is still in the slot map until this
+        read ends), so its possibly overwritten bytes from here are dropped.
+        """
         memory = self._memory or await self._get_memory()
-        lookup = self._manager.lookup
-        ready = [k for k in dict.fromkeys(keys) if k in self._slots and lookup(k, _CTX) is True]
-        if not ready:
+        slots = self._slots
+        todo = [(k, slots[k]) for k in dict.fromkeys(keys) if k in slots]
+        if not todo:
             return []
-        for key in ready:
-            del self._slots[key]  # from here on this job owns the write
-        ids = _ids(self._manager.prepare_load(ready, _CTX))
-        try:
-            data = await anyio.to_thread.run_sync(lambda: [memory.read(b) for b in ids])
-        finally:
-            self._manager.complete_load(ready, _CTX)
-        return list(zip(ready, data, strict=True))
+        data = await anyio.to_thread.run_sync(lambda: [memory.read(b) for _, b in todo])
+        out = []
+        for (key, slot), blob in zip(todo, data, strict=True):
+            if slots.get(key) == slot:
+                del slots[key]  # handed to the tiers
+                out.append((key, blob))
+        return out
 
     def on_evicted(self, keys: Sequence[OffloadKey]) -> None:
         if not keys or not self._slots:

@@ -91,9 +91,7 @@ class RedisTier(SecondaryTier):
             if self.cluster:
                 from redis.asyncio.cluster import RedisCluster
 
-                self._client = RedisCluster.from_url(
-                    self._url, cluster_error_retry_attempts=1, **common
-                )
+                self._client = RedisCluster.from_url(self._url, **common)
             else:
                 from redis.asyncio import Redis
 
@@ -157,7 +155,7 @@ class RedisTier(SecondaryTier):
         out: list[bytes | None] = []
         corrupt: list[bytes] = []
         for name, (header, data), good in zip(names, frames, ok, strict=True):
-            if good:
+            if good and data is not None:
                 out.append(data)
                 self._stats.get_blocks += 1
                 self._stats.get_bytes += len(data)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvcache_offload.base import OffloadKey, make_offload_key
 from kvcache_offload.tiers import DiskTier
-from kvcache_offload.tiers.frame import encode_header, verify
+from kvcache_offload.tiers.frame import HEADER_PREFIX, encode_header, verify
 
 BLOCK = 4096
 FP = "0123456789abcdef"
@@ -90,7 +90,7 @@ async def test_stale_partial_writes_are_removed_on_open(tmp_path: Path) -> None:
 
 
 async def test_the_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
-    per_file = BLOCK + 22 + len(key(0))
+    per_file = BLOCK + HEADER_PREFIX + len(key(0))
     tier = DiskTier(tmp_path, 4 * per_file, FP)
     await tier.open()
     await tier.put([(key(i), block(i)) for i in range(4)])
