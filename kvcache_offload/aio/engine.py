@@ -168,9 +168,11 @@ class OffloadEngine:
 
     def _build_tiers(self) -> EngineTiers | None:
         """Secondary tiers from the config (disk, Redis), or None: then no hook costs anything."""
+        cfg = self.config
+        if cfg.disk_path is None and not cfg.remote_url:
+            return None
         from kvcache_offload.tiers import TierSet, layout_fingerprint, tiers_from_config
 
-        cfg = self.config
         fingerprint = layout_fingerprint(
             model_id=cfg.model_id,
             kv_dtype=cfg.kv_dtype,

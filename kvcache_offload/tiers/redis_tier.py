@@ -1,7 +1,7 @@
 """RedisTier: blocks in a Redis or Valkey server (standalone or Cluster) shared by many hosts.
 
 Each block is one hash under ``kvo:<fingerprint>:<key hex>`` with two fields: ``h`` (the
-frame header: key, length, CRC-32) and ``d`` (the block's bytes), written with one ``HSET`` so
+frame header: key, length, checksum) and ``d`` (the block's bytes), written with one ``HSET`` so
 a reader never sees half a block. Every batch call is one pipeline: one round trip on a
 standalone server, one per node holding a slot of the batch on a cluster. A value that fails
 its checks is a miss and is deleted. Capacity and eviction are Redis's: run it with
