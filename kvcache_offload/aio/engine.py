@@ -342,6 +342,8 @@ class OffloadEngine:
         result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
         if self._tiers is None:
             return result
+        if result.pending or result.hits == len(keys):  # nothing to ask below
+            return self._tiers.cpu_answer(result)
         return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
 
     def lookup_now(

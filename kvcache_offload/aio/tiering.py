@@ -156,6 +156,15 @@ class EngineTiers:
 
     # -- reads -------------------------------------------------------------------------------
 
+    @staticmethod
+    def cpu_answer(cpu: LookupResult) -> LookupResult:
+        """The CPU tier's answer with its tiers filled in (nothing to ask below)."""
+        hits = cpu.hits
+        tiers: list[str | None] = [CPU_TIER] * hits
+        if len(cpu.states) > hits:
+            tiers += [CPU_TIER if s is KeyState.READY else None for s in cpu.states[hits:]]
+        return LookupResult(hits, cpu.pending, cpu.states, tiers)
+
     async def extend_lookup(
         self, keys: Sequence[OffloadKey], cpu: LookupResult, *, prefix_only: bool
     ) -> LookupResult:
@@ -163,8 +172,7 @@ class EngineTiers:
         n = len(keys)
         hits = cpu.hits
         if cpu.pending or hits >= n:
-            tiers: list[str | None] = [CPU_TIER] * hits + [None] * (len(cpu.states) - hits)
-            return LookupResult(cpu.hits, cpu.pending, cpu.states, tiers)
+            return self.cpu_answer(cpu)
         await self.tier_set.open()
         lookup = self._manager.lookup
         tail = [lookup(k, _CTX) for k in keys[hits:]]

@@ -46,6 +46,7 @@ class DiskTier(SecondaryTier):
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()
         self._used = 0
         self._evicted: list[OffloadKey] = []
+        self._subdirs: set[Path] = set()
         self._opened = False
         self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
         self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
@@ -101,15 +102,17 @@ class DiskTier(SecondaryTier):
     def _write(self, key: OffloadKey, payload: bytes) -> int:
         header = frame.encode_header(key, payload)
         final = self._file(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.parent not in self._subdirs:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._subdirs.add(final.parent)
         part = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}{_PART}"
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, header)
-            view = memoryview(payload)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            written = os.writev(fd, [header, payload])  # one syscall for header and block
+            if written < len(header) + len(payload):  # rare short write: finish it
+                rest = memoryview(header + payload)[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -124,15 +127,15 @@ class DiskTier(SecondaryTier):
         path = self._file(key)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                header = f.read(frame.HEADER_PREFIX + len(key))
+                parsed = frame.decode_header(header)
+                # Read the declared length (plus one byte, to notice a longer file) into the
+                # bytes object that is returned: no second copy of the block.
+                payload = f.read(parsed[1] + 1) if parsed is not None else None
         except FileNotFoundError:
             return None
-        parsed = frame.decode_header(data)
-        if parsed is not None:
-            start = frame.HEADER_PREFIX + len(parsed[2])
-            payload = memoryview(data)[start:]
-            if frame.verify(key, data[:start], payload):
-                return bytes(payload)
+        if payload is not None and frame.verify(key, header, payload):
+            return payload
         _unlink(path)
         raise _Corrupt
 
@@ -153,44 +156,59 @@ class DiskTier(SecondaryTier):
         return [key in index for key in keys]
 
     async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for key in keys:
-            if key not in self._index:
-                out.append(None)
+        """Reads the held keys of the batch in one worker-thread call."""
+        held = [k for k in dict.fromkeys(keys) if k in self._index]
+        if not held:
+            return [None] * len(keys)
+        start = time.perf_counter()
+        try:
+            found = await anyio.to_thread.run_sync(self._read_all, held)
+        except OSError as exc:
+            self._stats.errors += 1
+            raise TierError(f"reading blocks from {self.root}: {exc}") from exc
+        self._hist["get"].observe(time.perf_counter() - start)
+        by_key: dict[OffloadKey, bytes] = {}
+        for key, data in zip(held, found, strict=True):
+            if not isinstance(data, bytes):  # gone meanwhile, or corrupt (and removed)
+                if data is _CORRUPT:
+                    self._stats.corrupt_blocks += 1
+                self._forget(key)
                 continue
-            start = time.perf_counter()
+            by_key[key] = data
+            self._index.move_to_end(key)
+            self._stats.get_blocks += 1
+            self._stats.get_bytes += len(data)
+        return [by_key.get(k) for k in keys]
+
+    def _read_all(self, keys: list[OffloadKey]) -> list[bytes | object | None]:
+        out: list[bytes | object | None] = []
+        for key in keys:
             try:
-                data = await anyio.to_thread.run_sync(self._read, key)
+                out.append(self._read(key))
             except _Corrupt:
-                self._stats.corrupt_blocks += 1
-                self._forget(key)
-                data = None
-            except OSError as exc:
-                self._stats.errors += 1
-                raise TierError(f"reading block {key.hex()} from {self.root}: {exc}") from exc
-            self._hist["get"].observe(time.perf_counter() - start)
-            if data is None:
-                self._forget(key)
-            else:
-                self._index.move_to_end(key)
-                self._stats.get_blocks += 1
-                self._stats.get_bytes += len(data)
-            out.append(data)
+                out.append(_CORRUPT)
         return out
 
     async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
+        """Writes the new blocks of the batch in one worker-thread call (each fsynced)."""
+        fresh: dict[OffloadKey, bytes] = {}
         for key, payload in items:
             if key in self._index:
                 self._index.move_to_end(key)
-                continue
-            await self._evict_over_budget(len(payload) + frame.HEADER_PREFIX + len(key))
-            start = time.perf_counter()
-            try:
-                size = await anyio.to_thread.run_sync(self._write, key, payload)
-            except OSError as exc:
-                self._stats.errors += 1
-                raise TierError(f"writing block {key.hex()} to {self.root}: {exc}") from exc
-            self._hist["put"].observe(time.perf_counter() - start)
+            else:
+                fresh.setdefault(key, payload)
+        if not fresh:
+            return
+        incoming = sum(len(p) + frame.HEADER_PREFIX + len(k) for k, p in fresh.items())
+        await self._evict_over_budget(incoming)
+        start = time.perf_counter()
+        try:
+            sizes = await anyio.to_thread.run_sync(self._write_all, list(fresh.items()))
+        except OSError as exc:
+            self._stats.errors += 1
+            raise TierError(f"writing blocks to {self.root}: {exc}") from exc
+        self._hist["put"].observe(time.perf_counter() - start)
+        for (key, payload), size in zip(fresh.items(), sizes, strict=True):
             old = self._index.pop(key, None)  # a racing put of the same key
             if old is not None:
                 self._used -= old
@@ -199,6 +217,9 @@ class DiskTier(SecondaryTier):
             self._stats.put_blocks += 1
             self._stats.put_bytes += len(payload)
         await self._evict_over_budget(0)
+
+    def _write_all(self, items: list[tuple[OffloadKey, bytes]]) -> list[int]:
+        return [self._write(key, payload) for key, payload in items]
 
     async def delete(self, keys: Sequence[OffloadKey]) -> None:
         paths = [self._file(k) for k in keys if self._forget(k)]
@@ -248,6 +269,10 @@ class DiskTier(SecondaryTier):
 
 class _Corrupt(Exception):
     """A block file failed its frame checks (it has been removed)."""
+
+
+_CORRUPT = object()
+"""What :meth:`DiskTier._read_all` reports for a corrupt file."""
 
 
 def _unlink(path: Path) -> None:
