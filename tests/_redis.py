@@ -83,12 +83,19 @@ class RedisServer:
             "maxmemory-policy": "allkeys-lru",
         }
         args = [part for name, value in options.items() for part in (f"--{name}", value)]
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, *args, *self.extra],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(lambda: _cli(self.port, "ping") == "PONG", what=f"redis on {self.port}")
+        log = self.workdir / "redis.log"
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                [REDIS_SERVER, *args, *self.extra], stdout=out, stderr=subprocess.STDOUT
+            )
+        process = self.process
+
+        def up() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"redis-server exited:\n{log.read_text()[-2000:]}")
+            return _cli(self.port, "ping") == "PONG"
+
+        wait_until(up, what=f"redis on {self.port}")
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -126,10 +133,18 @@ def redis_cluster(tmp: Path, size: int = 3) -> Iterator[RedisCluster]:
     try:
         for i in range(size):
             port = free_port()
+            # The bus port defaults to port + 10000, which can be above 65535: pick one.
             node = RedisServer(
                 port,
                 tmp / f"cluster-{i}",
-                ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"],
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-port",
+                    str(free_port()),
+                ],
             )
             nodes.append(node)
             node.start()

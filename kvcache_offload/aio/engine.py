@@ -36,7 +36,7 @@ from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
-from kvcache_offload.aio.tiering import EngineTiers
+from kvcache_offload.aio.tiering import CPU_TIER, EngineTiers
 from kvcache_offload.aio.types import (
     EngineStats,
     EventType,
@@ -340,10 +340,8 @@ class OffloadEngine:
         CPU tier lacks are looked up below (one batch per tier) and ``tiers`` names each key's.
         """
         result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
-        if self._tiers is None:
+        if self._tiers is None or result.tiers is not None:
             return result
-        if result.pending or result.hits == len(keys):  # nothing to ask below
-            return self._tiers.cpu_answer(result)
         return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
 
     def lookup_now(
@@ -390,7 +388,11 @@ class OffloadEngine:
         self._lookup_hit_blocks += hits
         if self._on_lookup:
             self._notify(self._on_lookup, keys, hits)
-        return LookupResult(hits=hits, pending=pending, states=states)
+        # With tiers, an all-CPU answer names its tier here (the cheap, common case).
+        tiers: list[str | None] | None = None
+        if self._tiers is not None and hits == len(states):
+            tiers = [CPU_TIER] * hits
+        return LookupResult(hits=hits, pending=pending, states=states, tiers=tiers)
 
     async def touch(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None

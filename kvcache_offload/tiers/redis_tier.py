@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from binascii import hexlify
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ class RedisTier(SecondaryTier):
         return f"{scheme}://{rest.rpartition('@')[2]}"
 
     def _redis_key(self, key: OffloadKey) -> bytes:
-        return self._prefix + key.hex().encode()
+        return self._prefix + hexlify(key)
 
     def _connect(self) -> Any:
         if self._client is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvcache_offload import KVCacheLayout, OffloadConfig
-from kvcache_offload.aio import KeyState, OffloadEngine
+from kvcache_offload.aio import EngineEvent, KeyState, OffloadEngine
 from kvcache_offload.base import OffloadKey
 from kvcache_offload.errors import BlockStateError
 from kvcache_offload.tiers import RedisTier
@@ -119,6 +119,20 @@ async def test_lookup_prefix_spans_tiers_and_names_each_keys_tier(tmp_path: Path
         assert result.hits == 2
         prefix = await engine.lookup(keys(1, 0, 2, 3), prefix_only=True)
         assert prefix.tiers == ["CPU", "disk", None]
+
+
+async def test_events_name_the_tier_a_block_went_to(tmp_path: Path) -> None:
+    async with OffloadEngine(config(4, disk_path=tmp_path)) as engine:
+        seen: list[tuple[str, list[OffloadKey]]] = []
+        async with engine.subscribe(types=["stored"]) as events:
+            await engine.write_blocks(keys(5), [data(5)])
+            async with asyncio.timeout(10):
+                async for event in events:
+                    assert isinstance(event, EngineEvent)
+                    seen.append((event.medium, event.keys))
+                    if event.medium == "disk":
+                        break
+        assert seen == [("CPU", keys(5)), ("disk", keys(5))]
 
 
 async def test_write_back_writes_only_what_the_cpu_tier_evicts(tmp_path: Path) -> None:
