@@ -417,7 +417,7 @@ class OffloadEngine:
         self._store_prepared += len(out.keys_to_store)
         self._evicted += len(out.evicted_keys)
         if self._tiers is not None:
-            self._tiers.on_evicted(out.evicted_keys)
+            self._tiers.on_prepared(out.keys_to_store, out.store_spec, out.evicted_keys)
         self._publish_manager_events()
         return out
 
@@ -435,6 +435,8 @@ class OffloadEngine:
             return
         self._store_failed += len(keys)
         self._publish_manager_events()
+        if self._tiers is not None:
+            self._tiers.on_store_failed(keys)
         self._hub.publish(
             EventType.STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason}
         )
@@ -678,6 +680,8 @@ class OffloadEngine:
         try:
             if lease.kind == "store":
                 self.manager.complete_store(lease.keys, lease.req_context, success=False)
+                if self._tiers is not None:
+                    self._tiers.on_store_failed(lease.keys)
                 self._store_failed += len(lease.keys)
                 self._publish_manager_events()
             else:

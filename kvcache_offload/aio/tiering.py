@@ -3,13 +3,14 @@
 The engine calls five hooks and nothing else; each is a no-op cost when no tier is configured
 (the engine then holds no ``EngineTiers`` at all):
 
-* :meth:`on_stored` (a store completed): remembers each key's CPU slot; write-through also
-  queues the keys, and the writer reads their bytes from the CPU tier when it gets to them,
-  without pinning them (a tier write never takes CPU capacity away from stores).
-* :meth:`on_evicted` (a store evicted blocks): a victim whose bytes have not gone down yet
-  (write-back: any victim; write-through: one the writer has not reached) is copied out now,
-  before the evicting store overwrites its slot, and queued. So a lagging writer never loses
-  a block to eviction, and the queue holds no pins on the CPU tier.
+* :meth:`on_prepared` (a store was prepared): notes the CPU slot of each key to store; a
+  victim the store evicted whose bytes have not gone down yet (write-back: any victim;
+  write-through: one the writer has not reached) is copied out now, before the evicting store
+  overwrites its slot, and queued. So a lagging writer never loses a block to eviction, and
+  the queue holds no pins on the CPU tier. :meth:`on_store_failed` forgets the slots.
+* :meth:`on_stored` (a store completed): write-through queues the keys, and the writer reads
+  their bytes from the CPU tier when it gets to them, without pinning them (a tier write never
+  takes CPU capacity away from stores); write-back keeps the slots for :meth:`on_prepared`.
 * :meth:`extend_lookup` (a lookup's ready prefix stopped short): asks the tiers about the keys
   the CPU tier lacks, in one batch, and extends the prefix across tiers.
 * :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
@@ -30,7 +31,7 @@ import anyio
 
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.base import BlockIDsLoadStoreSpec, OffloadingManager, OffloadKey, ReqContext
-from kvcache_offload.errors import ConfigError, OffloadError
+from kvcache_offload.errors import ConfigError
 from kvcache_offload.tiers.tier_set import TierSet
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 CPU_TIER = "CPU"
 _CTX = ReqContext()
 _PROMOTE_ATTEMPTS = 4
+_CLOSE_DRAIN_S = 5.0
+"""A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
 
@@ -72,6 +75,8 @@ class EngineTiers:
         self._memory: BlockMemory | None = None
         self._slots: dict[OffloadKey, int] = {}
         """CPU slot of each stored key whose bytes have not been handed to the tiers yet."""
+        self._preparing: dict[OffloadKey, int] = {}
+        """CPU slot of each key whose store is prepared but not completed yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
         self._from_tier: set[OffloadKey] = set()
         self.promoted_blocks = 0
@@ -87,32 +92,41 @@ class EngineTiers:
         await self.tier_set.run()
 
     async def aclose(self, drain_timeout_s: float) -> None:
-        if not await self.tier_set.drain(drain_timeout_s):
+        """Let queued writes finish (at most ``_CLOSE_DRAIN_S``), then close the tiers."""
+        if not await self.tier_set.drain(min(drain_timeout_s, _CLOSE_DRAIN_S)):
             logger.warning("closed with %d tier writes still queued", self.tier_set.queue_depth)
         await self.tier_set.aclose()
 
     # -- writes ------------------------------------------------------------------------------
 
+    def on_prepared(
+        self,
+        keys_to_store: Sequence[OffloadKey],
+        store_spec: object,
+        evicted_keys: Sequence[OffloadKey],
+    ) -> None:
+        """A store was prepared: note its slots, and save victims not yet written below."""
+        if evicted_keys:
+            self._save_victims(evicted_keys)
+        if keys_to_store:
+            self._preparing.update(zip(keys_to_store, _ids(store_spec), strict=True))
+
+    def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self._preparing.pop(key, None)
+
     def on_stored(self, keys: Sequence[OffloadKey]) -> None:
-        fresh = [k for k in keys if k not in self._from_tier]
-        if len(fresh) != len(keys):
-            self._from_tier.difference_update(keys)
-        if not fresh:
+        fresh: list[OffloadKey] = []
+        for key in keys:
+            slot = self._preparing.pop(key, None)
+            if slot is not None and key not in self._from_tier:
+                self._slots[key] = slot
+                fresh.append(key)
+        if not fresh or self.write_mode != "through":
             return
-        self._remember_slots(fresh)
-        if self.write_mode == "through" and not self.tier_set.offer(
-            len(fresh), lambda: self._read_cpu(fresh)
-        ):
+        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
             for key in fresh:  # dropped (counted by the tier set)
                 self._slots.pop(key, None)
-
-    def _remember_slots(self, keys: list[OffloadKey]) -> None:
-        try:
-            ids = _ids(self._manager.prepare_load(keys, _CTX))
-        except OffloadError:
-            return
-        self._manager.complete_load(keys, _CTX)
-        self._slots.update(zip(keys, ids, strict=True))
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
@@ -134,8 +148,8 @@ class EngineTiers:
                 out.append((key, blob))
         return out
 
-    def on_evicted(self, keys: Sequence[OffloadKey]) -> None:
-        if not keys or not self._slots:
+    def _save_victims(self, keys: Sequence[OffloadKey]) -> None:
+        if not self._slots:
             return
         memory = self._memory
         items: list[tuple[OffloadKey, bytes]] = []
@@ -153,6 +167,7 @@ class EngineTiers:
 
     def on_reset(self) -> None:
         self._slots.clear()
+        self._preparing.clear()
 
     # -- reads -------------------------------------------------------------------------------
 

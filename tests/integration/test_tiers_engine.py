@@ -135,6 +135,19 @@ async def test_events_name_the_tier_a_block_went_to(tmp_path: Path) -> None:
         assert seen == [("CPU", keys(5)), ("disk", keys(5))]
 
 
+@pytest.mark.parametrize("mode", ["through", "back"])
+async def test_blocks_evicted_before_the_writer_reached_them_still_go_below(
+    tmp_path: Path, mode: str
+) -> None:
+    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write=mode)
+    async with OffloadEngine(cfg) as engine:
+        for i in range(8):  # a 2-block CPU tier: each store evicts while writes are queued
+            await engine.write_blocks(keys(i), [data(i)])
+        await written(engine, "disk", 8 if mode == "through" else 6)
+        for i in range(8):
+            assert await engine.read_block(key(i)) == data(i), i
+
+
 async def test_write_back_writes_only_what_the_cpu_tier_evicts(tmp_path: Path) -> None:
     cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write="back")
     async with OffloadEngine(cfg) as engine:
