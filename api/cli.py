@@ -66,6 +66,18 @@ def serve(
     kv_events_topic: Annotated[
         str | None, typer.Option(help="Topic frame of every KV-event message.")
     ] = None,
+    remote_url: Annotated[
+        str | None,
+        typer.Option(help="Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."),
+    ] = None,
+    disk_path: Annotated[Path | None, typer.Option(help="Disk tier directory.")] = None,
+    disk_bytes: Annotated[str | None, typer.Option(help="Disk tier budget, e.g. 100GiB.")] = None,
+    model_id: Annotated[
+        str | None, typer.Option(help="Model name: only instances with the same one share tiers.")
+    ] = None,
+    tier_write: Annotated[
+        str | None, typer.Option(help="through (default) or back: when blocks go below the CPU.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -92,6 +104,11 @@ def serve(
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint,
             kv_events_topic=kv_events_topic,
+            remote_url=remote_url,
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
+            model_id=model_id,
+            tier_write=tier_write,
         )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.tier_metrics import tier_families
 from kvcache_offload import __version__, compiled_modules
 from kvcache_offload.aio.types import EngineStats, EventType
 from kvcache_offload.kv_events.stats import KVEventStats
@@ -199,6 +200,7 @@ class EngineCollector(Collector):
             "Distinct keys tracked by the miss-ratio-curve sampler.",
             value=s.mrc_sampled_keys,
         )
+        yield from tier_families(s)
 
 
 class HttpMetrics:

@@ -104,6 +104,10 @@ class LookupOut(BaseModel):
     hits: int = Field(description="Length of the longest prefix of ready keys.")
     pending: bool = Field(description="A key inside the prefix is being written: retry later.")
     states: list[KeyState]
+    tiers: list[str | None] | None = Field(
+        default=None,
+        description="With secondary tiers: where each key is (CPU, disk, redis; null: nowhere).",
+    )
     keys: list[str] | None = Field(
         default=None, description="The derived keys, when the request gave token ids."
     )

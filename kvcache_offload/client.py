@@ -160,7 +160,10 @@ class OffloadClient:
             "/v1/lookup", _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
         )
         return LookupResult(
-            hits=out["hits"], pending=out["pending"], states=[KeyState(s) for s in out["states"]]
+            hits=out["hits"],
+            pending=out["pending"],
+            states=[KeyState(s) for s in out["states"]],
+            tiers=out.get("tiers"),
         )
 
     async def touch(

@@ -118,11 +118,33 @@ class OffloadConfig(BaseSettings):
     """Initial fraction of keys sampled for the live miss-ratio curve; the sampler lowers it
     by itself to stay within its fixed key budget, so 1.0 is accurate and still bounded."""
 
-    @field_validator("cpu_bytes_to_use")
+    # -- secondary tiers (below the CPU tier) ---------------------------------------------
+    model_id: str = Field(default="default", min_length=1, max_length=256)
+    """Names the model whose KV blocks these are; instances share tier blocks only when it,
+    the KV dtype and the block layout all match (the layout fingerprint)."""
+    kv_dtype: str = Field(default="unspecified", min_length=1, max_length=64)
+    """KV-cache dtype (e.g. "bfloat16") for the fingerprint; the offloaded bytes do not say."""
+    remote_url: str | None = None
+    """Redis/Valkey tier: redis://HOST:PORT/DB, rediss://..., unix://..., or
+    redis+cluster://HOST:PORT (any cluster node) for Redis Cluster."""
+    disk_path: Path | None = None
+    """Disk tier directory (created if missing; contents found again after a restart)."""
+    disk_bytes: ByteSize = Field(default=ByteSize(16 * 1024**3))
+    """Byte budget of the disk tier (its own LRU eviction keeps it under)."""
+    tier_write: Literal["through", "back"] = "through"
+    """"through": a block goes below when its store completes (other hosts see it at once);
+    "back": only when the CPU tier evicts it (fewer writes; its bytes are copied out in the
+    evicting store's path)."""
+    tier_queue_size: int = Field(default=256, ge=1)
+    """Write jobs (one per completed store) queued for the tiers; more are dropped, counted."""
+    tier_read_timeout_s: float = Field(default=0.5, gt=0)
+    """A tier that takes longer to answer a lookup or a read is a miss (and backed off)."""
+
+    @field_validator("cpu_bytes_to_use", "disk_bytes")
     @classmethod
     def _positive_budget(cls, value: ByteSize) -> ByteSize:
         if value <= 0:
-            raise ValueError("cpu_bytes_to_use must be > 0 (e.g. '4GiB')")
+            raise ValueError("must be > 0 (e.g. '4GiB')")
         return value
 
     @classmethod

@@ -14,6 +14,7 @@ __all__ = [
     "LeaseError",
     "OffloadError",
     "RegionError",
+    "TierError",
     "TransferError",
     "UnknownPolicyError",
     "UnknownSpecError",
@@ -58,3 +59,7 @@ class RegionError(OffloadError):
 
 class LeaseError(OffloadError):
     """A lease id is unknown, already completed or expired."""
+
+
+class TierError(OffloadError):
+    """A secondary tier (disk, Redis/Valkey) could not answer; callers treat it as a miss."""

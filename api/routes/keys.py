@@ -26,6 +26,8 @@ async def lookup_answer(state: State, raw_body: bytes) -> dict[str, Any]:
     keys = resolve_keys(body, state_config(state).max_keys_per_request)
     result = await state_engine(state).lookup(keys, request_context(body))
     out: dict[str, Any] = {"hits": result.hits, "pending": result.pending, "states": result.states}
+    if result.tiers is not None:
+        out["tiers"] = result.tiers
     if body.token_ids is not None:
         out["keys"] = hex_keys(keys)
     return out

@@ -36,6 +36,7 @@ from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.tiering import CPU_TIER, EngineTiers
 from kvcache_offload.aio.types import (
     EngineStats,
     EventType,
@@ -134,6 +135,7 @@ class OffloadEngine:
                 self._worker, spin_s=poll_spin_s, backoff_s=poll_backoff_s
             )
         self._block_memory: BlockMemory | None = None
+        self._tiers: EngineTiers | None = self._build_tiers()
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._closed = False
@@ -192,6 +194,38 @@ class OffloadEngine:
                 self._guard(spec_shutdown, "shutting the spec down after a failed start")
             raise
 
+    def _build_tiers(self) -> EngineTiers | None:
+        """Secondary tiers from the config (disk, Redis), or None: then no hook costs anything."""
+        cfg = self.config
+        if cfg.disk_path is None and not cfg.remote_url:
+            return None
+        from kvcache_offload.tiers import TierSet, layout_fingerprint, tiers_from_config
+
+        fingerprint = layout_fingerprint(
+            model_id=cfg.model_id,
+            kv_dtype=cfg.kv_dtype,
+            block_nbytes=cfg.layout.bytes_per_block * self._factor,
+            block_tokens=self.spec.gpu_block_size[0] * self._factor,
+            gpu_block_sizes=cfg.layout.gpu_block_sizes,
+            world_size=cfg.layout.world_size,
+        )
+        tiers = tiers_from_config(cfg, fingerprint)
+        if not tiers:
+            return None
+
+        def publish(kind: str, keys: list[OffloadKey], medium: str) -> None:
+            self._hub.publish(EventType(kind), keys, medium=medium)
+
+        tier_set = TierSet(
+            tiers,
+            queue_size=cfg.tier_queue_size,
+            read_timeout_s=cfg.tier_read_timeout_s,
+            on_event=publish,
+        )
+        return EngineTiers(
+            tier_set, self.manager, self._get_block_memory, self.write_blocks, cfg.tier_write
+        )
+
     def _observer_methods(self, name: str) -> list[Callable[..., object]]:
         methods = []
         for obs in self._observers:
@@ -228,6 +262,8 @@ class OffloadEngine:
         self._ensure_started()
         if self.config.shared_region and self._block_memory is None:
             await self._get_block_memory()
+        if self._tiers is not None:
+            await self._tiers.open()
 
     def _ensure_started(self) -> None:
         if self._runner is None and not self._closed:
@@ -244,6 +280,8 @@ class OffloadEngine:
                 tg.start_soon(self._leases.run, name="kvcache-offload-lease-reaper")
                 if self._kv_events is not None:
                     tg.start_soon(self._kv_events.run, name="kvcache-offload-kv-events")
+                if self._tiers is not None:
+                    tg.start_soon(self._tiers.run, name="kvcache-offload-tier-writer")
                 await stop.wait()
                 tg.cancel_scope.cancel()
         except Exception:
@@ -277,6 +315,8 @@ class OffloadEngine:
                     logger.warning("closed with %d transfers still in flight", n)
             for lease in self._leases.take_all():
                 self._rollback_lease(lease)
+            if self._tiers is not None:  # queued tier writes finish while the writer runs
+                await self._tiers.aclose(self.close_timeout_s if self._runner else 0.0)
             if self._runner is not None and self._stop is not None:
                 self._stop.set()
                 try:
@@ -323,9 +363,13 @@ class OffloadEngine:
         """Per-key states plus the ready prefix and vLLM's "retry later" flag.
 
         With ``prefix_only`` the walk stops at the first absent key (as vLLM's does), so
-        ``states`` covers only the keys up to and including it.
+        ``states`` covers only the keys up to and including it. With secondary tiers, keys the
+        CPU tier lacks are looked up below (one batch per tier) and ``tiers`` names each key's.
         """
-        return self.lookup_now(keys, req_context, prefix_only=prefix_only)
+        result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
+        if self._tiers is None or result.tiers is not None:
+            return result
+        return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
 
     def lookup_now(
         self,
@@ -371,7 +415,11 @@ class OffloadEngine:
         self._lookup_hit_blocks += hits
         if self._on_lookup:
             self._notify(self._on_lookup, keys, hits)
-        return LookupResult(hits=hits, pending=pending, states=states)
+        # With tiers, an all-CPU answer names its tier here (the cheap, common case).
+        tiers: list[str | None] | None = None
+        if self._tiers is not None and hits == len(states):
+            tiers = [CPU_TIER] * hits
+        return LookupResult(hits=hits, pending=pending, states=states, tiers=tiers)
 
     async def touch(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
@@ -395,6 +443,8 @@ class OffloadEngine:
             )
         self._store_prepared += len(out.keys_to_store)
         self._evicted += len(out.evicted_keys)
+        if self._tiers is not None:
+            self._tiers.on_prepared(out.keys_to_store, out.store_spec, out.evicted_keys)
         self._publish_manager_events()
         return out
 
@@ -407,9 +457,13 @@ class OffloadEngine:
         if success:
             self._store_completed += len(keys)
             self._publish_manager_events()
+            if self._tiers is not None:
+                self._tiers.on_stored(keys)
             return
         self._store_failed += len(keys)
         self._publish_manager_events()
+        if self._tiers is not None:
+            self._tiers.on_store_failed(keys)
         self._hub.publish(
             EventType.STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason}
         )
@@ -533,6 +587,8 @@ class OffloadEngine:
         keys = list(keys)
         if not keys:
             return LoadResult([])
+        if self._tiers is not None:
+            await self._tiers.promote(keys)
         gpu_spec = gpu_spec_for_keys(
             keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
         )
@@ -614,6 +670,8 @@ class OffloadEngine:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
+        if self._tiers is not None:
+            await self._tiers.promote(keys)
         block_ids = self._prepare_load(keys, ctx)
         lease = self._leases.add("load", keys, block_ids, ctx, ttl_s)
         self._ensure_started()
@@ -649,6 +707,8 @@ class OffloadEngine:
         try:
             if lease.kind == "store":
                 self.manager.complete_store(lease.keys, lease.req_context, success=False)
+                if self._tiers is not None:
+                    self._tiers.on_store_failed(lease.keys)
                 self._store_failed += len(lease.keys)
                 self._publish_manager_events()
             else:
@@ -728,6 +788,8 @@ class OffloadEngine:
         """The bytes of one ready block; :class:`BlockStateError` if it is not ready."""
         memory = await self._get_block_memory()
         ctx = ReqContext()
+        if self._tiers is not None:
+            await self._tiers.promote([key])
         (block_id,) = self._prepare_load([key], ctx)
         start = time.perf_counter()
         try:
@@ -754,6 +816,8 @@ class OffloadEngine:
             self._rollback_lease(lease)
         self._publish_manager_events()
         self.manager.reset_cache()
+        if self._tiers is not None:
+            self._tiers.on_reset()
         self._hub.publish(EventType.RESET, [])
 
     def stats(self) -> EngineStats:
@@ -806,6 +870,10 @@ class OffloadEngine:
             stats.mrc_hit_ratio = dict(ratios)
             stats.mrc_sampled_keys = int(sampled)
             break
+        if self._tiers is not None:
+            stats.tiers = self._tiers.tier_set.stats()
+            stats.tier_write_queue_depth = self._tiers.tier_set.queue_depth
+            stats.tier_promoted_blocks = self._tiers.promoted_blocks
         return stats
 
     def subscribe(

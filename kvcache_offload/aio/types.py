@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from kvcache_offload.base import OffloadKey
+from kvcache_offload.tiers.base import TierStats
 
 if TYPE_CHECKING:
     from kvcache_offload.kv_events.stats import KVEventStats
@@ -48,6 +49,9 @@ class LookupResult:
     hits: int
     pending: bool
     states: list[KeyState]
+    tiers: list[str | None] | None = None
+    """With secondary tiers configured: where each key in ``states`` is ("CPU", "disk",
+    "redis"), None when nowhere ready. A key below the CPU tier is READY: a load promotes it."""
 
 
 @dataclass(frozen=True)
@@ -191,3 +195,8 @@ class EngineStats:
     mrc_sampled_keys: int = 0
     kv_events: KVEventStats | None = None
     """Counters of the ZMQ KV-event publisher, None when it is off."""
+    tiers: list[TierStats] = field(default_factory=list)
+    """Secondary tiers below the CPU tier, in lookup order (empty when none is configured)."""
+    tier_write_queue_depth: int = 0
+    tier_promoted_blocks: int = 0
+    """Blocks copied up from a secondary tier into CPU slots for a load."""

@@ -1,0 +1,390 @@
+"""Secondary-tier benchmark: each tier against the bare client / syscalls moving the same bytes.
+
+    python -m bench.tiers [--blocks 64] [--block-mib 2] [--batch 8] [--repeat 3]
+                          [--redis-url redis://...] [--dir PATH]
+
+Every figure is a ratio to a floor measured in the same run, on the same values:
+
+1. Redis tier (``RedisTier``, one pipeline per batch, checksummed frames) against a bare
+   ``redis.asyncio`` pipeline of ``SET`` / ``GET`` of the same values, batch for batch. A
+   ``redis-server`` (the OS package) is started on a free loopback port unless ``--redis-url``
+   names one. Goal: PUT and GET >= 0.8x.
+2. Lookup of 64 keys, all in Redis, through the ``TierSet`` (deadline, back-off bookkeeping):
+   p50/p99 against the same 64 ``EXISTS`` in one bare pipeline (one round trip). Goal: p99
+   added < 1 ms.
+3. Disk tier (``DiskTier``: header, fsync, rename, checksum on read) against a plain
+   write+fsync / read loop over files in the same directory, batch by batch (one worker-thread
+   hop per batch for both), alternating the two. The ratio is the median over the repeats of
+   floor time / tier time (fsync latency swings between runs). Goal: >= 0.8x.
+4. CPU-tier lookups (64 keys, all hits) with a disk tier configured but idle, against the same
+   engine without tiers. Goal: no drop.
+
+Prints a table and writes JSON under ``bench/out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench._common import write_json
+from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
+from kvcache_offload.aio import OffloadEngine
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.tiers import DiskTier, RedisTier, TierSet
+
+console = Console(width=150)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _RedisServer:
+    """A throwaway redis-server from the OS package (no persistence, allkeys-lru)."""
+
+    def __init__(self, workdir: Path, maxmemory_mib: int) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server not found: install the redis-server package")
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--maxmemory",
+                f"{maxmemory_mib}mb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise SystemExit("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+async def _timed(fn: Callable[[], Awaitable[object]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+async def _best(repeat: int, fn: Callable[[], Awaitable[object]]) -> float:
+    return min([await _timed(fn) for _ in range(repeat)])
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def bench_redis(url: str, keys: list[OffloadKey], values: list[bytes], args: Any) -> dict:
+    import redis.asyncio as aioredis
+
+    bare = aioredis.Redis.from_url(url)
+    tier = RedisTier(url, "bench" + "0" * 11)
+    batches = [
+        (keys[i : i + args.batch], values[i : i + args.batch])
+        for i in range(0, len(keys), args.batch)
+    ]
+    names = [b"bare:" + k.hex().encode() for k in keys]
+    name_batches = [names[i : i + args.batch] for i in range(0, len(names), args.batch)]
+
+    async def bare_put() -> None:
+        for (_, vals), ns in zip(batches, name_batches, strict=True):
+            pipe = bare.pipeline(transaction=False)
+            for n, v in zip(ns, vals, strict=True):
+                pipe.set(n, v)
+            await pipe.execute()
+
+    async def tier_put() -> None:
+        for ks, vals in batches:
+            await tier.put(list(zip(ks, vals, strict=True)))
+
+    async def bare_get() -> None:
+        for ns in name_batches:
+            pipe = bare.pipeline(transaction=False)
+            for n in ns:
+                pipe.get(n)
+            got = await pipe.execute()
+            assert all(g is not None for g in got)
+
+    async def tier_get() -> None:
+        for ks, _ in batches:
+            got = await tier.get(ks)
+            assert all(g is not None for g in got)
+
+    total = sum(len(v) for v in values)
+    out: dict[str, Any] = {}
+    try:
+        # Warm both paths (connections, server allocations), then interleave the repeats.
+        await bare_put()
+        await tier_put()
+        for op, bare_fn, tier_fn in (("put", bare_put, tier_put), ("get", bare_get, tier_get)):
+            b_times, t_times = [], []
+            for _ in range(args.repeat):
+                b_times.append(await _timed(bare_fn))
+                t_times.append(await _timed(tier_fn))
+            b, t = min(b_times), min(t_times)
+            out[op] = {
+                "bare_gbps": total / b / 1e9,
+                "tier_gbps": total / t / 1e9,
+                "ratio": b / t,
+            }
+
+        # Lookup of 64 keys, all present: TierSet.lookup vs one bare EXISTS pipeline.
+        tier_set = TierSet([tier], read_timeout_s=5.0)
+        probe = keys[:64]
+        probe_names = [b"bare:" + k.hex().encode() for k in probe]
+
+        async def bare_exists() -> None:
+            pipe = bare.pipeline(transaction=False)
+            for n in probe_names:
+                pipe.exists(n)
+            await pipe.execute()
+
+        async def set_lookup() -> None:
+            found = await tier_set.lookup(probe)
+            assert len(found) == len(probe)
+
+        b_lat, t_lat = [], []
+        for _ in range(args.lookups):
+            b_lat.append(await _timed(bare_exists))
+            t_lat.append(await _timed(set_lookup))
+        out["lookup64"] = {
+            "keys": len(probe),
+            "bare_p50_ms": _pct(b_lat, 50) * 1e3,
+            "bare_p99_ms": _pct(b_lat, 99) * 1e3,
+            "tier_p50_ms": _pct(t_lat, 50) * 1e3,
+            "tier_p99_ms": _pct(t_lat, 99) * 1e3,
+            "added_p99_ms": (_pct(t_lat, 99) - _pct(b_lat, 99)) * 1e3,
+        }
+    finally:
+        await tier.aclose()
+        await bare.aclose()
+    return out
+
+
+async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], args: Any) -> dict:
+    """Batch by batch, alternating floor and tier, so both see the same disk weather."""
+    batches = [
+        (keys[i : i + args.batch], values[i : i + args.batch])
+        for i in range(0, len(keys), args.batch)
+    ]
+
+    def plain_write(directory: Path, ks: list[OffloadKey], vals: list[bytes]) -> None:
+        for k, v in zip(ks, vals, strict=True):
+            fd = os.open(directory / k.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, v)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def plain_read(directory: Path, ks: list[OffloadKey]) -> None:
+        for k in ks:
+            with open(directory / k.hex(), "rb") as f:
+                f.read()
+
+    total = sum(len(v) for v in values)
+    sums = {op: {"bare": [], "tier": []} for op in ("write", "read")}  # type: ignore[var-annotated]
+    for i in range(args.repeat):
+        plain = root / f"plain-{i}"
+        plain.mkdir()
+        tier = DiskTier(root / f"tier-{i}", 1 << 40, "bench")
+        await tier.open()
+        w_bare = w_tier = r_bare = r_tier = 0.0
+        for ks, vals in batches:
+            items = list(zip(ks, vals, strict=True))
+            w_bare += await _timed(partial(asyncio.to_thread, plain_write, plain, ks, vals))
+            w_tier += await _timed(partial(tier.put, items))
+        for ks, _ in batches:
+            r_bare += await _timed(partial(asyncio.to_thread, plain_read, plain, ks))
+            r_tier += await _timed(partial(tier.get, ks))
+        await tier.aclose()
+        sums["write"]["bare"].append(w_bare)
+        sums["write"]["tier"].append(w_tier)
+        sums["read"]["bare"].append(r_bare)
+        sums["read"]["tier"].append(r_tier)
+    out: dict[str, Any] = {}
+    for op, t in sums.items():
+        ratios = sorted(b / x for b, x in zip(t["bare"], t["tier"], strict=True))
+        out[op] = {
+            "bare_gbps": total / min(t["bare"]) / 1e9,
+            "tier_gbps": total / min(t["tier"]) / 1e9,
+            "ratio": ratios[len(ratios) // 2],
+        }
+    return out
+
+
+async def bench_idle_tiers(root: Path, args: Any) -> dict:
+    """CPU-tier lookup rate with an idle disk tier configured vs none, rounds alternating."""
+    block = 4096
+    ks = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(64)]
+    data = [bytes(block)] * 64
+
+    def config(**tiers: Any) -> OffloadConfig:
+        return OffloadConfig(
+            cpu_bytes_to_use=128 * block,
+            layout=KVCacheLayout(bytes_per_block=block),
+            backend="cpu",
+            **tiers,
+        )
+
+    async def rate(engine: OffloadEngine) -> float:
+        start = time.perf_counter()
+        for _ in range(args.idle_lookups):
+            result = await engine.lookup(ks)
+        assert result.hits == 64
+        return args.idle_lookups / (time.perf_counter() - start)
+
+    async with (
+        OffloadEngine(config()) as bare,
+        OffloadEngine(config(disk_path=root / "idle", disk_bytes=1 << 30)) as tiered,
+    ):
+        await bare.write_blocks(ks, data)
+        await tiered.write_blocks(ks, data)
+        without, with_disk = [], []
+        for _ in range(2 * args.repeat):
+            without.append(await rate(bare))
+            with_disk.append(await rate(tiered))
+    return {
+        "lookups_per_s_no_tiers": max(without),
+        "lookups_per_s_idle_disk": max(with_disk),
+        "ratio": max(with_disk) / max(without),
+    }
+
+
+async def run(args: Any) -> dict[str, Any]:
+    size = int(args.block_mib * 1024 * 1024)
+    keys = [make_offload_key(f"bench-{i}".encode(), 0) for i in range(args.blocks)]
+    values = [os.urandom(size) for _ in range(args.blocks)]
+    result: dict[str, Any] = {
+        "blocks": args.blocks,
+        "block_bytes": size,
+        "batch": args.batch,
+        "repeat": args.repeat,
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-bench-tiers-", dir=args.dir))
+    server = None
+    try:
+        url = args.redis_url
+        if url is None:
+            (workdir / "redis").mkdir()
+            server = _RedisServer(workdir / "redis", maxmemory_mib=4 * args.blocks * 2 + 256)
+            url = server.url
+        result["redis"] = await bench_redis(url, keys, values, args)
+        result["disk"] = await bench_disk(workdir, keys, values, args)
+        result["idle_tiers"] = await bench_idle_tiers(workdir, args)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def show(result: dict[str, Any]) -> None:
+    table = Table(
+        title=f"secondary tiers: {result['blocks']} x {result['block_bytes'] >> 20} MiB blocks, "
+        f"batch {result['batch']}, best of {result['repeat']}"
+    )
+    for column in ("path", "floor", "tier", "ratio (goal)"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    r, d = result["redis"], result["disk"]
+    for op in ("put", "get"):
+        table.add_row(
+            f"Redis {op.upper()} vs bare redis.asyncio pipeline",
+            f"{r[op]['bare_gbps']:.2f} GB/s",
+            f"{r[op]['tier_gbps']:.2f} GB/s",
+            f"{r[op]['ratio']:.2f}x (>= 0.8)",
+        )
+    lk = r["lookup64"]
+    table.add_row(
+        "lookup 64 keys in Redis: p50 / p99 vs one bare EXISTS pipeline",
+        f"{lk['bare_p50_ms']:.3f} / {lk['bare_p99_ms']:.3f} ms",
+        f"{lk['tier_p50_ms']:.3f} / {lk['tier_p99_ms']:.3f} ms",
+        f"+{lk['added_p99_ms']:.3f} ms p99 (< 1 ms)",
+    )
+    for op in ("write", "read"):
+        table.add_row(
+            f"disk {op} vs plain {'write+fsync' if op == 'write' else 'read'} loop",
+            f"{d[op]['bare_gbps']:.2f} GB/s",
+            f"{d[op]['tier_gbps']:.2f} GB/s",
+            f"{d[op]['ratio']:.2f}x (>= 0.8)",
+        )
+    idle = result["idle_tiers"]
+    table.add_row(
+        "CPU-tier lookups (64 hits), idle disk tier vs none",
+        f"{idle['lookups_per_s_no_tiers']:,.0f}/s",
+        f"{idle['lookups_per_s_idle_disk']:,.0f}/s",
+        f"{idle['ratio']:.2f}x (~1.0)",
+    )
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--block-mib", type=float, default=2.0)
+    parser.add_argument("--batch", type=int, default=8, help="blocks per Redis pipeline")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--lookups", type=int, default=300, help="64-key lookups timed")
+    parser.add_argument("--idle-lookups", type=int, default=20000)
+    parser.add_argument("--redis-url", default=None, help="use this server instead of a new one")
+    parser.add_argument("--dir", default=None, help="directory for the disk tier (default: /tmp)")
+    parser.add_argument("--no-json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.blocks < 64:
+        parser.error("--blocks must be >= 64 (the lookup figure asks for 64 keys)")
+    result = asyncio.run(run(args))
+    show(result)
+    if not args.no_json:
+        out = write_json("tiers", result)
+        console.print(f"JSON written to {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""EngineTiers: what the engine does with its secondary tiers, kept out of the engine itself.
+
+The engine calls five hooks and nothing else; each is a no-op cost when no tier is configured
+(the engine then holds no ``EngineTiers`` at all):
+
+* :meth:`on_prepared` (a store was prepared): notes the CPU slot of each key to store; a
+  victim the store evicted whose bytes have not gone down yet (write-back: any victim;
+  write-through: one the writer has not reached) is copied out now, before the evicting store
+  overwrites its slot, and queued. So a lagging writer never loses a block to eviction, and
+  the queue holds no pins on the CPU tier. :meth:`on_store_failed` forgets the slots.
+* :meth:`on_stored` (a store completed): write-through queues the keys, and the writer reads
+  their bytes from the CPU tier when it gets to them, without pinning them (a tier write never
+  takes CPU capacity away from stores); write-back keeps the slots for :meth:`on_prepared`.
+* :meth:`extend_lookup` (a lookup's ready prefix stopped short): asks the tiers about the keys
+  the CPU tier lacks, in one batch, and extends the prefix across tiers.
+* :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
+  that follows is an ordinary CPU->GPU load. Concurrent promotions of one key share the work.
+* :meth:`on_reset`: forgets the slot map.
+
+Blocks promoted from a tier are not written back down (the tiers already hold them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+
+from kvcache_offload.aio.types import KeyState, LookupResult
+from kvcache_offload.base import BlockIDsLoadStoreSpec, OffloadingManager, OffloadKey, ReqContext
+from kvcache_offload.errors import ConfigError
+from kvcache_offload.tiers.tier_set import TierSet
+
+if TYPE_CHECKING:
+    from kvcache_offload.cpu.block_memory import BlockMemory
+
+__all__ = ["CPU_TIER", "EngineTiers"]
+
+logger = logging.getLogger(__name__)
+
+CPU_TIER = "CPU"
+_CTX = ReqContext()
+_PROMOTE_ATTEMPTS = 4
+_CLOSE_DRAIN_S = 5.0
+"""A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
+
+WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
+
+
+def _ids(spec: object) -> list[int]:
+    if isinstance(spec, BlockIDsLoadStoreSpec):
+        return [int(b) for b in spec.block_ids]
+    raise ConfigError(f"the manager returned {type(spec).__name__}, not a block-id spec")
+
+
+class EngineTiers:
+    """The engine's side of tiering; see the module docstring."""
+
+    def __init__(
+        self,
+        tier_set: TierSet,
+        manager: OffloadingManager,
+        block_memory: Callable[[], Awaitable[BlockMemory]],
+        write_blocks: WriteBlocks,
+        write_mode: Literal["through", "back"] = "through",
+    ) -> None:
+        self.tier_set = tier_set
+        self.write_mode = write_mode
+        self._manager = manager
+        self._get_memory = block_memory
+        self._write_blocks = write_blocks
+        self._memory: BlockMemory | None = None
+        self._slots: dict[OffloadKey, int] = {}
+        """CPU slot of each stored key whose bytes have not been handed to the tiers yet."""
+        self._preparing: dict[OffloadKey, int] = {}
+        """CPU slot of each key whose store is prepared but not completed yet."""
+        self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
+        self._from_tier: set[OffloadKey] = set()
+        self.promoted_blocks = 0
+
+    async def open(self) -> None:
+        """Idempotent; the engine calls it on start, and every async hook makes sure of it."""
+        if self._memory is None:
+            self._memory = await self._get_memory()
+        await self.tier_set.open()
+
+    async def run(self) -> None:
+        await self.open()
+        await self.tier_set.run()
+
+    async def aclose(self, drain_timeout_s: float) -> None:
+        """Let queued writes finish (at most ``_CLOSE_DRAIN_S``), then close the tiers."""
+        if not await self.tier_set.drain(min(drain_timeout_s, _CLOSE_DRAIN_S)):
+            logger.warning("closed with %d tier writes still queued", self.tier_set.queue_depth)
+        await self.tier_set.aclose()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def on_prepared(
+        self,
+        keys_to_store: Sequence[OffloadKey],
+        store_spec: object,
+        evicted_keys: Sequence[OffloadKey],
+    ) -> None:
+        """A store was prepared: note its slots, and save victims not yet written below."""
+        if evicted_keys:
+            self._save_victims(evicted_keys)
+        if keys_to_store:
+            self._preparing.update(zip(keys_to_store, _ids(store_spec), strict=True))
+
+    def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self._preparing.pop(key, None)
+
+    def on_stored(self, keys: Sequence[OffloadKey]) -> None:
+        fresh: list[OffloadKey] = []
+        for key in keys:
+            slot = self._preparing.pop(key, None)
+            if slot is not None and key not in self._from_tier:
+                self._slots[key] = slot
+                fresh.append(key)
+        if not fresh or self.write_mode != "through":
+            return
+        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
+            for key in fresh:  # dropped (counted by the tier set)
+                self._slots.pop(key, None)
+
+    async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
+        """Bytes of the keys still in the CPU tier, read without pinning them.
+
+        The copy runs in a worker thread while the CPU tier goes on; a key evicted meanwhile
+        was already copied out by :meth:`on_evicted` (it is still in the slot map until this
+        read ends), so its possibly overwritten bytes from here are dropped.
+        """
+        memory = self._memory or await self._get_memory()
+        slots = self._slots
+        todo = [(k, slots[k]) for k in dict.fromkeys(keys) if k in slots]
+        if not todo:
+            return []
+        data = await anyio.to_thread.run_sync(lambda: [memory.read(b) for _, b in todo])
+        out = []
+        for (key, slot), blob in zip(todo, data, strict=True):
+            if slots.get(key) == slot:
+                del slots[key]  # handed to the tiers
+                out.append((key, blob))
+        return out
+
+    def _save_victims(self, keys: Sequence[OffloadKey]) -> None:
+        if not self._slots:
+            return
+        memory = self._memory
+        items: list[tuple[OffloadKey, bytes]] = []
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is not None and memory is not None:
+                # On the loop on purpose: the evicting store reuses the slot right after.
+                items.append((key, memory.read(slot)))
+        if items:
+
+            async def source() -> list[tuple[OffloadKey, bytes]]:
+                return items
+
+            self.tier_set.offer(len(items), source)
+
+    def on_reset(self) -> None:
+        self._slots.clear()
+        self._preparing.clear()
+
+    # -- reads -------------------------------------------------------------------------------
+
+    @staticmethod
+    def cpu_answer(cpu: LookupResult) -> LookupResult:
+        """The CPU tier's answer with its tiers filled in (nothing to ask below)."""
+        hits = cpu.hits
+        tiers: list[str | None] = [CPU_TIER] * hits
+        if len(cpu.states) > hits:
+            tiers += [CPU_TIER if s is KeyState.READY else None for s in cpu.states[hits:]]
+        return LookupResult(hits, cpu.pending, cpu.states, tiers)
+
+    async def extend_lookup(
+        self, keys: Sequence[OffloadKey], cpu: LookupResult, *, prefix_only: bool
+    ) -> LookupResult:
+        """The CPU answer extended across tiers, with the tier of each key."""
+        n = len(keys)
+        hits = cpu.hits
+        if cpu.pending or hits >= n:
+            return self.cpu_answer(cpu)
+        await self.tier_set.open()
+        lookup = self._manager.lookup
+        tail = [lookup(k, _CTX) for k in keys[hits:]]
+        absent = [k for k, found in zip(keys[hits:], tail, strict=True) if found is False]
+        below = await self.tier_set.lookup(absent) if absent else {}
+        states = list(cpu.states[:hits])
+        where: list[str | None] = [CPU_TIER] * hits
+        for key, found in zip(keys[hits:], tail, strict=True):
+            tier = CPU_TIER if found else below.get(key) if found is False else None
+            if tier is not None:
+                states.append(KeyState.READY)  # below: loadable, promoted by the load
+            elif found is None:
+                states.append(KeyState.WRITING)
+            else:
+                states.append(KeyState.ABSENT)
+            where.append(tier)
+            if prefix_only and tier is None and found is False:
+                break
+        first_absent = next((i for i, s in enumerate(states) if s is KeyState.ABSENT), n)
+        first_writing = next((i for i, s in enumerate(states) if s is KeyState.WRITING), n)
+        new_hits = min(first_absent, first_writing)
+        pending = first_writing < first_absent
+        return LookupResult(new_hits, pending, states, where)
+
+    async def promote(self, keys: Sequence[OffloadKey]) -> None:
+        """Bring keys held only below into CPU slots; keys no tier holds are left alone.
+
+        Returns with every promotable key ready in the CPU tier (no await after the last
+        check), so a caller's synchronous ``prepare_load`` right after cannot miss them.
+        """
+        await self.open()
+        lookup = self._manager.lookup
+        nowhere: set[OffloadKey] = set()
+        for _ in range(_PROMOTE_ATTEMPTS):
+            missing = [
+                k for k in dict.fromkeys(keys) if k not in nowhere and lookup(k, _CTX) is False
+            ]
+            if not missing:
+                return
+            own = [k for k in missing if k not in self._promoting]
+            waits = [self._promoting[k] for k in missing if k in self._promoting]
+            if own:
+                nowhere.update(await self._promote_own(own))
+            if waits:
+                await asyncio.gather(*waits, return_exceptions=True)
+        # Still missing after several rounds (evicted again at once): the caller's
+        # prepare_load reports the key as not ready, as for any CPU-only miss.
+
+    async def _promote_own(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """Fetch and write ``keys`` into CPU slots; returns the keys no tier could deliver."""
+        loop = asyncio.get_running_loop()
+        futures = {k: loop.create_future() for k in keys}
+        self._promoting.update(futures)
+        try:
+            got = await self.tier_set.get(keys)
+            fetched = [k for k in keys if k in got and self._manager.lookup(k, _CTX) is False]
+            if fetched:
+                self._from_tier.update(fetched)
+                try:
+                    await self._write_blocks(fetched, [got[k][0] for k in fetched])
+                finally:
+                    self._from_tier.difference_update(fetched)
+                self.promoted_blocks += len(fetched)
+            return [k for k in keys if k not in got]
+        finally:
+            for key, fut in futures.items():
+                if self._promoting.get(key) is fut:
+                    del self._promoting[key]
+                if not fut.done():
+                    fut.set_result(None)

@@ -1,0 +1,289 @@
+"""DiskTier: blocks as files in one directory, with a byte budget and its own LRU eviction.
+
+Layout: ``<path>/<fingerprint>/<first two hex digits>/<key hex>.kvb``, each file one frame
+(:mod:`kvcache_offload.tiers.frame`: header, then the block's bytes). A write goes to a
+``.part`` file that is fsynced and then renamed into place, so a crash leaves either the old
+state or a complete file, never a torn one under a block's name; stale ``.part`` files are
+removed on open. A file that fails its checks anyway (truncated or edited by hand, bit rot) is
+a miss and is removed.
+
+The index (key -> file size, in LRU order) lives in memory, rebuilt by scanning the directory
+on :meth:`open`, so the contents survive a restart and ``contains`` costs no I/O. Every file
+operation runs in a worker thread; the index is only touched on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.errors import ConfigError, TierError
+from kvcache_offload.tiers import frame
+from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
+
+__all__ = ["DiskTier"]
+
+_SUFFIX = ".kvb"
+_PART = ".part"
+
+
+class DiskTier(SecondaryTier):
+    """A local directory holding at most ``capacity_bytes`` of block files."""
+
+    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
+        if capacity_bytes <= 0:
+            raise ConfigError(f"disk_bytes must be > 0, got {capacity_bytes}")
+        self.name = "disk"
+        self.root = Path(path) / fingerprint
+        self.capacity_bytes = int(capacity_bytes)
+        self._index: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._used = 0
+        self._evicted: list[OffloadKey] = []
+        self._subdirs: set[Path] = set()
+        self._opened = False
+        self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
+        self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _file(self, key: OffloadKey) -> Path:
+        hexkey = key.hex()
+        return self.root / hexkey[:2] / (hexkey + _SUFFIX)
+
+    def _scan(self) -> list[tuple[OffloadKey, int, float]]:
+        """Every complete block file with its size and mtime; partial or torn files go.
+
+        Only each file's header is read: a file whose length disagrees with the length its
+        header declares (truncated, or a crash before the rename) is removed here, so it is
+        never reported as held. Flipped bits are caught by the checksum when it is read.
+        """
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierError(f"cannot create disk tier directory {self.root}: {exc}") from exc
+        found: list[tuple[OffloadKey, int, float]] = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                path = Path(entry.path)
+                if entry.name.endswith(_PART):
+                    _unlink(path)
+                    continue
+                if not entry.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    key = OffloadKey(bytes.fromhex(entry.name[: -len(_SUFFIX)]))
+                    st = entry.stat()
+                    with open(path, "rb") as f:
+                        header = f.read(frame.HEADER_PREFIX + 2 * len(key))
+                except (ValueError, OSError):
+                    continue
+                parsed = frame.decode_header(header)
+                if (
+                    parsed is None
+                    or parsed[2] != bytes(key)
+                    or st.st_size != frame.HEADER_PREFIX + len(key) + parsed[1]
+                ):
+                    _unlink(path)
+                    self._stats.corrupt_blocks += 1
+                    continue
+                found.append((key, st.st_size, st.st_mtime))
+        found.sort(key=lambda item: item[2])  # oldest first: LRU order survives a restart
+        return found
+
+    def _write(self, key: OffloadKey, payload: bytes) -> int:
+        header = frame.encode_header(key, payload)
+        final = self._file(key)
+        if final.parent not in self._subdirs:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._subdirs.add(final.parent)
+        part = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}{_PART}"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            written = os.writev(fd, [header, payload])  # one syscall for header and block
+            if written < len(header) + len(payload):  # rare short write: finish it
+                rest = memoryview(header + payload)[written:]
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(part)
+            raise
+        os.close(fd)
+        os.replace(part, final)
+        return len(header) + len(payload)
+
+    def _read(self, key: OffloadKey) -> bytes | None:
+        """The verified payload, or None (a bad file is removed)."""
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(frame.HEADER_PREFIX + len(key))
+                parsed = frame.decode_header(header)
+                # Read the declared length (plus one byte, to notice a longer file) into the
+                # bytes object that is returned: no second copy of the block.
+                payload = f.read(parsed[1] + 1) if parsed is not None else None
+        except FileNotFoundError:
+            return None
+        if payload is not None and frame.verify(key, header, payload):
+            return payload
+        _unlink(path)
+        raise _Corrupt
+
+    # -- contract ----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._opened:
+            return
+        found = await anyio.to_thread.run_sync(self._scan)
+        for key, size, _mtime in found:
+            self._index[key] = size
+            self._used += size
+        self._opened = True
+        await self._evict_over_budget(0)
+
+    async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        index = self._index
+        return [key in index for key in keys]
+
+    async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
+        """Reads the held keys of the batch in one worker-thread call."""
+        held = [k for k in dict.fromkeys(keys) if k in self._index]
+        if not held:
+            return [None] * len(keys)
+        start = time.perf_counter()
+        try:
+            found = await anyio.to_thread.run_sync(self._read_all, held)
+        except OSError as exc:
+            self._stats.errors += 1
+            raise TierError(f"reading blocks from {self.root}: {exc}") from exc
+        self._hist["get"].observe(time.perf_counter() - start)
+        by_key: dict[OffloadKey, bytes] = {}
+        for key, data in zip(held, found, strict=True):
+            if not isinstance(data, bytes):  # gone meanwhile, or corrupt (and removed)
+                if data is _CORRUPT:
+                    self._stats.corrupt_blocks += 1
+                self._forget(key)
+                continue
+            by_key[key] = data
+            self._index.move_to_end(key)
+            self._stats.get_blocks += 1
+            self._stats.get_bytes += len(data)
+        return [by_key.get(k) for k in keys]
+
+    def _read_all(self, keys: list[OffloadKey]) -> list[bytes | object | None]:
+        out: list[bytes | object | None] = []
+        for key in keys:
+            try:
+                out.append(self._read(key))
+            except _Corrupt:
+                out.append(_CORRUPT)
+        return out
+
+    async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
+        """Writes the new blocks of the batch in one worker-thread call (each fsynced)."""
+        fresh: dict[OffloadKey, bytes] = {}
+        for key, payload in items:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:
+                fresh.setdefault(key, payload)
+        if not fresh:
+            return
+        incoming = sum(len(p) + frame.HEADER_PREFIX + len(k) for k, p in fresh.items())
+        await self._evict_over_budget(incoming)
+        start = time.perf_counter()
+        try:
+            sizes = await anyio.to_thread.run_sync(self._write_all, list(fresh.items()))
+        except OSError as exc:
+            self._stats.errors += 1
+            raise TierError(f"writing blocks to {self.root}: {exc}") from exc
+        self._hist["put"].observe(time.perf_counter() - start)
+        for (key, payload), size in zip(fresh.items(), sizes, strict=True):
+            old = self._index.pop(key, None)  # a racing put of the same key
+            if old is not None:
+                self._used -= old
+            self._index[key] = size
+            self._used += size
+            self._stats.put_blocks += 1
+            self._stats.put_bytes += len(payload)
+        await self._evict_over_budget(0)
+
+    def _write_all(self, items: list[tuple[OffloadKey, bytes]]) -> list[int]:
+        return [self._write(key, payload) for key, payload in items]
+
+    async def delete(self, keys: Sequence[OffloadKey]) -> None:
+        paths = [self._file(k) for k in keys if self._forget(k)]
+        if paths:
+            start = time.perf_counter()
+            await anyio.to_thread.run_sync(_unlink_all, paths)
+            self._hist["delete"].observe(time.perf_counter() - start)
+            self._stats.deleted_blocks += len(paths)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        return TierStats(
+            **{
+                **s.__dict__,
+                "blocks": len(self._index),
+                "bytes": self._used,
+                "op_seconds": {op: h.copy() for op, h in self._hist.items()},
+            }
+        )
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _forget(self, key: OffloadKey) -> bool:
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self._used -= size
+        return True
+
+    def take_evicted(self) -> list[OffloadKey]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    async def _evict_over_budget(self, incoming: int) -> None:
+        """Drop least recently used files until ``incoming`` more bytes fit the budget."""
+        victims: list[OffloadKey] = []
+        while self._index and self._used + incoming > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            victims.append(key)
+        if victims:
+            self._stats.evicted_blocks += len(victims)
+            self._evicted.extend(victims)
+            # The index forgot them first, so no reader goes looking while they are unlinked.
+            await anyio.to_thread.run_sync(_unlink_all, [self._file(k) for k in victims])
+
+
+class _Corrupt(Exception):
+    """A block file failed its frame checks (it has been removed)."""
+
+
+_CORRUPT = object()
+"""What :meth:`DiskTier._read_all` reports for a corrupt file."""
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+def _unlink_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        _unlink(path)

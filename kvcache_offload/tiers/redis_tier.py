@@ -1,0 +1,215 @@
+"""RedisTier: blocks in a Redis or Valkey server (standalone or Cluster) shared by many hosts.
+
+Each block is one hash under ``kvo:<fingerprint>:<key hex>`` with two fields: ``h`` (the
+frame header: key, length, checksum) and ``d`` (the block's bytes), written with one ``HSET`` so
+a reader never sees half a block. Every batch call is one pipeline: one round trip on a
+standalone server, one per node holding a slot of the batch on a cluster. A value that fails
+its checks is a miss and is deleted. Capacity and eviction are Redis's: run it with
+``maxmemory`` and ``maxmemory-policy allkeys-lru``; a key Redis evicted is simply a miss.
+
+URLs: ``redis://`` / ``rediss://`` (TLS) / ``unix://`` for a standalone server (``/DB``
+selects the database), ``redis+cluster://`` / ``rediss+cluster://`` for a cluster (any node as
+the seed). Connection errors and timeouts raise :class:`~kvcache_offload.errors.TierError`;
+the client itself does not retry (the tier set backs off and tries again later), so a dead
+server costs one connect timeout, not a retry storm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from binascii import hexlify
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.errors import ConfigError, TierError
+from kvcache_offload.tiers import frame
+from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
+
+__all__ = ["RedisTier", "redis_key_prefix"]
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_PLAIN_SCHEMES = ("redis", "rediss", "unix")
+_HEADER, _DATA = b"h", b"d"
+
+
+def redis_key_prefix(fingerprint: str) -> bytes:
+    """Every key of one layout starts with this (``kvo:<fingerprint>:``)."""
+    return f"kvo:{fingerprint}:".encode()
+
+
+class RedisTier(SecondaryTier):
+    """Blocks in Redis/Valkey; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        *,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+    ) -> None:
+        scheme, sep, rest = url.partition("://")
+        if not sep or (scheme not in _PLAIN_SCHEMES and scheme not in _CLUSTER_SCHEMES):
+            raise ConfigError(
+                f"remote_url must start with redis://, rediss://, unix://, redis+cluster:// or "
+                f"rediss+cluster://, got {url!r}"
+            )
+        self.name = "redis"
+        self.cluster = scheme in _CLUSTER_SCHEMES
+        self._url = f"{_CLUSTER_SCHEMES.get(scheme, scheme)}://{rest}"
+        self._prefix = redis_key_prefix(fingerprint)
+        self._socket_timeout_s = socket_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._client: Any = None
+        self._stats = TierStats(self.name, "redis-cluster" if self.cluster else "redis")
+        self._hist = {op: LatencyHistogram() for op in ("contains", "get", "put", "delete")}
+
+    @property
+    def url(self) -> str:
+        """The server URL without credentials (for logs and ``/v1/stats``)."""
+        scheme, _, rest = self._url.partition("://")
+        return f"{scheme}://{rest.rpartition('@')[2]}"
+
+    def _redis_key(self, key: OffloadKey) -> bytes:
+        return self._prefix + hexlify(key)
+
+    def _connect(self) -> Any:
+        if self._client is not None:
+            return self._client
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        common: dict[str, Any] = {
+            "socket_timeout": self._socket_timeout_s,
+            "socket_connect_timeout": self._connect_timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        try:
+            if self.cluster:
+                from redis.asyncio.cluster import RedisCluster
+
+                self._client = RedisCluster.from_url(self._url, **common)
+            else:
+                from redis.asyncio import Redis
+
+                self._client = Redis.from_url(self._url, **common)
+        except ValueError as exc:
+            raise ConfigError(f"bad remote_url {self.url!r}: {exc}") from exc
+        return self._client
+
+    async def _pipeline(self, op: str, queue: Any) -> list[Any]:
+        """Run one pipeline built by ``queue(pipe)``; any client failure is a TierError."""
+        from redis.exceptions import RedisClusterException, RedisError
+
+        start = time.perf_counter()
+        try:
+            pipe = self._connect().pipeline(transaction=False)
+            queue(pipe)
+            results: list[Any] = await pipe.execute()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._stats.errors += 1
+            if self.cluster and self._client is not None:
+                # The slot map may be stale after a node restart: rebuild it on the next call.
+                await self._drop_client()
+            raise TierError(f"redis {op} at {self.url} failed: {exc!r}") from exc
+        self._hist[op].observe(time.perf_counter() - start)
+        return results
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        with contextlib.suppress(Exception):  # the connection is already broken
+            await client.aclose()
+
+    # -- contract ----------------------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        if not keys:
+            return []
+        names = [self._redis_key(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for name in names:
+                pipe.exists(name)
+
+        return [bool(n) for n in await self._pipeline("contains", queue)]
+
+    async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [self._redis_key(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for name in names:
+                pipe.hmget(name, [_HEADER, _DATA])
+
+        replies = await self._pipeline("get", queue)
+        frames = [(reply[0], reply[1]) if reply else (None, None) for reply in replies]
+
+        def check() -> list[bool]:
+            return [frame.verify(k, h, d) for k, (h, d) in zip(keys, frames, strict=True)]
+
+        ok = await anyio.to_thread.run_sync(check)
+        out: list[bytes | None] = []
+        corrupt: list[bytes] = []
+        for name, (header, data), good in zip(names, frames, ok, strict=True):
+            if good and data is not None:
+                out.append(data)
+                self._stats.get_blocks += 1
+                self._stats.get_bytes += len(data)
+            else:
+                out.append(None)
+                if header is not None or data is not None:
+                    corrupt.append(name)
+        if corrupt:
+            self._stats.corrupt_blocks += len(corrupt)
+
+            def queue_delete(pipe: Any) -> None:
+                for name in corrupt:
+                    pipe.delete(name)
+
+            # Still a miss if this fails; it will be found corrupt again and deleted then.
+            with contextlib.suppress(TierError):
+                await self._pipeline("delete", queue_delete)
+        return out
+
+    async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
+        if not items:
+            return
+
+        def headers() -> list[bytes]:
+            return [frame.encode_header(k, data) for k, data in items]
+
+        encoded = await anyio.to_thread.run_sync(headers)
+
+        def queue(pipe: Any) -> None:
+            for (key, data), header in zip(items, encoded, strict=True):
+                pipe.hset(self._redis_key(key), mapping={_HEADER: header, _DATA: data})
+
+        await self._pipeline("put", queue)
+        self._stats.put_blocks += len(items)
+        self._stats.put_bytes += sum(len(data) for _, data in items)
+
+    async def delete(self, keys: Sequence[OffloadKey]) -> None:
+        if not keys:
+            return
+        names = [self._redis_key(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for name in names:
+                pipe.delete(name)
+
+        await self._pipeline("delete", queue)
+        self._stats.deleted_blocks += len(keys)
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            **{**self._stats.__dict__, "op_seconds": {o: h.copy() for o, h in self._hist.items()}}
+        )
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._drop_client()

@@ -1,0 +1,303 @@
+"""TierSet: the ordered secondary tiers, their write queue, back-off and statistics.
+
+The engine talks to this one object, never to a tier directly:
+
+* :meth:`lookup` asks the tiers in order which keys they hold (a key found in one tier is not
+  asked of the next), each under a deadline. A tier that fails, times out or is backed off
+  answers "miss" and the error is counted: a lookup never fails because of a tier.
+* :meth:`get` fetches bytes the same way (first tier that holds a key wins).
+* :meth:`offer` queues a write without waiting. The queue is bounded; a full queue drops the
+  write and counts it, so a slow tier never holds up the CPU tier or the event loop. One
+  writer task (:meth:`run`, owned by the engine's task group) drains the queue, reading the
+  bytes only when it gets to a job and writing each batch to every available tier at once.
+* Back-off: a tier that fails is skipped for a while (0.1 s, doubling up to 5 s, reset by a
+  success), which is also how a lost connection is retried. A tier whose writes get slow
+  (moving average above 1 s) has writes dropped until it is fast again (below 0.5 s), with
+  one probe write a second to find out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.errors import TierError
+from kvcache_offload.tiers.base import SecondaryTier, TierStats
+
+__all__ = ["BlockSource", "TierEventSink", "TierSet"]
+
+logger = logging.getLogger(__name__)
+
+BlockSource = Callable[[], Awaitable[Sequence[tuple[OffloadKey, bytes]]]]
+"""Called by the writer when it reaches a job: the bytes to write (keys gone since: left out)."""
+TierEventSink = Callable[[str, list[OffloadKey], str], None]
+"""``(event type "stored" | "evicted", keys, tier name)``."""
+
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 5.0
+_SLOW_ON_S = 1.0
+_SLOW_OFF_S = 0.5
+_SLOW_PROBE_S = 1.0
+_EMA_WEIGHT = 0.2
+
+
+@dataclass
+class _Health:
+    """Back-off state of one tier."""
+
+    down_until: float = 0.0
+    backoff_s: float = 0.0
+    write_ema_s: float = 0.0
+    slow: bool = False
+    last_probe: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    dropped: int = 0
+
+    def available(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def failed(self, now: float) -> None:
+        self.errors += 1
+        self.backoff_s = min(max(self.backoff_s * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
+        self.down_until = now + self.backoff_s
+
+    def succeeded(self) -> None:
+        self.backoff_s = 0.0
+        self.down_until = 0.0
+
+    def accepts_write(self, now: float) -> bool:
+        if not self.available(now):
+            return False
+        if self.slow and now - self.last_probe < _SLOW_PROBE_S:
+            return False
+        self.last_probe = now
+        return True
+
+    def wrote(self, seconds: float) -> None:
+        self.write_ema_s += _EMA_WEIGHT * (seconds - self.write_ema_s)
+        if self.write_ema_s > _SLOW_ON_S:
+            self.slow = True
+        elif self.write_ema_s < _SLOW_OFF_S:
+            self.slow = False
+
+
+class TierSet:
+    """Ordered secondary tiers behind one non-blocking interface; see the module docstring."""
+
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTier],
+        *,
+        queue_size: int = 256,
+        read_timeout_s: float = 0.5,
+        write_timeout_s: float = 30.0,
+        on_event: TierEventSink | None = None,
+    ) -> None:
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise TierError(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        self.queue_size = queue_size
+        self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self._on_event = on_event
+        self._health = {t.name: _Health() for t in self.tiers}
+        self._queue: deque[tuple[int, BlockSource]] = deque()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writing = False
+        self._opened = False
+        self.writes_queued = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def open(self) -> None:
+        """Open every tier (a tier that cannot open is backed off, not fatal)."""
+        if self._opened:
+            return
+        self._opened = True
+        for tier in self.tiers:
+            try:
+                await tier.open()
+            except TierError as exc:
+                logger.warning("tier %s did not open: %s", tier.name, exc)
+                self._health[tier.name].failed(time.monotonic())
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def _ask(self, tier: SecondaryTier, call: Callable[[], Awaitable[list]]) -> list | None:
+        """One read call under the deadline; None when the tier is down, failed or slow."""
+        health = self._health[tier.name]
+        if not health.available(time.monotonic()):
+            return None
+        try:
+            # asyncio.timeout: a fraction of anyio.fail_after's cost on this hot path.
+            async with asyncio.timeout(self.read_timeout_s):
+                answer = await call()
+        except (TierError, TimeoutError) as exc:
+            logger.debug("tier %s read failed: %r", tier.name, exc)
+            health.failed(time.monotonic())
+            return None
+        health.succeeded()
+        return answer
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, str]:
+        """For each key some tier holds, the first such tier's name."""
+        found: dict[OffloadKey, str] = {}
+        remaining = list(dict.fromkeys(keys))
+        for tier in self.tiers:
+            if not remaining:
+                break
+            asked = remaining
+            answer = await self._ask(tier, lambda t=tier, a=asked: t.contains(a))  # type: ignore[misc]
+            health = self._health[tier.name]
+            if answer is None:
+                health.misses += len(asked)
+                continue
+            remaining = []
+            for key, held in zip(asked, answer, strict=True):
+                if held:
+                    found[key] = tier.name
+                else:
+                    remaining.append(key)
+            health.hits += len(asked) - len(remaining)
+            health.misses += len(remaining)
+        return found
+
+    async def get(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[bytes, str]]:
+        """Bytes and tier name of each key some tier could deliver (verified)."""
+        got: dict[OffloadKey, tuple[bytes, str]] = {}
+        remaining = list(dict.fromkeys(keys))
+        for tier in self.tiers:
+            if not remaining:
+                break
+            asked = remaining
+            answer = await self._ask(tier, lambda t=tier, a=asked: t.get(a))  # type: ignore[misc]
+            if answer is None:
+                continue
+            remaining = []
+            for key, data in zip(asked, answer, strict=True):
+                if data is None:
+                    remaining.append(key)
+                else:
+                    got[key] = (data, tier.name)
+        return got
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def offer(self, num_blocks: int, source: BlockSource) -> bool:
+        """Queue a write of ``num_blocks`` blocks; False (and counted) when the queue is full."""
+        if num_blocks <= 0:
+            return True
+        if len(self._queue) >= self.queue_size:
+            for health in self._health.values():
+                health.dropped += num_blocks
+            return False
+        self._queue.append((num_blocks, source))
+        self.writes_queued += num_blocks
+        self._idle.clear()
+        self._wakeup.set()
+        return True
+
+    async def run(self) -> None:
+        """The writer: drains the queue until cancelled (owned by the engine's task group)."""
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            num_blocks, source = self._queue.popleft()
+            self._writing = True
+            try:
+                await self._write_job(num_blocks, source)
+            except Exception:
+                logger.exception("a tier write job failed; dropped")
+            finally:
+                self._writing = False
+
+    async def _write_job(self, num_blocks: int, source: BlockSource) -> None:
+        now = time.monotonic()
+        targets = []
+        for tier in self.tiers:
+            if self._health[tier.name].accepts_write(now):
+                targets.append(tier)
+            else:
+                self._health[tier.name].dropped += num_blocks
+        if not targets:
+            return
+        items = list(await source())
+        if not items:
+            return
+        async with anyio.create_task_group() as tg:
+            for tier in targets:
+                tg.start_soon(self._put, tier, items)
+
+    async def _put(self, tier: SecondaryTier, items: list[tuple[OffloadKey, bytes]]) -> None:
+        health = self._health[tier.name]
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await tier.put(items)
+        except (TierError, TimeoutError) as exc:
+            logger.debug("tier %s write failed: %r", tier.name, exc)
+            health.failed(time.monotonic())
+            health.dropped += len(items)
+            return
+        health.succeeded()
+        health.wrote(time.monotonic() - start)
+        if self._on_event is not None:
+            evicted = tier.take_evicted()
+            if evicted:
+                self._on_event("evicted", evicted, tier.name)
+            self._on_event("stored", [k for k, _ in items], tier.name)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until the queue is empty and no write runs (the writer must be running)."""
+        with anyio.move_on_after(timeout_s):
+            while self._queue or self._writing:
+                await self._idle.wait()
+                if self._queue or self._writing:
+                    await anyio.sleep(0)  # woken before the last job finished: look again
+            return True
+        return False
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def stats(self) -> list[TierStats]:
+        now = time.monotonic()
+        out = []
+        for tier in self.tiers:
+            snap = tier.stats()
+            health = self._health[tier.name]
+            snap.available = health.available(now) and not health.slow
+            snap.hits = health.hits
+            snap.misses = health.misses
+            snap.errors = health.errors
+            snap.writes_dropped = health.dropped
+            out.append(snap)
+        return out
+
+    async def aclose(self) -> None:
+        self._queue.clear()
+        for tier in self.tiers:
+            try:
+                await tier.aclose()
+            except Exception:
+                logger.exception("closing tier %s failed", tier.name)

@@ -1,0 +1,224 @@
+"""OffloadEngine with secondary tiers on real components: a directory and real redis-server.
+
+What users rely on: blocks stored by one instance are found and loaded byte-exact by another
+sharing the tier; a load of a key held only below returns the right bytes, also when many loads
+cross tiers at once; the prefix spans tiers; a dead tier is a miss, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache_offload import KVCacheLayout, OffloadConfig
+from kvcache_offload.aio import EngineEvent, KeyState, OffloadEngine
+from kvcache_offload.base import OffloadKey
+from kvcache_offload.errors import BlockStateError
+from kvcache_offload.tiers import RedisTier
+from tests._redis import (
+    RedisCluster,
+    RedisServer,
+    redis_cluster,
+    redis_server,
+    requires_redis,
+    skip_without_redis,
+)
+from tests.unit._aio_fakes import wait_for
+from tests.unit._keys import key, keys
+
+BLOCK = 4096
+
+
+def data(i: int) -> bytes:
+    return bytes((i * 31 + j) % 253 for j in range(BLOCK))
+
+
+def config(cpu_blocks: int = 8, **tiers: Any) -> OffloadConfig:
+    return OffloadConfig(
+        cpu_bytes_to_use=cpu_blocks * BLOCK,
+        layout=KVCacheLayout(bytes_per_block=BLOCK),
+        backend="cpu",
+        model_id="test-model",
+        **tiers,
+    )
+
+
+def tier_stats(engine: OffloadEngine, name: str) -> Any:
+    return next(t for t in engine.stats().tiers if t.name == name)
+
+
+async def written(engine: OffloadEngine, name: str, n: int, timeout: float = 20.0) -> None:
+    await wait_for(lambda: tier_stats(engine, name).put_blocks >= n, timeout)
+
+
+@pytest.fixture
+def standalone(tmp_path: Path) -> Iterator[RedisServer]:
+    skip_without_redis()
+    with redis_server(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def redis_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    skip_without_redis()
+    if request.param == "standalone":
+        with redis_server(tmp_path) as server:
+            yield server.url
+    else:
+        cluster: RedisCluster
+        with redis_cluster(tmp_path) as cluster:
+            yield cluster.url
+
+
+async def test_two_engines_share_blocks_through_redis(redis_url: str) -> None:
+    ks = keys(*range(20))
+    blocks = [data(i) for i in range(20)]
+    async with (
+        OffloadEngine(config(32, remote_url=redis_url)) as first,
+        OffloadEngine(config(32, remote_url=redis_url)) as second,
+    ):
+        await first.write_blocks(ks, blocks)
+        await written(first, "redis", 20)
+
+        found = await second.lookup(ks)
+        assert found.hits == 20
+        assert found.tiers == ["redis"] * 20
+        for k, expected in zip(ks, blocks, strict=True):
+            assert await second.read_block(k) == expected
+        # Now promoted: the second instance holds them in its own CPU tier.
+        assert (await second.lookup(ks)).tiers == ["CPU"] * 20
+        assert second.stats().tier_promoted_blocks == 20
+
+
+async def test_another_model_id_never_sees_the_blocks(standalone: RedisServer) -> None:
+    async with (
+        OffloadEngine(config(remote_url=standalone.url)) as first,
+        OffloadEngine(
+            config(remote_url=standalone.url).model_copy(update={"model_id": "other"})
+        ) as other,
+    ):
+        await first.write_blocks(keys(1), [data(1)])
+        await written(first, "redis", 1)
+        assert (await other.lookup(keys(1))).hits == 0
+
+
+async def test_lookup_prefix_spans_tiers_and_names_each_keys_tier(tmp_path: Path) -> None:
+    async with OffloadEngine(config(2, disk_path=tmp_path, disk_bytes="1MiB")) as engine:
+        await engine.write_blocks(keys(0), [data(0)])
+        await engine.write_blocks(keys(1), [data(1)])
+        await written(engine, "disk", 2)
+        await engine.write_blocks(keys(3), [data(3)])  # evicts key 0 from the 2-block CPU tier
+        await engine.touch(keys(1))
+        result = await engine.lookup(keys(1, 0, 2, 3))
+        assert result.states == [KeyState.READY, KeyState.READY, KeyState.ABSENT, KeyState.READY]
+        assert result.tiers == ["CPU", "disk", None, "CPU"]
+        assert result.hits == 2
+        prefix = await engine.lookup(keys(1, 0, 2, 3), prefix_only=True)
+        assert prefix.tiers == ["CPU", "disk", None]
+
+
+async def test_events_name_the_tier_a_block_went_to(tmp_path: Path) -> None:
+    async with OffloadEngine(config(4, disk_path=tmp_path)) as engine:
+        seen: list[tuple[str, list[OffloadKey]]] = []
+        async with engine.subscribe(types=["stored"]) as events:
+            await engine.write_blocks(keys(5), [data(5)])
+            async with asyncio.timeout(10):
+                async for event in events:
+                    assert isinstance(event, EngineEvent)
+                    seen.append((event.medium, event.keys))
+                    if event.medium == "disk":
+                        break
+        assert seen == [("CPU", keys(5)), ("disk", keys(5))]
+
+
+@pytest.mark.parametrize("mode", ["through", "back"])
+async def test_blocks_evicted_before_the_writer_reached_them_still_go_below(
+    tmp_path: Path, mode: str
+) -> None:
+    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write=mode)
+    async with OffloadEngine(cfg) as engine:
+        for i in range(8):  # a 2-block CPU tier: each store evicts while writes are queued
+            await engine.write_blocks(keys(i), [data(i)])
+        await written(engine, "disk", 8 if mode == "through" else 6)
+        for i in range(8):
+            assert await engine.read_block(key(i)) == data(i), i
+
+
+async def test_write_back_writes_only_what_the_cpu_tier_evicts(tmp_path: Path) -> None:
+    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write="back")
+    async with OffloadEngine(cfg) as engine:
+        await engine.write_blocks(keys(0, 1), [data(0), data(1)])
+        await engine.write_blocks(keys(2), [data(2)])  # evicts key 0
+        await written(engine, "disk", 1)
+        assert tier_stats(engine, "disk").put_blocks == 1
+        assert await engine.read_block(key(0)) == data(0)
+
+
+async def test_concurrent_loads_crossing_tiers_return_the_right_bytes(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from tests.integration.test_aio_engine_cpu_backend import build_engine, gpu_block
+
+    engine, tensors = build_engine(
+        num_cpu_blocks=6, config={"disk_path": tmp_path, "disk_bytes": "64MiB"}
+    )
+    async with engine:
+        expected = {i: gpu_block(tensors, i) for i in range(16)}
+        for i in range(16):
+            await engine.store(keys(i), [i])
+        await written(engine, "disk", 16)
+        for t in tensors:
+            t[16:].zero_()
+
+        async def load(i: int, round_: int) -> None:
+            target = 16 + (i + round_) % 16
+            await engine.load(keys(i), [target])
+            got = b"".join(t[target].numpy().tobytes() for t in tensors)
+            assert got == expected[i], f"key {i} round {round_}"
+
+        for round_ in range(4):
+            order = list(range(16))
+            async with asyncio.timeout(60):
+                # 4 at a time: each pins a CPU slot while a promotion needs a free one.
+                for start in range(0, 16, 4):
+                    await asyncio.gather(*(load(i, round_) for i in order[start : start + 4]))
+        assert engine.stats().tier_promoted_blocks > 0
+
+
+async def test_a_key_in_no_tier_still_fails_a_load_as_not_ready(tmp_path: Path) -> None:
+    async with OffloadEngine(config(2, disk_path=tmp_path)) as engine:
+        with pytest.raises(BlockStateError):
+            await engine.read_block(key(42))
+
+
+async def test_a_dead_redis_is_a_miss_and_an_error_count(tmp_path: Path) -> None:
+    from tests._redis import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    async with OffloadEngine(config(4, remote_url=url)) as engine:
+        await engine.write_blocks(keys(1), [data(1)])
+        result = await engine.lookup(keys(1, 2))
+        assert result.hits == 1
+        assert result.tiers == ["CPU", None]
+        await wait_for(lambda: tier_stats(engine, "redis").errors >= 1, 10)
+        assert not tier_stats(engine, "redis").available
+
+
+@requires_redis
+async def test_a_corrupt_redis_value_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        tier = RedisTier(server.url, "f" * 16)
+        k: OffloadKey = key(7)
+        try:
+            await tier.put([(k, data(7))])
+            assert await tier.get([k]) == [data(7)]
+            name = f"kvo:{'f' * 16}:{k.hex()}"
+            assert server.cli("hset", name, "d", "garbage") == "0"
+            assert await tier.get([k]) == [None]
+            assert server.cli("exists", name) == "0"
+            assert tier.stats().corrupt_blocks == 1
+        finally:
+            await tier.aclose()
