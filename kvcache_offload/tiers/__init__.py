@@ -2,14 +2,24 @@
 
 The CPU tier stays primary: GPU transfers only ever touch it. Blocks go down to these tiers
 (write-through or write-back) and come back up into a CPU slot before a load.
+
+The tier implementations need the ``tiers`` extra (``redis``, ``xxhash``); they are imported
+on first use, so importing the engine never needs them when no tier is configured.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
-from kvcache_offload.tiers.configured import tiers_from_config
-from kvcache_offload.tiers.disk import DiskTier
-from kvcache_offload.tiers.fingerprint import layout_fingerprint
-from kvcache_offload.tiers.redis_tier import RedisTier
-from kvcache_offload.tiers.tier_set import TierSet
+
+if TYPE_CHECKING:
+    from kvcache_offload.tiers.configured import tiers_from_config
+    from kvcache_offload.tiers.disk import DiskTier
+    from kvcache_offload.tiers.fingerprint import layout_fingerprint
+    from kvcache_offload.tiers.redis_tier import RedisTier
+    from kvcache_offload.tiers.tier_set import TierSet
 
 __all__ = [
     "DiskTier",
@@ -21,3 +31,18 @@ __all__ = [
     "layout_fingerprint",
     "tiers_from_config",
 ]
+
+_LAZY = {
+    "DiskTier": "kvcache_offload.tiers.disk",
+    "RedisTier": "kvcache_offload.tiers.redis_tier",
+    "TierSet": "kvcache_offload.tiers.tier_set",
+    "layout_fingerprint": "kvcache_offload.tiers.fingerprint",
+    "tiers_from_config": "kvcache_offload.tiers.configured",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcache_offload.tiers' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
