@@ -224,7 +224,9 @@ class Engine:
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         for req_id, count in output.num_scheduled_tokens.items():
-            self._compute(req_id, self.scheduler.requests[req_id].num_computed_tokens, count)
+            # schedule() already advanced num_computed_tokens past this step's tokens.
+            done = self.scheduler.requests[req_id].num_computed_tokens
+            self._compute(req_id, done - count, count)
         if output.total_num_scheduled_tokens > 0:
             worker.wait_for_save()
         sending, recving = worker.get_finished(output.finished_req_ids)

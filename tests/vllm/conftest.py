@@ -38,7 +38,7 @@ def _write_model(hub: Path) -> None:
         "num_attention_heads": 4,
         "num_hidden_layers": 2,
         "vocab_size": 512,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": 16384,
         "do_layer_norm_before": True,
         "torch_dtype": "float16",
         "bos_token_id": 2,
@@ -62,7 +62,7 @@ def _write_model(hub: Path) -> None:
                 "eos_token": "</s>",
                 "unk_token": "<unk>",
                 "pad_token": "<pad>",
-                "model_max_length": 2048,
+                "model_max_length": 16384,
             }
         )
     )
