@@ -20,10 +20,9 @@ __all__ = ["OffloadBackend"]
 
 
 class OffloadBackend:
-    def __init__(self, config: OffloadConfig, *, rank: int | None) -> None:
+    def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.spec = CPUOffloadingSpec(config, config.layout)
-        self._rank = rank
         self._handlers: tuple[OffloadingHandler, OffloadingHandler] | None = None
         self._finalizer = weakref.finalize(self, self.spec.shutdown)
 
@@ -34,14 +33,19 @@ class OffloadBackend:
     def manager(self) -> OffloadingManager:
         return self.spec.get_manager()
 
-    def handlers(self, vllm_kv_caches: Any) -> tuple[OffloadingHandler, OffloadingHandler]:
-        """(store handler, load handler) over vLLM's canonical KV caches (built once)."""
+    def handlers(
+        self, vllm_kv_caches: Any, rank: int | None = None
+    ) -> tuple[OffloadingHandler, OffloadingHandler]:
+        """(store handler, load handler) over vLLM's canonical KV caches (built once).
+
+        ``rank`` is this worker's cell in a shared region (needed with several workers).
+        """
         if self._handlers is not None:
             return self._handlers
         by_direction = {
             (src.medium(), dst.medium()): handler
             for src, dst, handler in self.spec.get_handlers(
-                canonical_kv_caches(vllm_kv_caches), rank=self._rank
+                canonical_kv_caches(vllm_kv_caches), rank=rank
             )
         }
         self._handlers = by_direction[("GPU", "CPU")], by_direction[("CPU", "GPU")]

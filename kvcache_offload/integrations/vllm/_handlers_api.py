@@ -50,7 +50,7 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             enable_events=bool(events is not None and events.enable_kv_cache_events),
             engine_id=vllm_config.kv_transfer_config.engine_id,
         )
-        self.backend = OffloadBackend(config, rank=_rank() if parallel.world_size > 1 else None)
+        self.backend = OffloadBackend(config)
         self.num_blocks = self.backend.num_blocks
         self._manager: _Manager | None = None
         self._handlers: tuple[_Handler, _Handler] | None = None
@@ -64,7 +64,10 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self, kv_caches: Any
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         if self._handlers is None:
-            store, load = self.backend.handlers(kv_caches)
+            # The world group exists in worker processes only, not in the scheduler's.
+            world_size = self.vllm_config.parallel_config.world_size
+            rank = _rank() if world_size > 1 else None
+            store, load = self.backend.handlers(kv_caches, rank)
             self._handlers = _Handler(store, self.backend), _Handler(load, self.backend)
         yield GPULoadStoreSpec, CPULoadStoreSpec, self._handlers[0]
         yield CPULoadStoreSpec, GPULoadStoreSpec, self._handlers[1]

@@ -68,8 +68,7 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             enable_events=bool(config.enable_kv_cache_events),
             engine_id=config.engine_id,
         )
-        rank = parallel.rank if parallel.world_size > 1 else None
-        self.backend = OffloadBackend(ours_config, rank=rank)
+        self.backend = OffloadBackend(ours_config)
         self.num_chunks = self.backend.num_blocks
         self._manager: _Manager | None = None
         self._worker: _Worker | None = None
@@ -81,7 +80,9 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = _Worker(*self.backend.handlers(kv_caches), self.backend)
+            parallel = self.config.parallel
+            rank = parallel.rank if parallel.world_size > 1 else None
+            self._worker = _Worker(*self.backend.handlers(kv_caches, rank), self.backend)
         return self._worker
 
     def shutdown(self) -> None:
