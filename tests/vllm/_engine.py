@@ -42,7 +42,12 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvcache_offload.integrations.vllm._versions import api_generation
 from tests.vllm.conftest import MODEL
+
+HANDLERS_API = api_generation() == "handlers"
+"""vLLM 0.21: FlashAttention's (K/V, num_blocks, ...) layer tensors, found through the layer's
+attention backend; 0.33: standardized (num_blocks, K/V, ...) tensors."""
 
 SPEC = {
     "spec_name": "KVCacheOffloadSpec",
@@ -83,12 +88,22 @@ def kv_cache_config(layers: list[str], num_blocks: int, block_size: int = 16) ->
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE
     )
+    size = spec.page_size_bytes * num_blocks
+    if HANDLERS_API:
+        tensors = [KVCacheTensor(size=size, shared_by=[name]) for name in layers]
+    else:
+        # One backing allocation, layer-outermost (each layer's blocks contiguous).
+        tensors = [
+            KVCacheTensor(
+                size=size * len(layers),
+                layers=list(layers),
+                layer_stride=size,
+                block_stride=spec.page_size_bytes,
+            )
+        ]
     return KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=[name])
-            for name in layers
-        ],
+        kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
 
@@ -113,6 +128,9 @@ def _attention_layers(names: list[str]) -> Iterator[None]:
     def layers(_config: Any, _layer_type: Any, layer_names: Any = None) -> dict[str, _Layer]:
         return {name: _Layer() for name in (layer_names or names)}
 
+    if not HANDLERS_API:
+        yield
+        return
     with patch(f"{WORKER_MODULE}.get_layers_from_vllm_config", side_effect=layers):
         yield
 
@@ -152,12 +170,13 @@ class Engine:
                 log_stats=True,
             )
             self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
-            self.kv = {
-                name: torch.zeros(
-                    2, num_gpu_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, dtype=DTYPE
-                )
-                for name in self.layers
-            }
+            shape = (2, num_gpu_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+            if HANDLERS_API:
+                self.kv = {name: torch.zeros(*shape, dtype=DTYPE) for name in self.layers}
+            else:
+                shape = (num_gpu_blocks, 2, block_size, NUM_KV_HEADS, HEAD_SIZE)
+                backing = torch.zeros(len(self.layers), *shape, dtype=DTYPE)
+                self.kv = dict(zip(self.layers, backing.unbind(0), strict=True))
             with _attention_layers(self.layers):
                 self.worker.register_kv_caches(self.kv)
         init_none_hash(sha256)
@@ -197,7 +216,7 @@ class Engine:
             block, offset = block_ids[pos // self.block_size], pos % self.block_size
             for li, name in enumerate(self.layers):
                 data = slot_bytes(pos * 131 + li, tokens[pos], 2 * nbytes).view(2, nbytes)
-                self.kv[name][:, block, offset].view(2, -1).view(torch.uint8)[:] = data
+                self._block(name, block)[:, offset].reshape(2, -1).view(torch.uint8)[:] = data
 
     def expected_block(self, tokens: list[int], index: int) -> dict[str, torch.Tensor]:
         nbytes = self._slot_nbytes()
@@ -211,9 +230,14 @@ class Engine:
 
     def block_bytes(self, block_id: int) -> dict[str, torch.Tensor]:
         return {
-            name: self.kv[name][:, block_id].reshape(2, self.block_size, -1).view(torch.uint8)
+            name: self._block(name, block_id).reshape(2, self.block_size, -1).view(torch.uint8)
             for name in self.layers
         }
+
+    def _block(self, name: str, block_id: int) -> torch.Tensor:
+        """One GPU block of one layer as (K/V, block_size, heads, head_size)."""
+        kv = self.kv[name]
+        return kv[:, block_id] if HANDLERS_API else kv[block_id]
 
     def step(self) -> Any:
         """One engine step: schedule, run the worker connector and the "model", update."""

@@ -18,7 +18,7 @@ from kvcache_offload.base import (
     LoadStoreSpec,
 )
 from kvcache_offload.cpu.common import CPULoadStoreSpec
-from kvcache_offload.errors import ConfigError, TransferError
+from kvcache_offload.errors import TransferError
 
 __all__ = ["canonical_kv_caches", "cpu_spec", "gpu_spec"]
 
@@ -46,13 +46,12 @@ def cpu_spec(spec: Any) -> LoadStoreSpec:
 
 
 def canonical_kv_caches(kv_caches: Any) -> CanonicalKVCaches:
-    """Our canonical KV caches for vLLM's (same tensors, same per-group layer refs)."""
+    """Our canonical KV caches for vLLM's (same tensors, same per-group layer refs).
+
+    vLLM 0.33 also gives each ref a mapping to its parallelism-free host page; it only matters
+    with vLLM's ``canonical_layout``, which the spec refuses, so it is not carried over.
+    """
     refs = [list(group) for group in kv_caches.group_data_refs]
-    if any(getattr(ref, "mapping", None) is not None for group in refs for ref in group):
-        raise ConfigError(
-            "vLLM's canonical host layout (canonical_layout) is not supported by "
-            "kvcache-offload; leave it off in kv_connector_extra_config"
-        )
     return CanonicalKVCaches(
         tensors=[
             CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors

@@ -46,6 +46,11 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        if config.canonical_layout:
+            raise ConfigError(
+                "vLLM's canonical host layout (canonical_layout) is not supported by "
+                "kvcache-offload; leave it off in kv_connector_extra_config"
+            )
         if config.worker_kv_bytes_per_block <= 0:
             raise ConfigError(
                 f"vLLM reported {config.worker_kv_bytes_per_block} KV bytes per block; "
