@@ -48,6 +48,6 @@ for version in "${VERSIONS[@]}"; do
   echo "installed in $(($(date +%s) - start)) s"
   start=$(date +%s)
   VLLM_SRC=$PWD/.venv-vllm/$version/src \
-    .venv-vllm/"$version"/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+    .venv-vllm/"$version"/bin/python -m pytest -q -rP -p no:cacheprovider tests/vllm
   echo "tests ran in $(($(date +%s) - start)) s"
 done
