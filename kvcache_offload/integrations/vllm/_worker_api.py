@@ -1,0 +1,184 @@
+"""``KVCacheOffloadSpec`` for vLLM 0.33: the spec API with ``get_worker``.
+
+vLLM builds the spec as ``spec_cls(offloading_config)``, a normalized ``OffloadingConfig`` that
+already holds the per-group block sizes, the KV bytes per block, the chunk size and the
+KV-events setting. The scheduler side gets a vLLM ``OffloadingManager`` (``lookup`` answers a
+``LookupResult``); the worker side gets one vLLM ``OffloadingWorker`` whose ``submit_store`` /
+``submit_load`` translate vLLM's job specs to ours and feed our two handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvcache_offload import base as ours
+from kvcache_offload.config import KVCacheLayout
+from kvcache_offload.errors import ConfigError
+from kvcache_offload.integrations.vllm._backend import OffloadBackend
+from kvcache_offload.integrations.vllm._settings import offload_config
+from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
+from kvcache_offload.worker.worker import OffloadingHandler
+from kvcache_offload.worker.worker import TransferResult as OurResult
+
+__all__ = ["KVCacheOffloadSpec"]
+
+_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.HIT_PENDING}
+
+
+class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
+    """kvcache-offload's manager, policies and handlers as a vLLM 0.33 offloading spec."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if config.canonical_layout:
+            raise ConfigError(
+                "vLLM's canonical host layout (canonical_layout) is not supported by "
+                "kvcache-offload; leave it off in kv_connector_extra_config"
+            )
+        if config.worker_kv_bytes_per_block <= 0:
+            raise ConfigError(
+                f"vLLM reported {config.worker_kv_bytes_per_block} KV bytes per block; "
+                "kvcache-offload needs the KV-cache size to size its CPU tier"
+            )
+        parallel = config.parallel
+        layout = KVCacheLayout(
+            gpu_block_sizes=list(self.tokens_per_block),
+            bytes_per_block=config.worker_kv_bytes_per_block,
+            world_size=parallel.world_size,
+        )
+        ours_config = offload_config(
+            self.extra_config,
+            layout=layout,
+            block_size=(
+                self.tokens_per_block[0] * self.blocks_per_chunk
+                if self.blocks_per_chunk > 1
+                else None
+            ),
+            enable_events=bool(config.enable_kv_cache_events),
+            engine_id=config.engine_id,
+        )
+        self.backend = OffloadBackend(ours_config)
+        self.num_chunks = self.backend.num_blocks
+        self._manager: _Manager | None = None
+        self._worker: _Worker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = _Manager(self.backend.manager())
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        if self._worker is None:
+            parallel = self.config.parallel
+            rank = parallel.rank if parallel.world_size > 1 else None
+            self._worker = _Worker(*self.backend.handlers(kv_caches, rank), self.backend)
+        return self._worker
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class _Manager(OffloadingManager):  # type: ignore[misc]
+    """vLLM's manager API over ours: same keys and semantics, vLLM's result classes."""
+
+    def __init__(self, manager: ours.OffloadingManager) -> None:
+        self._manager = manager
+
+    def lookup(self, key: bytes, req_context: Any) -> Any:
+        return _LOOKUP[self._manager.lookup(ours.OffloadKey(key), req_context)]
+
+    def prepare_load(self, keys: Any, req_context: Any) -> LoadStoreSpec:
+        spec = self._manager.prepare_load(list(keys), req_context)
+        return CPULoadStoreSpec(_block_ids(spec))
+
+    def touch(self, keys: Any, req_context: Any) -> None:
+        self._manager.touch(list(keys), req_context)
+
+    def complete_load(self, keys: Any, req_context: Any) -> None:
+        self._manager.complete_load(list(keys), req_context)
+
+    def prepare_store(self, keys: Any, req_context: Any) -> PrepareStoreOutput | None:
+        output = self._manager.prepare_store(list(keys), req_context)
+        if output is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=output.keys_to_store,
+            store_spec=CPULoadStoreSpec(_block_ids(output.store_spec)),
+            evicted_keys=output.evicted_keys,
+        )
+
+    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
+        self._manager.complete_store(list(keys), req_context, success)
+
+    def on_new_request(self, req_context: Any) -> Any:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for event in self._manager.take_events():
+            yield OffloadingEvent(
+                keys=event.keys, medium=Medium(event.medium), removed=event.removed
+            )
+
+    def reset_cache(self) -> None:
+        self._manager.reset_cache()
+
+    def shutdown(self) -> None:
+        self._manager.shutdown()
+
+
+class _Worker(OffloadingWorker):  # type: ignore[misc]
+    """Our store and load handlers behind vLLM's one-worker API."""
+
+    def __init__(
+        self, store: OffloadingHandler, load: OffloadingHandler, backend: OffloadBackend
+    ) -> None:
+        self._store = store
+        self._load = load
+        self._backend = backend
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
+        return self._store.transfer_async(job_id, (gpu_spec(src_spec), cpu_spec(dst_spec)))
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        return self._load.transfer_async(job_id, (cpu_spec(src_spec), gpu_spec(dst_spec)))
+
+    def get_finished(self) -> list[TransferResult]:
+        return [_result(r) for h in (self._store, self._load) for r in h.get_finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._store.wait(job_ids)
+        self._load.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self._backend.shutdown()
+
+
+def _result(result: OurResult) -> Any:
+    return TransferResult(
+        job_id=result.job_id,
+        success=result.success,
+        transfer_size=result.transfer_size,
+        transfer_time=result.transfer_time,
+    )
+
+
+def _block_ids(spec: ours.LoadStoreSpec) -> Any:
+    return spec.block_ids  # type: ignore[attr-defined]
