@@ -186,3 +186,9 @@ class EngineStats:
     mrc_hit_ratio: dict[float, float] = field(default_factory=dict)
     """Estimated block hit ratio at ``scale`` x the current capacity (miss-ratio curve)."""
     mrc_sampled_keys: int = 0
+    shadow_live_policy: str = ""
+    """The live policy's name among the shadow candidates ("" when shadows are off)."""
+    shadow_hit_blocks: dict[str, int] = field(default_factory=dict)
+    """By candidate policy: sampled blocks it would have hit (shadow simulation)."""
+    shadow_sampled_blocks: int = 0
+    """Sampled blocks looked up, the denominator of every candidate's shadow hit ratio."""
