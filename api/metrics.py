@@ -56,6 +56,28 @@ def _labelled_counter(
     return family
 
 
+def _shadow_families(s: EngineStats) -> Iterator[Metric]:
+    """Per candidate policy: hits on the shadow sample, and the hit ratio they make."""
+    hits = CounterMetricFamily(
+        P + "shadow_hit_blocks",
+        "Sampled blocks each candidate policy would have hit (shadow simulation).",
+        labels=["policy", "live"],
+    )
+    ratio = GaugeMetricFamily(
+        P + "shadow_hit_ratio",
+        "Block hit ratio each candidate policy would have had on the key sample.",
+        labels=["policy", "live"],
+    )
+    n = s.shadow_sampled_blocks
+    for policy, value in sorted(s.shadow_hit_blocks.items()):
+        live = "true" if policy == s.shadow_live_policy else "false"
+        hits.add_metric([policy, live], float(value))
+        ratio.add_metric([policy, live], value / n if n else 0.0)
+    yield hits
+    yield ratio
+    yield _counter("shadow_lookup_blocks", "Sampled blocks looked up by the shadow simulation.", n)
+
+
 class EngineCollector(Collector):
     """Turns one ``engine.stats()`` snapshot per scrape into the contract's metric families."""
 
@@ -201,6 +223,7 @@ class EngineCollector(Collector):
             value=s.mrc_sampled_keys,
         )
         yield from tier_families(s)
+        yield from _shadow_families(s)
 
 
 class HttpMetrics:

@@ -1,8 +1,9 @@
-"""Access observers of a served engine: the live miss-ratio curve and the optional recorder.
+"""Access observers of a served engine: the live miss-ratio curve, the shadow policies and
+the optional recorder.
 
-The service exports ``kvcache_offload_mrc_*`` and can record its request stream for
-``kvcache-offload replay`` (``record_path``); both are engine access observers, built here
-from the configuration when the app owns its engine.
+The service exports ``kvcache_offload_mrc_*`` and ``kvcache_offload_shadow_*`` and can record
+its request stream for ``kvcache-offload replay`` (``record_path``); all are engine access
+observers, built here from the configuration when the app owns its engine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ def build_observers(config: OffloadConfig) -> list[Any]:
     from kvcache_offload.replay.mrc import MissRatioCurve
 
     observers: list[Any] = [MissRatioCurve(sample_rate=config.mrc_sample_rate)]
+    if config.shadow_policies:
+        from kvcache_offload.replay.shadow import ShadowPolicies
+
+        observers.append(
+            ShadowPolicies(
+                config.shadow_policies,
+                live=config.eviction_policy,
+                store_threshold=config.store_threshold,
+                sample_blocks=config.shadow_sample_blocks,
+            )
+        )
     if config.record_path is not None:
         from kvcache_offload.replay.recorder import RequestRecorder
 

@@ -117,6 +117,13 @@ class OffloadConfig(BaseSettings):
     mrc_sample_rate: float = Field(default=1.0, gt=0, le=1)
     """Initial fraction of keys sampled for the live miss-ratio curve; the sampler lowers it
     by itself to stay within its fixed key budget, so 1.0 is accurate and still bounded."""
+    shadow_policies: list[str] = Field(
+        default_factory=lambda: ["lru", "arc", "alru", "s3fifo-prefix"]
+    )
+    """Policies simulated next to the live one on a key sample (``kvcache_offload_shadow_*``
+    metrics); the live policy always runs too. Empty = no shadow simulation."""
+    shadow_sample_blocks: int = Field(default=2048, ge=1)
+    """Size of each shadow cache: the key sample is this over the tier's capacity (<= 1)."""
 
     # -- secondary tiers (below the CPU tier) ---------------------------------------------
     model_id: str = Field(default="default", min_length=1, max_length=256)

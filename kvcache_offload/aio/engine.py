@@ -127,6 +127,9 @@ class OffloadEngine:
         self._observers = list(access_observers)
         self._on_lookup = self._observer_methods("on_lookup")
         self._on_store = self._observer_methods("on_store")
+        # Shadow simulations (replay/shadow.py) size their samples from the tier's capacity.
+        for bind in self._observer_methods("bind_capacity"):
+            bind(int(getattr(self.manager, "num_blocks", 0) or 0))
         self._worker: OffloadingWorker | None = None
         self._poller: TransferPoller | None = None
         if kv_caches is not None:
@@ -874,6 +877,16 @@ class OffloadEngine:
             stats.tiers = self._tiers.tier_set.stats()
             stats.tier_write_queue_depth = self._tiers.tier_set.queue_depth
             stats.tier_promoted_blocks = self._tiers.promoted_blocks
+        for shadow_stats in self._observer_methods("shadow_stats"):
+            try:
+                shadow: Any = shadow_stats()
+            except Exception:
+                logger.exception("shadow_stats of observer %r raised; ignored", shadow_stats)
+                continue
+            stats.shadow_live_policy = str(shadow.live)
+            stats.shadow_hit_blocks = dict(shadow.hit_blocks)
+            stats.shadow_sampled_blocks = int(shadow.sampled_blocks)
+            break
         return stats
 
     def subscribe(

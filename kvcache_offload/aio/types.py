@@ -200,3 +200,9 @@ class EngineStats:
     tier_write_queue_depth: int = 0
     tier_promoted_blocks: int = 0
     """Blocks copied up from a secondary tier into CPU slots for a load."""
+    shadow_live_policy: str = ""
+    """The live policy's name among the shadow candidates ("" when shadows are off)."""
+    shadow_hit_blocks: dict[str, int] = field(default_factory=dict)
+    """By candidate policy: sampled blocks it would have hit (shadow simulation)."""
+    shadow_sampled_blocks: int = 0
+    """Sampled blocks looked up, the denominator of every candidate's shadow hit ratio."""

@@ -1,0 +1,482 @@
+"""Policy research harness (issue 16): candidate eviction rules against LRU and Belady.
+
+    python -m bench.policy_candidates [--capacities 1%,2%,5%,10%,20%,3%,7%,15%] [--slices 2]
+
+A candidate is tried here before it is written as a real ``CachePolicy``: this is a small
+integer-key simulator of the replay driver's call sequence (lookup the prefix up to the first
+miss, touch every key tail first, store the misses while the request's present keys are
+protected, touch again; a store is not an access). Its ``lru`` column reproduces the policy
+lab's LRU numbers exactly, which is the check that the harness follows the driver. For every
+trace, capacity and slice (``--slices N`` also replays each N-th of the trace on its own, as
+held-out traffic) it prints each candidate's block hit rate and the share of the
+LRU -> Belady gap it closes (Belady = MIN with bypass, ``kvcache_offload.replay.belady``).
+
+The candidates, written from their published descriptions:
+
+* ``wtinylfu``: W-TinyLFU (Einziger, Friedman, Manes, ToS 2017): a 1 % LRU window, an SLRU
+  main (20 % probation, 80 % protected), a count-min sketch (4 rows of counters saturating at
+  15, halved every 10 x capacity additions) behind a doorkeeper set; a window victim enters
+  main only if the sketch counts it more often than main's victim. The window size is
+  hill-climbed on the hit rate of each 10 x capacity accesses.
+* ``wtinylfu-long``: the same, with the sketch halved every 100 x capacity additions (the
+  synthetic trace reuses blocks at distances far beyond 10 x a small cache).
+* ``lfu-history``: least frequently used, counts kept for evicted keys too; ties go to the
+  least recent. On chained prefixes a block is never counted more often than its parent, so
+  LFU evicts leaves first by construction.
+* ``lfu-da``: LFU with dynamic aging (priority = L + count, L = the last victim's priority),
+  counts remembered for 4 x capacity evicted keys; a store's last block enters at priority L.
+* ``lru2`` / ``lru2-w4``: LRU-2 (O'Neil, O'Neil, Weikum, SIGMOD'93): evict by the second-last
+  access; once-seen blocks first (``lru2``) or when 4 x their age reaches the second-last
+  access age of the oldest reused block (``lru2-w4``).
+* ``probation-main``: the adaptive LRU's two queues (new blocks on probation, used or
+  remembered blocks in main, probation age weighted x4) with a history of 8 x capacity
+  evicted keys instead of 1 x, so a block reused long after eviction comes back into main.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from bench._common import write_json
+from kvcache_offload.replay.belady import belady_hits
+from kvcache_offload.replay.sweep import parse_capacities
+from kvcache_offload.replay.trace import default_trace_paths, load_trace, trace_from_requests
+
+
+class Policy(Protocol):
+    cap: int
+
+    def __contains__(self, key: int) -> bool: ...
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None: ...
+    def store(self, keys: Sequence[int], protected: set[int]) -> None: ...
+
+
+def replay(requests: Sequence[Sequence[int]], policy: Policy) -> float:
+    """Block hit rate of ``policy`` under the replay driver's call sequence."""
+    hits = blocks = 0
+    empty: frozenset[int] = frozenset()
+    for keys in requests:
+        n = 0
+        for key in keys:
+            if key not in policy:
+                break
+            n += 1
+        hits += n
+        blocks += len(keys)
+        policy.touch(keys, empty)
+        missing = [k for k in dict.fromkeys(keys) if k not in policy]
+        if missing and len(missing) <= policy.cap:
+            policy.store(missing, {k for k in keys if k in policy})
+            policy.touch(keys, frozenset(missing))
+    return hits / blocks if blocks else 0.0
+
+
+class LRU:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.q: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.q
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k in self.q:
+                self.q.move_to_end(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.q) + len(keys) - self.cap
+        victims = []
+        for k in self.q:
+            if need <= len(victims):
+                break
+            if k not in protected:
+                victims.append(k)
+        for k in victims:
+            del self.q[k]
+        for k in keys:
+            self.q[k] = None
+
+
+class Sketch:
+    """Count-min sketch, 4 rows of 4-bit saturating counters, doorkeeper, periodic halving."""
+
+    def __init__(self, cap: int, sample_mult: int) -> None:
+        width = 16
+        while width < cap:
+            width <<= 1
+        self.mask = width - 1
+        self.rows = [[0] * width for _ in range(4)]
+        self.door: set[int] = set()
+        self.added = 0
+        self.sample = sample_mult * max(cap, 16)
+
+    def _index(self, key: int) -> tuple[int, int, int, int]:
+        h = (key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        m = self.mask
+        return h & m, (h >> 16) & m, (h >> 32) & m, (h >> 48) & m
+
+    def freq(self, key: int) -> int:
+        i, r = self._index(key), self.rows
+        return min(r[0][i[0]], r[1][i[1]], r[2][i[2]], r[3][i[3]]) + (key in self.door)
+
+    def add(self, key: int) -> None:
+        if key not in self.door:
+            self.door.add(key)
+        else:
+            i, r = self._index(key), self.rows
+            f = min(r[0][i[0]], r[1][i[1]], r[2][i[2]], r[3][i[3]])
+            if f < 15:
+                for j in range(4):
+                    if r[j][i[j]] == f:
+                        r[j][i[j]] = f + 1
+        self.added += 1
+        if self.added >= self.sample:
+            self.added //= 2
+            for row in self.rows:
+                row[:] = [c >> 1 for c in row]
+            self.door.clear()
+
+
+class WTinyLFU:
+    def __init__(self, cap: int, sample_mult: int = 10) -> None:
+        self.cap = cap
+        self.wmax = max(1, round(cap * 0.01))
+        self.win: OrderedDict[int, None] = OrderedDict()
+        self.prob: OrderedDict[int, None] = OrderedDict()
+        self.prot: OrderedDict[int, None] = OrderedDict()
+        self.sketch = Sketch(cap, sample_mult)
+        self.hits = self.accesses = 0
+        self.prev_rate = 0.0
+        self.step = 0.0625 * cap
+        self.period = 10 * cap
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.win or key in self.prob or key in self.prot
+
+    def _climb(self) -> None:
+        if self.accesses < self.period:
+            return
+        rate = self.hits / self.accesses
+        self.step = (-self.step if rate < self.prev_rate else self.step) * 0.98
+        self.prev_rate, self.hits, self.accesses = rate, 0, 0
+        self.wmax = int(min(self.cap * 0.8, max(1, self.wmax + self.step)))
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k in self.win:
+                self.win.move_to_end(k)
+            elif k in new:
+                continue
+            elif k in self.prob:
+                del self.prob[k]
+                self.prot[k] = None
+                limit = int((self.cap - self.wmax) * 0.8)
+                while len(self.prot) > limit:
+                    v, _ = self.prot.popitem(last=False)
+                    self.prob[v] = None
+            elif k in self.prot:
+                self.prot.move_to_end(k)
+            else:
+                continue
+            if k not in new:
+                self.sketch.add(k)
+                self.hits += 1
+                self.accesses += 1
+        self._climb()
+
+    def _main_victim(self, protected: set[int]) -> int | None:
+        for queue in (self.prob, self.prot):
+            for k in queue:
+                if k not in protected:
+                    return k
+        return None
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        for k in keys:
+            self.sketch.add(k)
+            self.accesses += 1
+        for k in reversed(keys):
+            self.win[k] = None
+        total = len(self.win) + len(self.prob) + len(self.prot)
+        while len(self.win) > self.wmax or total > self.cap:
+            cand = next((k for k in self.win if k not in protected), None)
+            if cand is None:
+                victim = self._main_victim(protected)
+                if victim is None:
+                    break
+                self.prob.pop(victim, None) if victim in self.prob else self.prot.pop(victim)
+                total -= 1
+                continue
+            del self.win[cand]
+            if total <= self.cap:
+                self.prob[cand] = None
+                continue
+            victim = self._main_victim(protected)
+            if victim is not None and self.sketch.freq(cand) > self.sketch.freq(victim):
+                self.prob.pop(victim, None) if victim in self.prob else self.prot.pop(victim)
+                self.prob[cand] = None
+            total -= 1
+
+
+class LFU:
+    """LFU (``aging=False``, counts kept forever) or LFU-DA (priority = L + count)."""
+
+    def __init__(self, cap: int, aging: bool = False, history: float = 0.0) -> None:
+        self.cap = cap
+        self.aging = aging
+        self.count: dict[int, int] = {}
+        self.entry: dict[int, tuple[float, int, int]] = {}
+        self.heap: list[tuple[float, int, int]] = []
+        self.clock = 0.0
+        self.now = 0
+        self.history: OrderedDict[int, int] = OrderedDict()
+        self.history_size = int(history * cap)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entry
+
+    def _push(self, key: int, priority: float) -> None:
+        self.now += 1
+        e = (priority, self.now, key)
+        self.entry[key] = e
+        heapq.heappush(self.heap, e)
+
+    def _priority(self, key: int) -> float:
+        return self.count[key] + (self.clock if self.aging else 0.0)
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k in self.entry and k not in new:
+                self.count[k] += 1
+                self._push(k, self._priority(k))
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.entry) + len(keys) - self.cap
+        skipped = []
+        while need > 0 and self.heap:
+            e = heapq.heappop(self.heap)
+            k = e[2]
+            if self.entry.get(k) is not e:
+                continue
+            if k in protected:
+                skipped.append(e)
+                continue
+            del self.entry[k]
+            need -= 1
+            if self.aging:
+                self.clock = e[0]
+                c = self.count.pop(k)
+                if self.history_size:
+                    self.history[k] = c
+                    if len(self.history) > self.history_size:
+                        self.history.popitem(last=False)
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        for i, k in enumerate(reversed(keys)):
+            self.count[k] = self.count.get(k, 0) + self.history.pop(k, 0) + 1
+            tail = self.aging and i == 0
+            self._push(k, self.clock if tail else self._priority(k))
+
+
+class ProbationMain:
+    def __init__(self, cap: int, weight: float = 4.0, history: float = 8.0) -> None:
+        self.cap = cap
+        self.weight = weight
+        self.history_size = max(1, int(history * cap))
+        self.prob: OrderedDict[int, int] = OrderedDict()
+        self.main: OrderedDict[int, int] = OrderedDict()
+        self.history: OrderedDict[int, None] = OrderedDict()
+        self.now = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.prob or key in self.main
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            self.now += 1
+            if k in new:
+                if k in self.prob and self.prob[k] >= 0:
+                    self.prob[k] = self.now
+                    self.prob.move_to_end(k)
+            elif k in self.main:
+                self.main[k] = self.now
+                self.main.move_to_end(k)
+            elif k in self.prob:
+                del self.prob[k]
+                self.main[k] = self.now
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.prob) + len(self.main) + len(keys) - self.cap
+        if need > 0:
+            on_prob = ((k, s) for k, s in self.prob.items() if k not in protected)
+            in_main = ((k, s) for k, s in self.main.items() if k not in protected)
+            p, m, now = next(on_prob, None), next(in_main, None), self.now
+            chosen: list[tuple[int, OrderedDict[int, int]]] = []
+            for _ in range(need):
+                if p is not None and (m is None or (now - p[1]) * self.weight >= now - m[1]):
+                    chosen.append((p[0], self.prob))
+                    p = next(on_prob, None)
+                elif m is not None:
+                    chosen.append((m[0], self.main))
+                    m = next(in_main, None)
+            for k, queue in chosen:
+                del queue[k]
+                self.history[k] = None
+            while len(self.history) > self.history_size:
+                self.history.popitem(last=False)
+        for i, k in enumerate(reversed(keys)):
+            self.now += 1
+            if k in self.history:
+                del self.history[k]
+                self.main[k] = self.now
+            elif i == 0:  # the store's last block: first to go (the adaptive LRU's dead tail)
+                self.prob[k] = -(1 << 60)
+                self.prob.move_to_end(k, last=False)
+            else:
+                self.prob[k] = self.now
+
+
+class LRU2:
+    """LRU-2 (O'Neil et al., SIGMOD'93): evict by the second-last access time.
+
+    Blocks accessed once sit in an LRU probation queue, blocks accessed twice or more in a
+    heap by their second-last access; probation's head goes first if ``weight`` x its age is
+    at least the age of main's head's second-last access (``weight`` = inf: once-seen blocks
+    always go first, the classic LRU-2). Access times are remembered for evicted keys too.
+    """
+
+    def __init__(self, cap: int, weight: float = float("inf")) -> None:
+        self.cap = cap
+        self.weight = weight
+        self.now = 0
+        self.times: dict[int, tuple[int, int]] = {}
+        self.prob: OrderedDict[int, int] = OrderedDict()
+        self.main: dict[int, tuple[int, int, int]] = {}
+        self.heap: list[tuple[int, int, int]] = []
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.prob or key in self.main
+
+    def _access(self, key: int) -> None:
+        self.now += 1
+        last = self.times.get(key, (-1, -1))[1]
+        self.times[key] = (last, self.now)
+        if last < 0:
+            self.prob[key] = self.now
+            self.prob.move_to_end(key)
+        else:
+            self.prob.pop(key, None)
+            e = (last, self.now, key)
+            self.main[key] = e
+            heapq.heappush(self.heap, e)
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k not in new and k in self:
+                self._access(k)
+
+    def _main_head(
+        self, protected: set[int], skipped: list[tuple[int, int, int]]
+    ) -> tuple[int, int, int] | None:
+        heap = self.heap
+        while heap:
+            e = heap[0]
+            if self.main.get(e[2]) is not e:
+                heapq.heappop(heap)
+            elif e[2] in protected:
+                skipped.append(heapq.heappop(heap))
+            else:
+                return e
+        return None
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.prob) + len(self.main) + len(keys) - self.cap
+        skipped: list[tuple[int, int, int]] = []
+        on_prob = iter([k for k in self.prob if k not in protected] if need > 0 else [])
+        p = next(on_prob, None)
+        while need > 0:
+            m = self._main_head(protected, skipped)
+            if p is not None and (
+                m is None or self.weight * (self.now - self.prob[p]) >= self.now - m[0]
+            ):
+                del self.prob[p]
+                p = next(on_prob, None)
+            elif m is not None:
+                heapq.heappop(self.heap)
+                del self.main[m[2]]
+            else:
+                break
+            need -= 1
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        for k in reversed(keys):
+            self._access(k)
+
+
+CANDIDATES: dict[str, Callable[[int], Policy]] = {
+    "lru": LRU,
+    "wtinylfu": WTinyLFU,
+    "wtinylfu-long": lambda cap: WTinyLFU(cap, sample_mult=100),
+    "lfu-history": LFU,
+    "lfu-da": lambda cap: LFU(cap, aging=True, history=4.0),
+    "probation-main": ProbationMain,
+    "lru2": LRU2,
+    "lru2-w4": lambda cap: LRU2(cap, weight=4.0),
+}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench.policy_candidates")
+    parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser.add_argument("--slices", type=int, default=1, help="also replay each 1/N of a trace")
+    args = parser.parse_args(argv)
+    names = args.candidates.split(",")
+    rows = []
+    for path in default_trace_paths():
+        whole = load_trace(path)
+        parts = [("all", whole)]
+        if args.slices > 1:
+            from kvcache_offload.replay.trace import iter_requests
+
+            requests = list(iter_requests(path))
+            size = -(-len(requests) // args.slices)
+            for i in range(args.slices):
+                chunk = requests[i * size : (i + 1) * size]
+                parts.append((f"{i + 1}/{args.slices}", trace_from_requests(chunk, whole.name)))
+        for label, trace in parts:
+            for capacity in parse_capacities(args.capacities):
+                blocks = capacity.blocks(trace.num_unique_blocks)
+                bound = belady_hits(trace, blocks).block_hit_rate
+                hit = {name: replay(trace.block_ids, CANDIDATES[name](blocks)) for name in names}
+                lru = hit.get("lru", 0.0)
+                gap = bound - lru
+                row = {
+                    "trace": trace.name,
+                    "slice": label,
+                    "capacity": capacity.label(),
+                    "blocks": blocks,
+                    "belady": bound,
+                    "hit": hit,
+                    "gap_closed": {n: (h - lru) / gap if gap > 0 else 0.0 for n, h in hit.items()},
+                }
+                rows.append(row)
+                cells = " ".join(
+                    f"{n}={100 * h:.2f}({100 * row['gap_closed'][n]:+.0f}%)" for n, h in hit.items()
+                )
+                print(
+                    f"{trace.name} {label} {capacity.label()}: Belady={100 * bound:.2f} {cells}",
+                    flush=True,
+                )
+    result = {"candidates": names, "rows": rows}
+    write_json("policy-candidates", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
