@@ -29,7 +29,7 @@ def _compiled_sources() -> list[str]:
     return [name.replace(".", "/") + ".py" for name in names]
 
 
-HOSTCOPY = "kvcache_offload.cpu.copy._hostcopy"
+HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
 
 
 def _hostcopy_extension() -> Any:
@@ -38,7 +38,7 @@ def _hostcopy_extension() -> Any:
 
     return Extension(
         HOSTCOPY,
-        ["kvcache_offload/cpu/copy/_hostcopy.c"],
+        ["kvcache_offload/dataplane/copy/_hostcopy.c"],
         extra_compile_args=["-O3"],
     )
 

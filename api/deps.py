@@ -15,8 +15,9 @@ from kvcache_offload.aio.types import (
     StoreLease,
     StoreResult,
 )
-from kvcache_offload.base import OffloadKey, ReqContext
 from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
 
 __all__ = ["EngineLike", "EngineNotReady", "get_config", "get_engine"]
 

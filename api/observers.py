@@ -22,11 +22,11 @@ logger = logging.getLogger(__name__)
 
 def build_observers(config: OffloadConfig) -> list[Any]:
     """A ``MissRatioCurve`` always, plus a ``RequestRecorder`` when ``record_path`` is set."""
-    from kvcache_offload.replay.mrc import MissRatioCurve
+    from kvcache_offload.lab.mrc import MissRatioCurve
 
     observers: list[Any] = [MissRatioCurve(sample_rate=config.mrc_sample_rate)]
     if config.shadow_policies:
-        from kvcache_offload.replay.shadow import ShadowPolicies
+        from kvcache_offload.lab.shadow import ShadowPolicies
 
         observers.append(
             ShadowPolicies(
@@ -37,7 +37,7 @@ def build_observers(config: OffloadConfig) -> list[Any]:
             )
         )
     if config.record_path is not None:
-        from kvcache_offload.replay.recorder import RequestRecorder
+        from kvcache_offload.lab.recorder import RequestRecorder
 
         observers.append(RequestRecorder(config.record_path))
     return observers

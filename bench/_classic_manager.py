@@ -16,8 +16,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvcache_offload.base import PrepareStoreOutput, ReqContext
-from kvcache_offload.cpu.common import CPULoadStoreSpec
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec
+from kvcache_offload.contracts.manager import (
+    PrepareStoreOutput,
+    ReqContext,
+)
 
 
 class _Block(ctypes.Structure):

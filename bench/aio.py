@@ -4,7 +4,8 @@
 
 1. Latency from a transfer's completion to the awaiting coroutine resuming (p50/p99):
    * ``deadline``: a handler whose jobs finish at a known instant (pure poller cost, exact);
-   * ``cpu_backend``: the real CPU backend (``kvcache_offload.cpu.cpu_backend``) if present;
+   * ``cpu_backend``: the real CPU backend
+     (``kvcache_offload.dataplane.handlers.cpu_backend``) if present;
    * ``cuda``: a job of known GPU duration (``torch.cuda._sleep``) signalled by a CUDA event.
    For the real backends the completion instant is not observable from Python, so each is
    measured against a baseline in the same run: a bare loop that submits the same job and
@@ -45,9 +46,16 @@ from kvcache_offload import (
     make_offload_key,
 )
 from kvcache_offload.aio import OffloadEngine
-from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec, OffloadingManager, OffloadKey
-from kvcache_offload.cpu.spec import CPUOffloadingSpec
-from kvcache_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from kvcache_offload.contracts.handler import (
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+)
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+from kvcache_offload.contracts.manager import OffloadingManager
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 
 console = Console(width=170)
 OUT_DIR = Path(__file__).parent / "out"
@@ -300,13 +308,18 @@ async def latency_real_backend(
         import torch
 
         if device == "cuda":
-            from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers as pair_cls
+            from kvcache_offload.dataplane.handlers.cuda import CpuGpuOffloadingHandlers as pair_cls
         else:
-            from kvcache_offload.cpu.cpu_backend import CpuBackendOffloadingHandlers as pair_cls
+            from kvcache_offload.dataplane.handlers.cpu_backend import (
+                CpuBackendOffloadingHandlers as pair_cls,
+            )
     except ImportError as exc:
         console.print(f"[yellow]{device} handlers not available ({exc}): skipped[/]")
         return None
-    from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
+    from kvcache_offload.contracts.kv_caches import (
+        CanonicalKVCacheRef,
+        CanonicalKVCacheTensor,
+    )
 
     num_blocks = 4 * blocks
     tensor = torch.zeros((num_blocks, page), dtype=torch.int8, device=device)

@@ -53,8 +53,8 @@ def serve(port: int) -> None:
 
     from api import create_app
     from kvcache_offload.aio import EventType, OffloadEngine
-    from kvcache_offload.base import OffloadKey
     from kvcache_offload.config import load_config
+    from kvcache_offload.contracts.offload_key import OffloadKey
 
     config = load_config(
         cpu_bytes_to_use=4096 * BLOCK_BYTES,

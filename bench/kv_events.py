@@ -32,8 +32,8 @@ import zmq
 from bench._common import write_json
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.aio.types import EventType
-from kvcache_offload.base import make_offload_key
 from kvcache_offload.config import load_config
+from kvcache_offload.contracts.offload_key import make_offload_key
 from kvcache_offload.kv_events import KVEventPublisher, WireCodec
 
 GOAL_EVENTS_PER_S = 100_000

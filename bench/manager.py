@@ -7,7 +7,7 @@ For each policy and capacity the trace is replayed ``--repeat`` times through a 
 ``CPUOffloadingManager`` with the issue's call sequence: lookup the prefix until the first miss,
 touch, prepare_load/complete_load the hits, prepare_store/complete_store the rest
 (``--touch-after-store`` adds vLLM's second touch after a non-empty store preparation, as the
-policy lab does; see ``kvcache_offload/replay/driver.py``); manager time is the sum of
+policy lab does; see ``kvcache_offload/lab/driver.py``); manager time is the sum of
 ``perf_counter`` windows around manager calls. The table shows the best (least manager time)
 repetition; hit rates are the same in every repetition. The trace is loaded and frozen out
 of the garbage collector first (``gc.freeze``) so full collections do not walk it during the
@@ -39,10 +39,16 @@ from rich.table import Table
 
 from bench._classic_manager import ClassicCPUManager
 from bench._common import write_json
-from kvcache_offload.cpu.manager import CPUOffloadingManager
-from kvcache_offload.replay.driver import ReplayCounts, replay_trace
-from kvcache_offload.replay.sweep import parse_capacities
-from kvcache_offload.replay.trace import default_trace_paths, load_trace
+from kvcache_offload.control.manager import CPUOffloadingManager
+from kvcache_offload.lab.driver import (
+    ReplayCounts,
+    replay_trace,
+)
+from kvcache_offload.lab.sweep import parse_capacities
+from kvcache_offload.lab.trace import (
+    default_trace_paths,
+    load_trace,
+)
 
 GOALS = {"lru": 1.2e6, "arc": 1.0e6}
 """Requested blocks per second of manager time, on the conversation trace."""

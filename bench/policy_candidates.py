@@ -9,7 +9,7 @@ protected, touch again; a store is not an access). Its ``lru`` column reproduces
 lab's LRU numbers exactly, which is the check that the harness follows the driver. For every
 trace, capacity and slice (``--slices N`` also replays each N-th of the trace on its own, as
 held-out traffic) it prints each candidate's block hit rate and the share of the
-LRU -> Belady gap it closes (Belady = MIN with bypass, ``kvcache_offload.replay.belady``).
+LRU -> Belady gap it closes (Belady = MIN with bypass, ``kvcache_offload.lab.belady``).
 
 The candidates, written from their published descriptions:
 
@@ -42,9 +42,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from bench._common import write_json
-from kvcache_offload.replay.belady import belady_hits
-from kvcache_offload.replay.sweep import parse_capacities
-from kvcache_offload.replay.trace import default_trace_paths, load_trace, trace_from_requests
+from kvcache_offload.lab.belady import belady_hits
+from kvcache_offload.lab.sweep import parse_capacities
+from kvcache_offload.lab.trace import (
+    default_trace_paths,
+    load_trace,
+    trace_from_requests,
+)
 
 
 class Policy(Protocol):
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         whole = load_trace(path)
         parts = [("all", whole)]
         if args.slices > 1:
-            from kvcache_offload.replay.trace import iter_requests
+            from kvcache_offload.lab.trace import iter_requests
 
             requests = list(iter_requests(path))
             size = -(-len(requests) // args.slices)

@@ -25,11 +25,20 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._common import machine_info, write_json
-from kvcache_offload.cpu.policies.registry import available_cache_policies
-from kvcache_offload.replay.cli import plot_result
-from kvcache_offload.replay.driver import replay_trace
-from kvcache_offload.replay.sweep import SweepResult, make_manager, parse_capacities, run_sweep
-from kvcache_offload.replay.trace import Trace, default_trace_paths, load_trace
+from kvcache_offload.control.policies.registry import available_cache_policies
+from kvcache_offload.lab.cli import plot_result
+from kvcache_offload.lab.driver import replay_trace
+from kvcache_offload.lab.sweep import (
+    SweepResult,
+    make_manager,
+    parse_capacities,
+    run_sweep,
+)
+from kvcache_offload.lab.trace import (
+    Trace,
+    default_trace_paths,
+    load_trace,
+)
 
 TIMED_CAPACITY = "10%"
 TIME_GOAL_S = 3.0

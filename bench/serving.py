@@ -41,8 +41,9 @@ from rich.table import Table
 from bench._common import OUT_DIR, machine_info
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
 from kvcache_offload.aio import OffloadEngine
-from kvcache_offload.base import CanonicalKVCaches, OffloadKey
-from kvcache_offload.cpu import layouts
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.dataplane import layouts
 
 console = Console(width=180)
 MiB = 1024 * 1024

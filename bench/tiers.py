@@ -43,7 +43,7 @@ from rich.table import Table
 from bench._common import write_json
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
 from kvcache_offload.aio import OffloadEngine
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.tiers import DiskTier, RedisTier, TierSet
 
 console = Console(width=150)

@@ -42,12 +42,21 @@ import numpy as np
 import torch
 
 from bench._common import machine_info
-from kvcache_offload.base import CanonicalKVCaches, GPULoadStoreSpec
-from kvcache_offload.cpu.common import CPULoadStoreSpec
-from kvcache_offload.cpu.copy.triton_kernel import KernelConfig
-from kvcache_offload.cpu.cpu_backend import allocate_cpu_tensors, canonical_int8_views
-from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler, StagingConfig
-from kvcache_offload.cpu.layouts import cross_layer, kv_first_per_layer
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
+from kvcache_offload.dataplane.copy.triton_kernel import KernelConfig
+from kvcache_offload.dataplane.handlers.cpu_backend import (
+    allocate_cpu_tensors,
+    canonical_int8_views,
+)
+from kvcache_offload.dataplane.handlers.cuda import (
+    SingleDirectionOffloadingHandler,
+    StagingConfig,
+)
+from kvcache_offload.dataplane.layouts import (
+    cross_layer,
+    kv_first_per_layer,
+)
 
 GiB = 1024**3
 JOB_BLOCKS = 1024
@@ -302,7 +311,10 @@ def sweep_fragment_sizes(reps: int, total: int) -> list[dict[str, Any]]:
         num = 2 * n
         gpu_t = torch.empty((num, page), dtype=torch.int8, device="cuda").random_(-128, 127)
         cpu_t = torch.empty((num, page), dtype=torch.int8, pin_memory=True)
-        from kvcache_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
+        from kvcache_offload.contracts.kv_caches import (
+            CanonicalKVCacheRef,
+            CanonicalKVCacheTensor,
+        )
 
         kv = CanonicalKVCaches(
             [CanonicalKVCacheTensor(gpu_t, page)], [[CanonicalKVCacheRef(0, page)]]
@@ -394,7 +406,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def device_info() -> dict[str, Any]:
-    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
+    from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
 
     props = torch.cuda.get_device_properties(0)
     rt = get_cuda_runtime()

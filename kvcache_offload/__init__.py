@@ -2,28 +2,43 @@
 
 # First: with KVCACHE_OFFLOAD_PURE_PYTHON=1, importing _compiled makes the imports below take
 # the Python sources of the compiled modules.
-from kvcache_offload._compiled import compiled_modules
-from kvcache_offload.base import (
-    BlockIDsLoadStoreSpec,
+from kvcache_offload import _moved
+
+_moved.install()  # old module paths (before the renovation) resolve with a warning
+
+from kvcache_offload._compiled import compiled_modules  # noqa: E402
+from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config  # noqa: E402
+from kvcache_offload.contracts.kv_caches import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+)
+from kvcache_offload.contracts.load_store_spec import (  # noqa: E402
+    BlockIDsLoadStoreSpec,
+    CPULoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
+)
+from kvcache_offload.contracts.manager import (  # noqa: E402
     OffloadingEvent,
     OffloadingManager,
-    OffloadingSpec,
-    OffloadKey,
     PrepareStoreOutput,
     ReqContext,
+)
+from kvcache_offload.contracts.offload_key import (  # noqa: E402
+    OffloadKey,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
 )
-from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config
-from kvcache_offload.cpu.common import CPULoadStoreSpec
-from kvcache_offload.cpu.manager import CPUManagerStats, CPUOffloadingManager
-from kvcache_offload.errors import (
+from kvcache_offload.contracts.spec import OffloadingSpec  # noqa: E402
+from kvcache_offload.control.manager import (  # noqa: E402
+    CPUManagerStats,
+    CPUOffloadingManager,
+)
+from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager  # noqa: E402
+from kvcache_offload.control.spec_factory import OffloadingSpecFactory  # noqa: E402
+from kvcache_offload.errors import (  # noqa: E402
     BlockStateError,
     CapacityError,
     ConfigError,
@@ -35,8 +50,6 @@ from kvcache_offload.errors import (
     UnknownPolicyError,
     UnknownSpecError,
 )
-from kvcache_offload.factory import OffloadingSpecFactory
-from kvcache_offload.reuse_manager import FilterReusedOffloadingManager
 
 __version__ = "0.1.0"
 

@@ -25,10 +25,10 @@ from types import ModuleType
 __all__ = ["COMPILED_MODULES", "PURE_PYTHON_ENV", "compiled_modules", "pure_python_requested"]
 
 COMPILED_MODULES: tuple[str, ...] = (
-    "kvcache_offload.cpu.policies.base",
-    "kvcache_offload.cpu.policies.lru",
-    "kvcache_offload.cpu.policies.arc",
-    "kvcache_offload.cpu.manager",
+    "kvcache_offload.control.policies.base",
+    "kvcache_offload.control.policies.lru",
+    "kvcache_offload.control.policies.arc",
+    "kvcache_offload.control.manager",
 )
 """Compiled together, in one mypyc group: the manager's hot path never leaves C for them."""
 

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
-from kvcache_offload._imports import import_object
+from kvcache_offload._registry import LazyRegistry
+from kvcache_offload.errors import ConfigError
 
-__all__ = ["app", "main"]
+__all__ = ["COMMANDS", "app", "main"]
 
-_COMMANDS = {
-    "serve": "api.cli:serve",
-    "replay": "kvcache_offload.replay.cli:replay",
-}
+
+def _command(obj: object, name: str) -> Callable[..., Any]:
+    if not callable(obj):
+        raise ConfigError(f"command {name!r} resolves to {obj!r}, which is not callable")
+    return obj
+
+
+COMMANDS: LazyRegistry[Callable[..., Any]] = LazyRegistry("command", _command, ConfigError)
+COMMANDS.register("serve", "api.cli:serve")
+COMMANDS.register("replay", "kvcache_offload.lab.cli:replay")
 
 app = typer.Typer(
     name="kvcache-offload",
@@ -38,8 +48,8 @@ def _root(
     """Offload LLM KV-cache blocks to CPU memory: serve the HTTP API, replay traces."""
 
 
-for _name, _path in _COMMANDS.items():
-    app.command(_name)(import_object(_path))  # type: ignore[arg-type,type-var]
+for _name in COMMANDS.names():
+    app.command(_name)(COMMANDS.get(_name))
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from kvcache_offload.aio.types import (
     StoreLease,
     StoreResult,
 )
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import OffloadError
 
 __all__ = ["OffloadClient", "ServiceError", "parse_event"]

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvcache_offload.base import OffloadKey, make_offload_key
+from kvcache_offload.contracts.offload_key import (
+    OffloadKey,
+    make_offload_key,
+)
 from kvcache_offload.errors import InvalidKeyError
 
 __all__ = ["KEY_HASH_DOMAIN", "chained_block_hashes", "token_block_keys"]

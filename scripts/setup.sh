@@ -18,7 +18,7 @@ fi
 stamp=.venv/.kvcache-offload-install
 sources=$(.venv/bin/python -c "import runpy; print(' '.join(m.replace('.', '/') + '.py' for m in runpy.run_path('kvcache_offload/_compiled.py')['COMPILED_MODULES']))")
 # shellcheck disable=SC2086
-wanted="compile=${KVCACHE_OFFLOAD_COMPILE:-1} $(cat pyproject.toml setup.py mypyc.ini kvcache_offload/cpu/copy/_hostcopy.c $sources | sha256sum | cut -d' ' -f1)"
+wanted="compile=${KVCACHE_OFFLOAD_COMPILE:-1} $(cat pyproject.toml setup.py mypyc.ini kvcache_offload/dataplane/copy/_hostcopy.c $sources | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   .venv/bin/python -m pip install -q -e ".[server,plot,dev]"
   echo "$wanted" > "$stamp"

@@ -1,7 +1,7 @@
 """Byte-exact round-trip helpers shared by the CPU-backend and CUDA transfer tests.
 
 The expected result is computed by a deliberately naive reference (one Python slice per
-fragment, straight from the specs), independent of ``kvcache_offload.cpu.copy.plan``.
+fragment, straight from the specs), independent of ``kvcache_offload.dataplane.copy.plan``.
 Destinations are poisoned first and compared whole, so a byte written where it should not
 be, or not written where it should, fails the test.
 """
@@ -15,14 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache_offload.base import (
+from kvcache_offload.contracts.handler import (
+    OffloadingHandler,
+    TransferResult,
+)
+from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
-    GPULoadStoreSpec,
 )
-from kvcache_offload.cpu.common import CPULoadStoreSpec
-from kvcache_offload.worker.worker import OffloadingHandler, TransferResult
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 
 POISON = -77
 
@@ -198,8 +200,8 @@ def skip_unless_available(mechanism: str) -> None:
     runtime without ``cudaMemcpyBatchAsync``)."""
     import pytest
 
-    from kvcache_offload.cpu.copy.dma import get_cuda_runtime
-    from kvcache_offload.cpu.copy.triton_kernel import triton_available
+    from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
+    from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 
     if mechanism in ("kernel", "hybrid", "staged") and not triton_available()[0]:
         pytest.skip("triton unavailable")

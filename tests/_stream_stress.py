@@ -15,8 +15,8 @@ import torch
 
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
 from kvcache_offload.aio import OffloadEngine
-from kvcache_offload.base import OffloadKey
-from kvcache_offload.cpu import layouts
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.dataplane import layouts
 from kvcache_offload.errors import CapacityError
 
 TASKS = 16

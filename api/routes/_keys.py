@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from api.limits import check_key_count
 from api.schemas import KeysRequest
-from kvcache_offload.base import OffloadKey, ReqContext
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.keys import token_block_keys
 
 __all__ = ["hex_keys", "remember_block_tokens", "request_context", "resolve_keys"]

@@ -12,8 +12,8 @@ from api.limits import RequestLimitError, check_key_count
 from api.responses import FastJSONResponse
 from api.routes._keys import hex_keys
 from api.schemas import BlocksWritten, HexKey
-from kvcache_offload.base import OffloadKey
 from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.offload_key import OffloadKey
 
 __all__ = ["router"]
 

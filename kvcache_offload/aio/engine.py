@@ -48,28 +48,31 @@ from kvcache_offload.aio.types import (
     StoreLease,
     StoreResult,
 )
-from kvcache_offload.base import (
+from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.handler import TransferResult
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.contracts.load_store_spec import (
     BlockIDsLoadStoreSpec,
-    CanonicalKVCaches,
     GPULoadStoreSpec,
+)
+from kvcache_offload.contracts.manager import (
     OffloadingManager,
-    OffloadingSpec,
-    OffloadKey,
     PrepareStoreOutput,
     ReqContext,
 )
-from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.contracts.spec import OffloadingSpec
+from kvcache_offload.control.spec_factory import OffloadingSpecFactory
+from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 from kvcache_offload.errors import (
     CapacityError,
     ConfigError,
     OffloadError,
     TransferError,
 )
-from kvcache_offload.factory import OffloadingSpecFactory
-from kvcache_offload.worker.worker import OffloadingWorker, TransferResult
 
 if TYPE_CHECKING:
-    from kvcache_offload.cpu.block_memory import BlockMemory
+    from kvcache_offload.dataplane.memory.block_memory import BlockMemory
     from kvcache_offload.kv_events.publisher import KVEventPublisher
 
 __all__ = ["OffloadEngine"]

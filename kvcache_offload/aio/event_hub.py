@@ -26,7 +26,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["EventHub", "EventSubscription"]

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvcache_offload.base import GPULoadStoreSpec, OffloadKey
+from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["gpu_spec_for_keys"]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvcache_offload.aio._waker import Waker
-from kvcache_offload.base import OffloadKey, ReqContext
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, LeaseError
 
 __all__ = ["Lease", "LeaseKind", "LeaseTable"]

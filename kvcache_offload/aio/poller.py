@@ -6,7 +6,7 @@ job's completion callback on the loop thread, then resolves its future. The call
 awaiting coroutine, releases the manager's pins: a caller cancelled while it waits leaves
 nothing pinned, because the completion still runs when the copy finishes.
 
-Handlers that know when a copy ends (:class:`~kvcache_offload.worker.worker.NotifiesCompletion`:
+Handlers that know when a copy ends (:class:`~kvcache_offload.contracts.handler.NotifiesCompletion`:
 the CPU backend's copy threads, the CUDA handlers' completion watcher, which sleeps in the
 driver on each job's end event) wake the task; it then only sleeps and never spins, so the
 loop thread stays free for the callers and the copy threads never wait for the GIL behind a
@@ -14,7 +14,7 @@ polling loop. A wake costs one self-pipe write however many jobs finished togeth
 task polls again at least every ``backstop_s`` while jobs are in flight (a safety net that a
 correct handler never needs).
 
-Handlers that batch (:class:`~kvcache_offload.worker.worker.BatchesJobs`: the CUDA handlers'
+Handlers that batch (:class:`~kvcache_offload.contracts.handler.BatchesJobs`: the CUDA handlers'
 kernel and DMA paths, the CPU backend) hold the jobs submitted during one loop iteration while
 copies are in flight and issue them as one copy when the iteration ends (``loop.call_soon``;
 a job that finds its handler idle goes out at once): a serving engine's dozens of concurrent
@@ -34,8 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache_offload.aio._waker import Waker
+from kvcache_offload.contracts.handler import (
+    TransferResult,
+    TransferSpec,
+)
+from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 from kvcache_offload.errors import TransferError
-from kvcache_offload.worker.worker import OffloadingWorker, TransferResult, TransferSpec
 
 __all__ = ["TransferPoller"]
 

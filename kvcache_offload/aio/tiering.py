@@ -30,12 +30,17 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from kvcache_offload.aio.types import KeyState, LookupResult
-from kvcache_offload.base import BlockIDsLoadStoreSpec, OffloadingManager, OffloadKey, ReqContext
+from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
+from kvcache_offload.contracts.manager import (
+    OffloadingManager,
+    ReqContext,
+)
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.tiers.tier_set import TierSet
 
 if TYPE_CHECKING:
-    from kvcache_offload.cpu.block_memory import BlockMemory
+    from kvcache_offload.dataplane.memory.block_memory import BlockMemory
 
 __all__ = ["CPU_TIER", "EngineTiers"]
 

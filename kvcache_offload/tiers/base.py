@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 
 __all__ = ["TIER_LATENCY_BUCKETS_S", "LatencyHistogram", "SecondaryTier", "TierStats"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import anyio
 
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats

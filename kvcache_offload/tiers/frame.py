@@ -20,7 +20,7 @@ import struct
 
 import xxhash
 
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 
 __all__ = ["HEADER_PREFIX", "checksum", "decode_header", "encode_header", "verify"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import TierError
 from kvcache_offload.tiers.base import SecondaryTier, TierStats
 

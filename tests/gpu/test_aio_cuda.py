@@ -10,14 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("kvcache_offload.cpu.gpu_worker")
+pytest.importorskip("kvcache_offload.dataplane.handlers.cuda")
 
 from kvcache_offload import (  # noqa: E402
     KVCacheLayout,
     OffloadConfig,
 )
 from kvcache_offload.aio import EventType, OffloadEngine  # noqa: E402
-from kvcache_offload.cpu import layouts  # noqa: E402
+from kvcache_offload.dataplane import layouts  # noqa: E402
 from tests.unit._aio_fakes import wait_for  # noqa: E402
 from tests.unit._keys import keys  # noqa: E402
 

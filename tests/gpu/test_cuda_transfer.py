@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec  # noqa: E402
 from kvcache_offload.errors import TransferError  # noqa: E402
 from tests._roundtrip import (  # noqa: E402
     assert_same,
@@ -34,7 +34,7 @@ MECHANISMS = ["kernel", "dma", "staged", "hybrid", "torch", "auto"]
 
 
 def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
-    from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
+    from kvcache_offload.dataplane.handlers.cuda import CpuGpuOffloadingHandlers
 
     if mechanism == "hybrid":
         kw.setdefault("hybrid_dma_share", 0.5)
@@ -106,7 +106,7 @@ def test_cuda_odd_page_sizes_copy_exactly(mechanism):
 
 
 def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
-    from kvcache_offload.cpu.copy.triton_kernel import triton_available
+    from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 
     skip_unless_available("dma")
     if not triton_available()[0]:
@@ -169,7 +169,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
         rng = np.random.default_rng(5)
         perm_gpu = rng.permutation(256)
         perm_cpu = rng.permutation(256)
-        from kvcache_offload.base import GPULoadStoreSpec
+        from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
 
         a_gpu = GPULoadStoreSpec(perm_gpu[:128], [128], [0])
         a_cpu = CPULoadStoreSpec(perm_cpu[:128])
@@ -229,7 +229,7 @@ def test_cuda_store_waits_for_the_compute_stream(mechanism):
     )
     h = _handlers(kv, 1, 64, mechanism)
     try:
-        from kvcache_offload.base import GPULoadStoreSpec
+        from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
 
         gpu = kv.tensors[0].tensor
         ids = np.arange(0, 64, 2)
@@ -289,8 +289,8 @@ def test_cuda_jobs_complete_in_submission_order_with_event_times(mechanism):
 @pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
 def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
     skip_unless_available(mechanism)
-    from kvcache_offload.base import GPULoadStoreSpec
-    from kvcache_offload.worker.worker import OffloadingWorker
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 
     gen = torch.Generator().manual_seed(8)
     kv = make_caches(
@@ -320,8 +320,8 @@ def test_cuda_bad_submission_raises_and_shutdown_with_jobs_in_flight(mechanism):
 
 
 def test_cuda_round_trip_through_a_pinned_shared_region():
-    region_mod = pytest.importorskip("kvcache_offload.cpu.shared_offload_region")
-    from kvcache_offload.cpu.layouts import block_nbytes
+    region_mod = pytest.importorskip("kvcache_offload.dataplane.memory.shared_offload_region")
+    from kvcache_offload.dataplane.layouts import block_nbytes
 
     gen = torch.Generator().manual_seed(9)
     kv = make_caches(

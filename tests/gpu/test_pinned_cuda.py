@@ -13,8 +13,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kvcache_offload.cpu.copy.dma import get_cuda_runtime  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import allocate_cpu_tensors  # noqa: E402
+from kvcache_offload.dataplane.copy.dma import get_cuda_runtime  # noqa: E402
+from kvcache_offload.dataplane.handlers.cpu_backend import allocate_cpu_tensors  # noqa: E402
 
 
 def test_private_tier_is_pinned_mapped_exactly_sized_and_released() -> None:

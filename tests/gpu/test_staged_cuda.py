@@ -12,8 +12,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kvcache_offload.base import GPULoadStoreSpec  # noqa: E402
-from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from tests._roundtrip import (  # noqa: E402
     Job,
     assert_same,
@@ -30,7 +29,10 @@ from tests._roundtrip import (  # noqa: E402
 
 
 def _handlers(kv, factor, num_cpu, mechanism="staged", staged_min_job_bytes=None, **staging):
-    from kvcache_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, StagingConfig
+    from kvcache_offload.dataplane.handlers.cuda import (
+        CpuGpuOffloadingHandlers,
+        StagingConfig,
+    )
 
     extra = {} if staged_min_job_bytes is None else {"staged_min_job_bytes": staged_min_job_bytes}
     return CpuGpuOffloadingHandlers(
@@ -78,8 +80,8 @@ def test_staged_round_trip_through_a_small_ring_is_byte_exact(
 
 def test_auto_picks_staged_for_whole_blocks_and_the_kernel_for_scattered_pieces():
     skip_unless_available("staged")
-    from kvcache_offload.cpu.copy.triton_kernel import triton_available
-    from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+    from kvcache_offload.dataplane.copy.triton_kernel import triton_available
+    from kvcache_offload.dataplane.handlers.cuda import SingleDirectionOffloadingHandler
 
     if not triton_available()[0]:
         pytest.skip("triton unavailable")

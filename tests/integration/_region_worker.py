@@ -25,7 +25,7 @@ def say(**event: object) -> None:
 
 def main() -> int:
     args = json.loads(sys.argv[1])
-    from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
     from kvcache_offload.errors import RegionError
 
     try:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("kvcache_offload.cpu.cpu_backend")
+pytest.importorskip("kvcache_offload.dataplane.handlers.cpu_backend")
 
 from kvcache_offload import (  # noqa: E402
     KVCacheLayout,
@@ -22,8 +22,8 @@ from kvcache_offload.aio import (  # noqa: E402
     OffloadEngine,
     StoreResult,
 )
-from kvcache_offload.base import CanonicalKVCaches  # noqa: E402
-from kvcache_offload.cpu import layouts  # noqa: E402
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
+from kvcache_offload.dataplane import layouts  # noqa: E402
 from kvcache_offload.errors import OffloadError  # noqa: E402
 from tests.unit._aio_fakes import wait_for  # noqa: E402
 from tests.unit._keys import key_ids, keys  # noqa: E402
@@ -185,7 +185,7 @@ async def test_shutdown_with_jobs_in_flight_completes_or_fails_every_store() -> 
 
 
 async def test_shared_region_engine_serves_block_bytes_and_cleans_up() -> None:
-    pytest.importorskip("kvcache_offload.cpu.shared_offload_region")
+    pytest.importorskip("kvcache_offload.dataplane.memory.shared_offload_region")
     import os
     import uuid
 

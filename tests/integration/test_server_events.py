@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from kvcache_offload.aio import EngineEvent, EventType, GapMarker
-from kvcache_offload.base import OffloadKey
 from kvcache_offload.client import OffloadClient
+from kvcache_offload.contracts.offload_key import OffloadKey
 from tests.integration._server import Server, running_server
 
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcache_offload.base import OffloadKey
 from kvcache_offload.client import OffloadClient, ServiceError
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import BlockStateError, CapacityError, LeaseError
 from kvcache_offload.keys import token_block_keys
 from tests.integration._server import BLOCK_BYTES, CAPACITY_BLOCKS, Server, running_server

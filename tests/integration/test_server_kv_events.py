@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import signal
 
-from kvcache_offload.base import OffloadKey
 from kvcache_offload.client import OffloadClient
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.kv_events import external_block_hash
 from tests.integration._server import CAPACITY_BLOCKS, free_port, running_server
 from tests.unit._kv_subscriber import DocSubscriber

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_offload.cpu import shared_offload_region as sor
-from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion
+from kvcache_offload.dataplane.memory import shared_offload_region as sor
+from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
 from kvcache_offload.errors import RegionError
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the region is Linux-only")
@@ -308,7 +308,7 @@ def test_rows_pattern_helper_is_deterministic():
 
 def test_a_normal_exit_without_cleanup_leaves_no_unsealed_file(tmp_path):
     code = (
-        "from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion\n"
+        "from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion\n"
         f"r = SharedOffloadRegion('exit', 4, 512, 2, 0, shm_dir={str(tmp_path)!r})\n"
         "import os; print(len(os.listdir(os.path.dirname(r.path))))\n"
     )

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvcache_offload.cpu.copy.host_copy import native_available
+from kvcache_offload.dataplane.copy.host_copy import native_available
 from tests._stream_stress import assert_quiescent, build, run_stream
 
 

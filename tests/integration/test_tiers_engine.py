@@ -16,7 +16,7 @@ import pytest
 
 from kvcache_offload import KVCacheLayout, OffloadConfig
 from kvcache_offload.aio import EngineEvent, KeyState, OffloadEngine
-from kvcache_offload.base import OffloadKey
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import BlockStateError
 from kvcache_offload.tiers import RedisTier
 from tests._redis import (

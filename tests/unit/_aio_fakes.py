@@ -8,10 +8,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvcache_offload import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, OffloadConfig
-from kvcache_offload.base import CanonicalKVCaches, LoadStoreSpec
-from kvcache_offload.cpu.block_memory import HostBlockMemory
-from kvcache_offload.cpu.spec import CPUOffloadingSpec
-from kvcache_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from kvcache_offload.contracts.handler import (
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+)
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+from kvcache_offload.dataplane.memory.block_memory import HostBlockMemory
+from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 
 BLOCK_BYTES = 64
 

@@ -8,8 +8,9 @@ import pytest
 
 from kvcache_offload import CPULoadStoreSpec, GPULoadStoreSpec, ReqContext
 from kvcache_offload.aio import LeaseTable, TransferPoller
+from kvcache_offload.contracts.handler import TransferResult
+from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 from kvcache_offload.errors import ConfigError, LeaseError, TransferError
-from kvcache_offload.worker.worker import OffloadingWorker, TransferResult
 from tests.unit._aio_fakes import FakeHandler, wait_for
 from tests.unit._keys import keys
 

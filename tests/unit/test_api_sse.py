@@ -11,8 +11,8 @@ import pytest
 from api.broadcast import EventBroadcaster
 from api.sse import EventEncoder
 from kvcache_offload.aio import EventHub, EventType, GapMarker, OffloadEngine
-from kvcache_offload.base import OffloadKey
 from kvcache_offload.client import parse_event
+from kvcache_offload.contracts.offload_key import OffloadKey
 from tests.unit._api_app import small_config
 
 KEY = OffloadKey(b"\x01" * 8 + b"\0\0\0\0")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from kvcache_offload import CPUOffloadingManager
-from kvcache_offload.cpu.policies import ARCCachePolicy, BlockStatus
+from kvcache_offload.control.policies import (
+    ARCCachePolicy,
+    BlockStatus,
+)
 from tests.unit._keys import key, key_ids, keys
 
 

@@ -36,7 +36,7 @@ def test_policy_module_path_that_does_not_exist_is_a_typed_error() -> None:
 
 
 def test_out_of_tree_policy_loads_by_module_path() -> None:
-    m = CPUOffloadingManager(2, "kvcache_offload.cpu.policies.lru:LRUCachePolicy")
+    m = CPUOffloadingManager(2, "kvcache_offload.control.policies.lru:LRUCachePolicy")
     assert m.prepare_store(keys(1)) is not None
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 from kvcache_offload import CPUOffloadingManager, compiled_modules
 from kvcache_offload._compiled import COMPILED_MODULES, PURE_PYTHON_ENV
-from kvcache_offload.cpu.policies import CachePolicy, LRUCachePolicy
+from kvcache_offload.control.policies import (
+    CachePolicy,
+    LRUCachePolicy,
+)
 
 
 def test_compiled_modules_are_all_or_nothing() -> None:
@@ -48,7 +51,7 @@ def test_extensions_are_not_older_than_their_sources() -> None:
 
 def test_pure_python_switch_loads_the_sources() -> None:
     code = (
-        "import kvcache_offload as k, kvcache_offload.cpu.manager as m;"
+        "import kvcache_offload as k, kvcache_offload.control.manager as m;"
         "print(m.__file__);"
         "assert not any(k.compiled_modules().values());"
         "mgr = k.CPUOffloadingManager(2, 'arc');"
@@ -103,7 +106,7 @@ def test_out_of_tree_policies_subclass_the_compiled_base() -> None:
 
 
 def test_the_compiled_manager_and_policies_can_be_subclassed_in_python() -> None:
-    from kvcache_offload.cpu.policies import ARCCachePolicy
+    from kvcache_offload.control.policies import ARCCachePolicy
 
     class CountingManager(CPUOffloadingManager):
         def __init__(self, *args: object, **kwargs: object) -> None:

@@ -9,23 +9,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache_offload.base import CanonicalKVCaches, GPULoadStoreSpec  # noqa: E402
 from kvcache_offload.config import KVCacheLayout, OffloadConfig  # noqa: E402
-from kvcache_offload.cpu import shared_offload_region  # noqa: E402
-from kvcache_offload.cpu.block_memory import (  # noqa: E402
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
+from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
+    CpuBackendOffloadingHandlers,
+    ThreadedOffloadingHandler,
+)
+from kvcache_offload.dataplane.handlers.router import OffloadingWorker  # noqa: E402
+from kvcache_offload.dataplane.memory import shared_offload_region  # noqa: E402
+from kvcache_offload.dataplane.memory.block_memory import (  # noqa: E402
     HostBlockMemory,
     RegionBlockMemory,
     TensorBlockMemory,
 )
-from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import (  # noqa: E402
-    CpuBackendOffloadingHandlers,
-    ThreadedOffloadingHandler,
-)
-from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
-from kvcache_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from kvcache_offload.dataplane.spec import CPUOffloadingSpec  # noqa: E402
 from kvcache_offload.errors import ConfigError, TransferError  # noqa: E402
-from kvcache_offload.worker.worker import OffloadingWorker  # noqa: E402
 from tests._roundtrip import (  # noqa: E402
     finish,
     job_bytes,
@@ -204,7 +204,7 @@ def _one_block_spec():
 def _gated_handler(gate: threading.Event, fail: bool = False) -> ThreadedOffloadingHandler:
     gpu = [torch.zeros((4, 64), dtype=torch.int8)]
     cpu = [torch.zeros((4, 64), dtype=torch.int8)]
-    from kvcache_offload.base import CanonicalKVCacheRef
+    from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 
     def run(plan, token):
         if not gate.wait(10):
@@ -349,7 +349,7 @@ def test_round_trip_through_a_shared_region_views(tmp_path):
 def test_cpu_page_mismatch_is_a_config_error():
     kv = _caches(11)
     gpu = [t.tensor for t in kv.tensors]
-    from kvcache_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+    from kvcache_offload.dataplane.handlers.cuda import SingleDirectionOffloadingHandler
 
     with pytest.raises(ConfigError):
         SingleDirectionOffloadingHandler(gpu, gpu, 2, kv.group_data_refs, True)
@@ -424,8 +424,9 @@ def test_spec_block_memory_region_and_plan_modules_import_without_torch():
 
     code = (
         "import sys\n"
-        "import kvcache_offload.cpu.spec, kvcache_offload.cpu.block_memory\n"
-        "import kvcache_offload.cpu.shared_offload_region, kvcache_offload.cpu.copy.plan\n"
+        "import kvcache_offload.dataplane.spec, kvcache_offload.dataplane.memory.block_memory\n"
+        "import kvcache_offload.dataplane.memory.shared_offload_region\n"
+        "import kvcache_offload.dataplane.copy.plan\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
         "assert not bad, bad\n"
     )

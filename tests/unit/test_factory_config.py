@@ -17,7 +17,7 @@ from kvcache_offload import (
     UnknownSpecError,
     load_config,
 )
-from kvcache_offload.cpu.spec import CPUOffloadingSpec
+from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_unknown_spec_without_module_path_is_rejected(restore_registry: None) ->
 def test_unregistered_spec_loads_from_its_module_path(restore_registry: None) -> None:
     OffloadingSpecFactory.unregister_spec("CPUOffloadingSpec")
     spec = OffloadingSpecFactory.create_spec(
-        load_config(spec_module_path="kvcache_offload.cpu.spec")
+        load_config(spec_module_path="kvcache_offload.dataplane.spec")
     )
     assert isinstance(spec, CPUOffloadingSpec)
 

@@ -8,10 +8,10 @@ import sys
 CONTROL_PLANE = [
     "kvcache_offload",
     "kvcache_offload.base",
-    "kvcache_offload.cpu.manager",
-    "kvcache_offload.cpu.policies",
-    "kvcache_offload.reuse_manager",
-    "kvcache_offload.factory",
+    "kvcache_offload.control.manager",
+    "kvcache_offload.control.policies",
+    "kvcache_offload.control.reuse_filter",
+    "kvcache_offload.control.spec_factory",
     "kvcache_offload.config",
 ]
 
@@ -36,6 +36,22 @@ def test_the_engine_imports_without_the_tier_and_server_extras() -> None:
         "import kvcache_offload.tiers\n"
         "bad = [m for m in ('redis', 'xxhash', 'fastapi', 'uvicorn') if m in sys.modules]\n"
         "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_policy_modules_load_only_when_a_configuration_asks_for_them() -> None:
+    code = (
+        "import sys\n"
+        "import kvcache_offload\n"
+        "from kvcache_offload.control.policies import get_cache_policy_cls\n"
+        "prefix = 'kvcache_offload.control.policies.'\n"
+        "loaded = lambda: sorted(m[len(prefix):] for m in sys.modules if m.startswith(prefix))\n"
+        "before = loaded()\n"
+        "assert 'sieve' not in before and 'slru' not in before and 'alru' not in before, before\n"
+        "get_cache_policy_cls('sieve')\n"
+        "assert 'sieve' in loaded() and 'slru' not in loaded(), loaded()\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

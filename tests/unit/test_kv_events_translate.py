@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from kvcache_offload.aio.types import EngineEvent, EventType
-from kvcache_offload.base import OffloadKey, make_offload_key
+from kvcache_offload.contracts.offload_key import (
+    OffloadKey,
+    make_offload_key,
+)
 from kvcache_offload.keys import chained_block_hashes, token_block_keys
 from kvcache_offload.kv_events import (
     BlockTokens,

@@ -7,10 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache_offload.base import GPULoadStoreSpec  # noqa: E402
-from kvcache_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import CpuBackendOffloadingHandlers  # noqa: E402
-from kvcache_offload.cpu.layouts import (  # noqa: E402
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
+from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers  # noqa: E402
+from kvcache_offload.dataplane.layouts import (  # noqa: E402
     block_nbytes,
     blocks_first_per_layer,
     cross_layer,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcache_offload import BlockStateError, CPUOffloadingManager, OffloadKey
-from kvcache_offload.cpu.policies import available_cache_policies
+from kvcache_offload.control.policies import available_cache_policies
 from tests.unit._keys import key
 
 CAPACITY = 6

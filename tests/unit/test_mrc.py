@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from kvcache_offload import OffloadKey
 from kvcache_offload.errors import ConfigError
-from kvcache_offload.replay.mrc import DEFAULT_SCALES, MissRatioCurve
+from kvcache_offload.lab.mrc import (
+    DEFAULT_SCALES,
+    MissRatioCurve,
+)
 from tests.unit._keys import key
 
 

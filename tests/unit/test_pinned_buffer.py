@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache_offload.cpu import pinned_buffer  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import allocate_cpu_tensors  # noqa: E402
+from kvcache_offload.dataplane.handlers.cpu_backend import allocate_cpu_tensors  # noqa: E402
+from kvcache_offload.dataplane.memory import pinned_buffer  # noqa: E402
 
 
 class FakeRuntime:
@@ -34,7 +34,7 @@ class FakeRuntime:
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
     fake = FakeRuntime()
-    monkeypatch.setattr("kvcache_offload.cpu.copy.dma.get_cuda_runtime", lambda: fake)
+    monkeypatch.setattr("kvcache_offload.dataplane.copy.dma.get_cuda_runtime", lambda: fake)
     return fake
 
 
@@ -62,7 +62,7 @@ def test_a_failed_registration_falls_back_to_torch_pinned_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = FakeRuntime(register_ok=False)
-    monkeypatch.setattr("kvcache_offload.cpu.copy.dma.get_cuda_runtime", lambda: fake)
+    monkeypatch.setattr("kvcache_offload.dataplane.copy.dma.get_cuda_runtime", lambda: fake)
     calls: list[dict[str, object]] = []
     real_zeros = torch.zeros
 

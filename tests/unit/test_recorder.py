@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvcache_offload.errors import ConfigError
-from kvcache_offload.replay.recorder import RequestRecorder
-from kvcache_offload.replay.trace import iter_requests
+from kvcache_offload.lab.recorder import RequestRecorder
+from kvcache_offload.lab.trace import iter_requests
 from tests.unit._keys import key, keys
 
 

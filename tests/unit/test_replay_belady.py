@@ -5,13 +5,21 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_offload.cpu.manager import CPUOffloadingManager
-from kvcache_offload.cpu.policies.registry import available_cache_policies
-from kvcache_offload.replay.belady import belady_hits, next_use_positions
-from kvcache_offload.replay.driver import replay_trace
-from kvcache_offload.replay.synth import synth_requests
-from kvcache_offload.replay.trace import Trace, TraceRequest, mooncake_key, trace_from_requests
-from kvcache_offload.reuse_manager import FilterReusedOffloadingManager
+from kvcache_offload.control.manager import CPUOffloadingManager
+from kvcache_offload.control.policies.registry import available_cache_policies
+from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager
+from kvcache_offload.lab.belady import (
+    belady_hits,
+    next_use_positions,
+)
+from kvcache_offload.lab.driver import replay_trace
+from kvcache_offload.lab.synth import synth_requests
+from kvcache_offload.lab.trace import (
+    Trace,
+    TraceRequest,
+    mooncake_key,
+    trace_from_requests,
+)
 
 
 def _trace(requests: list[list[int]]) -> Trace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcache_offload.replay.trace import sample_trace_path
+from kvcache_offload.lab.trace import sample_trace_path
 
 
 def test_bench_manager_runs_on_the_sample_with_the_classic_baseline() -> None:

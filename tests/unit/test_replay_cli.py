@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from kvcache_offload.replay.cli import replay
-from kvcache_offload.replay.synth import write_synth_trace
-from kvcache_offload.replay.trace import sample_trace_path
+from kvcache_offload.lab.cli import replay
+from kvcache_offload.lab.synth import write_synth_trace
+from kvcache_offload.lab.trace import sample_trace_path
 
 
 def _app() -> typer.Typer:
@@ -85,8 +85,11 @@ def test_replay_reports_bad_input_without_a_traceback(tmp_path: Path) -> None:
 
 
 def test_policy_plus_reuse_suffix_wraps_the_reuse_filter(tmp_path: Path) -> None:
-    from kvcache_offload.replay.sweep import make_manager, split_policy
-    from kvcache_offload.reuse_manager import FilterReusedOffloadingManager
+    from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager
+    from kvcache_offload.lab.sweep import (
+        make_manager,
+        split_policy,
+    )
 
     assert split_policy("lru") == ("lru", None)
     assert split_policy("arc+reuse3") == ("arc", 3)
@@ -107,7 +110,7 @@ def test_policy_plus_reuse_suffix_wraps_the_reuse_filter(tmp_path: Path) -> None
 
 def test_replay_reads_a_log_written_by_the_recorder(tmp_path: Path) -> None:
     from kvcache_offload import make_offload_key
-    from kvcache_offload.replay.recorder import RequestRecorder
+    from kvcache_offload.lab.recorder import RequestRecorder
 
     keys = [make_offload_key(f"blk{i}".encode(), 0) for i in range(6)]
     log = tmp_path / "rec.jsonl"
@@ -141,9 +144,9 @@ def test_replay_path_imports_neither_torch_nor_matplotlib() -> None:
 
     code = (
         "import sys\n"
-        "from kvcache_offload.replay.cli import replay\n"
-        "from kvcache_offload.replay import load_trace, run_sweep, parse_capacities\n"
-        "from kvcache_offload.replay.trace import sample_trace_path\n"
+        "from kvcache_offload.lab.cli import replay\n"
+        "from kvcache_offload.lab import load_trace, run_sweep, parse_capacities\n"
+        "from kvcache_offload.lab.trace import sample_trace_path\n"
         "run_sweep([load_trace(sample_trace_path())], ['lru'], parse_capacities('1%'))\n"
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)\n"
     )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from kvcache_offload.cpu.manager import CPUOffloadingManager
-from kvcache_offload.replay.driver import replay_trace
-from kvcache_offload.replay.synth import synth_requests
-from kvcache_offload.replay.trace import TraceRequest, mooncake_key, trace_from_requests
-from kvcache_offload.reuse_manager import FilterReusedOffloadingManager
+from kvcache_offload.control.manager import CPUOffloadingManager
+from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager
+from kvcache_offload.lab.driver import replay_trace
+from kvcache_offload.lab.synth import synth_requests
+from kvcache_offload.lab.trace import (
+    TraceRequest,
+    mooncake_key,
+    trace_from_requests,
+)
 
 
 def _trace(*requests: tuple[list[int], int]):  # type: ignore[no-untyped-def]
@@ -72,7 +76,7 @@ def test_reuse_filter_delays_stores_until_offered_twice() -> None:
 
 
 def test_every_registered_policy_replays_the_synthetic_trace() -> None:
-    from kvcache_offload.cpu.policies.registry import available_cache_policies
+    from kvcache_offload.control.policies.registry import available_cache_policies
 
     trace = trace_from_requests(
         TraceRequest(r["timestamp"], r["input_length"], 0, [mooncake_key(h) for h in r["hash_ids"]])

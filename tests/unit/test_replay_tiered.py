@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from kvcache_offload.replay.tiered import main, replay_tiered
-from kvcache_offload.replay.trace import TraceRequest, trace_from_requests
+from kvcache_offload.lab.tiered import (
+    main,
+    replay_tiered,
+)
+from kvcache_offload.lab.trace import (
+    TraceRequest,
+    trace_from_requests,
+)
 from tests.unit._keys import keys
 
 SAMPLE = (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcache_offload import make_offload_key
-from kvcache_offload.replay.trace import (
+from kvcache_offload.lab.trace import (
     TraceFormatError,
     default_trace_paths,
     iter_requests,
@@ -131,7 +131,10 @@ def test_default_trace_paths_fall_back_to_the_sample(
 
 
 def test_synthetic_trace_is_seeded_chained_and_shares_prefixes(tmp_path: Path) -> None:
-    from kvcache_offload.replay.synth import main, synth_requests
+    from kvcache_offload.lab.synth import (
+        main,
+        synth_requests,
+    )
 
     assert synth_requests(200, seed=5) == synth_requests(200, seed=5)
     assert synth_requests(200, seed=5) != synth_requests(200, seed=6)
@@ -159,7 +162,10 @@ def test_gzip_compressed_traces_are_read(tmp_path: Path) -> None:
 
 
 def test_without_partial_blocks_drops_only_the_partial_tail() -> None:
-    from kvcache_offload.replay.trace import TraceRequest, trace_from_requests
+    from kvcache_offload.lab.trace import (
+        TraceRequest,
+        trace_from_requests,
+    )
 
     trace = trace_from_requests(
         [

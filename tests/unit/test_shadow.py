@@ -10,10 +10,13 @@ from api import create_app
 from api.observers import build_observers
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.errors import ConfigError, UnknownPolicyError
-from kvcache_offload.replay.driver import replay_trace
-from kvcache_offload.replay.shadow import ShadowPolicies
-from kvcache_offload.replay.sweep import make_manager
-from kvcache_offload.replay.trace import load_trace, sample_trace_path
+from kvcache_offload.lab.driver import replay_trace
+from kvcache_offload.lab.shadow import ShadowPolicies
+from kvcache_offload.lab.sweep import make_manager
+from kvcache_offload.lab.trace import (
+    load_trace,
+    sample_trace_path,
+)
 from tests.unit._api_app import hex_key, small_config, store
 
 POLICIES = ["arc", "alru", "s3fifo-prefix"]

@@ -17,10 +17,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache_offload.cpu.copy.plan import SideGeometry, build_plan, parse_job, refs_arrays  # noqa: E402
-from kvcache_offload.cpu.copy.staged import StagedCopier, StagedJob, StagingConfig  # noqa: E402
-from kvcache_offload.cpu.copy.triton_kernel import GROUP_ROW  # noqa: E402
-from kvcache_offload.cpu.cpu_backend import allocate_cpu_tensors  # noqa: E402
+from kvcache_offload.dataplane.copy.plan import (  # noqa: E402
+    SideGeometry,
+    build_plan,
+    parse_job,
+    refs_arrays,
+)
+from kvcache_offload.dataplane.copy.staged import (  # noqa: E402
+    StagedCopier,
+    StagedJob,
+    StagingConfig,
+)
+from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW  # noqa: E402
+from kvcache_offload.dataplane.handlers.cpu_backend import allocate_cpu_tensors  # noqa: E402
 from tests._roundtrip import (  # noqa: E402
     assert_same,
     expected_after_load,
@@ -154,8 +163,7 @@ def test_staged_plan_moves_one_piece_per_block_and_coalesces_adjacent_slots():
     cpu = allocate_cpu_tensors(gpu, 2, 16)
     store, _load, refs = _copiers(gpu, cpu, 2, kv, 1 << 20, 2)
     assert store.layout.block_major
-    from kvcache_offload.base import GPULoadStoreSpec
-    from kvcache_offload.cpu.common import CPULoadStoreSpec
+    from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 
     # CPU slots 3, 4, 5 are adjacent (one piece), 9 stands alone; 8 GPU blocks, factor 2.
     spec = (GPULoadStoreSpec(np.arange(8), [8], [0]), CPULoadStoreSpec(np.array([3, 4, 5, 9])))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvcache_offload.base import OffloadKey, make_offload_key
+from kvcache_offload.contracts.offload_key import (
+    OffloadKey,
+    make_offload_key,
+)
 from kvcache_offload.tiers import DiskTier
 from kvcache_offload.tiers.frame import HEADER_PREFIX, encode_header, verify
 

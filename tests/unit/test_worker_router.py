@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_offload.base import LoadStoreSpec
-from kvcache_offload.errors import ConfigError
-from kvcache_offload.worker.worker import (
+from kvcache_offload.contracts.handler import (
     OffloadingHandler,
-    OffloadingWorker,
     TransferResult,
     TransferSpec,
 )
+from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+from kvcache_offload.dataplane.handlers.router import OffloadingWorker
+from kvcache_offload.errors import ConfigError
 
 
 class Spec1(LoadStoreSpec):

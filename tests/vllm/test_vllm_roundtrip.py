@@ -56,8 +56,8 @@ def test_vllm_stores_then_loads_every_byte_back_through_our_spec(extra: dict) ->
 
 
 def test_the_scheduler_runs_our_manager_and_the_worker_our_handlers() -> None:
-    from kvcache_offload.base import OffloadingManager
-    from kvcache_offload.worker.worker import OffloadingHandler
+    from kvcache_offload.contracts.handler import OffloadingHandler
+    from kvcache_offload.contracts.manager import OffloadingManager
 
     engine = Engine({"cpu_bytes_to_use": 1 << 20})
     try:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from kvcache_offload.base import OffloadingManager
 from kvcache_offload.config import OffloadConfig
-from kvcache_offload.cpu.spec import CPUOffloadingSpec
+from kvcache_offload.contracts.handler import OffloadingHandler
+from kvcache_offload.contracts.manager import OffloadingManager
+from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 from kvcache_offload.integrations.vllm._translate import canonical_kv_caches
-from kvcache_offload.worker.worker import OffloadingHandler
 
 __all__ = ["OffloadBackend"]
 

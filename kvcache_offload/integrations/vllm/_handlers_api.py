@@ -24,10 +24,10 @@ from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult
 
 from kvcache_offload import base as ours
 from kvcache_offload.config import KVCacheLayout
+from kvcache_offload.contracts.handler import OffloadingHandler as OurHandler
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
 from kvcache_offload.integrations.vllm._settings import offload_config
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
-from kvcache_offload.worker.worker import OffloadingHandler as OurHandler
 
 __all__ = ["KVCacheOffloadSpec"]
 

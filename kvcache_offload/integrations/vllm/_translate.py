@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache_offload.base import (
+from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+)
+from kvcache_offload.contracts.load_store_spec import (
+    CPULoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
 )
-from kvcache_offload.cpu.common import CPULoadStoreSpec
 from kvcache_offload.errors import TransferError
 
 __all__ = ["canonical_kv_caches", "cpu_spec", "gpu_spec"]

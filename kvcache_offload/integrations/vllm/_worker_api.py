@@ -29,12 +29,12 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvcache_offload import base as ours
 from kvcache_offload.config import KVCacheLayout
+from kvcache_offload.contracts.handler import OffloadingHandler
+from kvcache_offload.contracts.handler import TransferResult as OurResult
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
 from kvcache_offload.integrations.vllm._settings import offload_config
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
-from kvcache_offload.worker.worker import OffloadingHandler
-from kvcache_offload.worker.worker import TransferResult as OurResult
 
 __all__ = ["KVCacheOffloadSpec"]
 

@@ -1,0 +1,87 @@
+"""Worker-side contracts: jobs, results, the handler ABC and its optional capabilities.
+
+The worker never decides anything: it executes (source spec, destination spec) copy jobs
+identified by integer job ids and reports which finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+
+__all__ = [
+    "BatchesJobs",
+    "NotifiesCompletion",
+    "OffloadingHandler",
+    "TransferResult",
+    "TransferSpec",
+    "TransferType",
+]
+
+logger = logging.getLogger(__name__)
+
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+"""(source, destination)."""
+TransferType = tuple[str, str]
+"""(source medium, destination medium), e.g. ("GPU", "CPU") for a store."""
+
+
+@dataclass
+class TransferResult:
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    """Bytes moved."""
+    transfer_time: float | None = None
+    """Seconds the copy took on the device (CUDA events) or the copying thread."""
+    transfer_type: TransferType | None = None
+
+
+class OffloadingHandler(ABC):
+    """Executes jobs of one direction (or several) asynchronously."""
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Submit a job; True if submitted. Must not block on the copy itself."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call, in submission order per direction."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs finished; unknown or finished ids are ignored."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Wait for or drop in-flight jobs and release streams, events and threads."""
+
+
+@runtime_checkable
+class NotifiesCompletion(Protocol):
+    """A handler that knows when a job ends and says so, so nobody has to poll it.
+
+    ``callback()`` is called from the handler's own thread after one or more jobs finished
+    (several completions may share one call); the caller then reads them with
+    ``get_finished``. Handlers without this capability are polled.
+    """
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None: ...
+
+
+@runtime_checkable
+class BatchesJobs(Protocol):
+    """A handler that can hold jobs and issue those submitted close together as one copy.
+
+    After ``set_batching(True)`` the caller promises to call ``flush()`` soon after each
+    submission (the engine does it once per event-loop tick); jobs still complete in
+    submission order and are reported one by one.
+    """
+
+    def set_batching(self, enabled: bool) -> None: ...
+
+    def flush(self) -> None: ...

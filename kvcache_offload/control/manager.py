@@ -1,0 +1,345 @@
+"""Scheduler-side bookkeeping of the CPU tier: slots, ref counts, eviction and events.
+
+Called from one thread only (the event loop in the async core), so it takes no locks. Every
+mutating call validates all of its input before changing anything: a call that raises leaves
+the manager exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
+
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec
+from kvcache_offload.contracts.manager import (
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from kvcache_offload.contracts.offload_key import (
+    OffloadKey,
+    validate_offload_key,
+)
+from kvcache_offload.control.policies.base import (
+    BlockStatus,
+    CachePolicy,
+)
+from kvcache_offload.control.policies.registry import get_cache_policy_cls
+from kvcache_offload.errors import BlockStateError, ConfigError
+
+__all__ = ["CPUManagerStats", "CPUOffloadingManager"]
+
+MEDIUM = "CPU"
+
+_NOTHING_PROTECTED: frozenset[OffloadKey] = frozenset()
+
+
+@dataclass(frozen=True)
+class CPUManagerStats:
+    """A cheap snapshot: block counts by state plus cumulative counters."""
+
+    num_blocks: int
+    free: int
+    writing: int
+    idle: int
+    reading: int
+    evictions: int
+    rejected_stores: int
+    stored_blocks: int
+    failed_store_blocks: int
+    loaded_blocks: int
+    policy: str
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.free
+
+
+def _check_keys(keys: Sequence[object]) -> None:
+    """Raise InvalidKeyError for the first malformed key (a plain loop: fastest on 3.11+).
+
+    Typed ``object`` on purpose: compiled, a loop over ``OffloadKey`` items would raise a
+    bare TypeError at the first non-bytes item before this check could name it.
+    """
+    for key in keys:
+        if type(key) is not bytes or len(key) <= 4:
+            validate_offload_key(key)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
+class CPUOffloadingManager(OffloadingManager):
+    """vLLM's classic CPU manager: fresh slot ids ascending, then freed ids LIFO.
+
+    ``cache_policy`` is a registered policy name ("lru", "arc", ...), a "module:Class" path,
+    or a :class:`CachePolicy` subclass.
+    """
+
+    medium: ClassVar[str] = MEDIUM
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str | type[CachePolicy] = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        # A compiled build rejects a non-int before this line with its own TypeError.
+        if not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {num_blocks!r}")
+        if num_blocks < 0:
+            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        policy_cls = (
+            cache_policy
+            if isinstance(cache_policy, type) and issubclass(cache_policy, CachePolicy)
+            else get_cache_policy_cls(cache_policy)  # type: ignore[arg-type]
+        )
+        self._num_blocks = num_blocks
+        self._policy: CachePolicy = policy_cls(cache_capacity=num_blocks)
+        # Every present key -> its block, whatever the policy: lookups stay one dict probe.
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        # A policy with one key -> block dict (LRU) lends it: no second copy to maintain.
+        shared = self._policy.block_table()
+        self._shared_table = shared is not None
+        if shared is not None:
+            self._blocks = shared
+        self._policy_name = policy_cls.name or policy_cls.__name__
+        self._num_allocated = 0
+        self._free_list: list[BlockStatus] = []
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._writing = 0
+        self._reading = 0
+        self._evictions = 0
+        self._rejected_stores = 0
+        self._stored_blocks = 0
+        self._failed_store_blocks = 0
+        self._loaded_blocks = 0
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._policy
+
+    def _num_free(self) -> int:
+        return len(self._free_list) + self._num_blocks - self._num_allocated
+
+    def _num_idle(self) -> int:
+        """Blocks neither free, being written nor being read: the only evictable ones."""
+        return self._num_blocks - self._num_free() - self._writing - self._reading
+
+    def stats(self) -> CPUManagerStats:
+        return CPUManagerStats(
+            num_blocks=self._num_blocks,
+            free=self._num_free(),
+            writing=self._writing,
+            idle=self._num_idle(),
+            reading=self._reading,
+            evictions=self._evictions,
+            rejected_stores=self._rejected_stores,
+            stored_blocks=self._stored_blocks,
+            failed_store_blocks=self._failed_store_blocks,
+            loaded_blocks=self._loaded_blocks,
+            policy=self._policy_name,
+        )
+
+    # -- lookups and loads ---------------------------------------------------------------
+
+    def lookup(self, key: Any, req_context: ReqContext | None = None) -> bool | None:
+        # ``key: Any``: a malformed key must raise InvalidKeyError, also when compiled.
+        block = self._blocks.get(key)
+        if block is None:
+            _check_keys((key,))
+            return False
+        return None if block.ref_cnt == -1 else True
+
+    def prepare_load(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> CPULoadStoreSpec:
+        _check_keys(keys)
+        get = self._blocks.get
+        blocks = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                state = "absent" if block is None else "being written"
+                raise BlockStateError(f"cannot load key {key.hex()}: it is {state}, not ready")
+            blocks.append(block)
+        newly_read = 0
+        for block in blocks:
+            if block.ref_cnt == 0:
+                newly_read += 1
+            block.ref_cnt += 1
+        self._reading += newly_read
+        return CPULoadStoreSpec.from_owned_list([block.block_id for block in blocks])
+
+    def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
+        _check_keys(keys)
+        self._policy.touch(keys)
+
+    def complete_load(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> None:
+        _check_keys(keys)
+        get = self._blocks.get
+        blocks = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt <= 0:
+                raise BlockStateError(f"cannot complete load of key {key.hex()}: not being read")
+            blocks.append(block)
+        if len(set(keys)) != len(keys):
+            for key, count in Counter(keys).items():
+                ref_cnt = get(key).ref_cnt  # type: ignore[union-attr]
+                if count > ref_cnt:
+                    raise BlockStateError(
+                        f"cannot complete {count} loads of key {key.hex()}: only "
+                        f"{ref_cnt} in flight"
+                    )
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._reading -= 1
+        self._loaded_blocks += len(blocks)
+
+    # -- stores --------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> PrepareStoreOutput | None:
+        _check_keys(keys)
+        table = self._blocks
+        get = table.get
+        keys_to_store: list[OffloadKey] = []
+        present: list[BlockStatus] = []
+        for key in keys:
+            block = get(key)
+            if block is None:
+                keys_to_store.append(key)
+            elif block.ref_cnt >= 0:
+                present.append(block)
+        if not keys_to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
+        if len(set(keys_to_store)) != len(keys_to_store):
+            keys_to_store = list(dict.fromkeys(keys_to_store))
+
+        needed = len(keys_to_store) - self._num_free()
+        evicted_keys: list[OffloadKey] = []
+        if needed > 0:
+            victims = None
+            if self._num_idle() >= needed:
+                # Every key of this call must survive the eviction. The ready ones are pinned
+                # for it (blocks being read or written are never evicted anyway): the same
+                # effect as passing the keys as ``protected``, without building a set of them.
+                for block in present:
+                    block.ref_cnt += 1
+                try:
+                    victims = self._policy.evict(needed, _NOTHING_PROTECTED)
+                finally:
+                    for block in present:
+                        block.ref_cnt -= 1
+            if victims is None:
+                self._rejected_stores += 1
+                return None
+            free_list = self._free_list
+            for key, block in victims:
+                evicted_keys.append(key)
+                block.ref_cnt = -1  # freed slots wait in the state a new store needs
+                free_list.append(block)
+            if not self._shared_table:
+                for key in evicted_keys:
+                    del table[key]
+            self._evictions += len(victims)
+            if self.events is not None:
+                self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
+
+        new_blocks = self._allocate(len(keys_to_store))
+        pairs = list(zip(keys_to_store, new_blocks, strict=True))
+        if not self._shared_table:
+            table.update(pairs)
+        self._policy.insert_many(pairs)
+        self._writing += len(keys_to_store)
+        block_ids = [block.block_id for block in new_blocks]
+        return PrepareStoreOutput(
+            keys_to_store, CPULoadStoreSpec.from_owned_list(block_ids), evicted_keys
+        )
+
+    def _allocate(self, count: int) -> list[BlockStatus]:
+        """Fresh slots in ascending order first, then freed slots, most recently freed first.
+
+        Freed slots keep their BlockStatus object (already reset to "being written"), so
+        steady-state stores allocate nothing.
+        """
+        start = self._num_allocated
+        fresh = min(count, self._num_blocks - start)
+        blocks = [BlockStatus(block_id) for block_id in range(start, start + fresh)]
+        self._num_allocated = start + fresh
+        reused = count - fresh
+        if reused:
+            free_list = self._free_list
+            recycled = free_list[-reused:]
+            del free_list[-reused:]
+            recycled.reverse()
+            blocks += recycled
+        return blocks
+
+    def complete_store(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        success: bool = True,
+    ) -> None:
+        _check_keys(keys)  # before any change: a bad key in the middle must change nothing
+        get = self._blocks.get
+        if success:
+            stored: list[OffloadKey] = []
+            for key in keys:
+                block = get(key)
+                if block is not None and block.ref_cnt == -1:
+                    block.ref_cnt = 0
+                    stored.append(key)
+            self._writing -= len(stored)
+            self._stored_blocks += len(stored)
+            if stored and self.events is not None:
+                self.events.append(OffloadingEvent(stored, MEDIUM, removed=False))
+            return
+        remove = self._policy.remove
+        table = self._blocks
+        free_list = self._free_list
+        failed = 0
+        for key in keys:
+            block = get(key)
+            if block is not None and block.ref_cnt == -1:
+                remove(key)
+                if not self._shared_table:
+                    del table[key]
+                free_list.append(block)
+                failed += 1
+        self._writing -= failed
+        self._failed_store_blocks += failed
+
+    # -- events and lifecycle ------------------------------------------------------------
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self.events is None:
+            return
+        events, self.events = self.events, []
+        yield from events
+
+    def reset_cache(self) -> None:
+        self._policy.clear()
+        self._blocks.clear()
+        self._free_list.clear()
+        self._num_allocated = 0
+        self._writing = 0
+        self._reading = 0
+
+    def shutdown(self) -> None:
+        self.reset_cache()

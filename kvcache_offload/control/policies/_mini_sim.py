@@ -1,0 +1,146 @@
+"""Miniature simulations that pick the adaptive LRU's probation weight online.
+
+Waldspurger et al. (ATC'17, "Cache modeling and optimization using miniature simulations"):
+a cache fed a spatially hashed sample of the keys, scaled down by the sampling rate, shows
+the hit ratio of the full-size cache. Here several small copies of the adaptive LRU run side
+by side, one per candidate weight, on the same sample; the policy uses the weight whose copy
+hits most, with exponentially decaying hit counts so it follows shifts in the workload.
+Memory is bounded: each copy holds at most ``rate x capacity`` keys (a few hundred) plus
+as many ghost keys per queue, like the policy it models.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+
+__all__ = ["WeightDuel"]
+
+_HASH_SPACE = 1 << 16
+
+
+class _MiniCache:
+    """The adaptive LRU in miniature, without pinning: new keys on probation, reused ones
+    and recently evicted ones (ghosts) in main.
+
+    Evicts the probation head if its age times ``weight`` is at least the main head's age,
+    else the main head (``weight`` 1 is plain LRU; larger weights drop unused keys sooner).
+    """
+
+    __slots__ = ("capacity", "ghost", "hits", "main", "main_ghost", "now", "probation", "weight")
+
+    def __init__(self, weight: float, capacity: int) -> None:
+        self.weight = weight
+        self.capacity = capacity
+        self.probation: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.main: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.now = 0
+        self.hits = 0.0
+
+    def access(self, key: OffloadKey) -> bool:
+        """Use ``key``; True on a hit, else it is stored (evicting one key if full)."""
+        self.now += 1
+        now = self.now
+        main = self.main
+        if key in main:
+            main[key] = now
+            main.move_to_end(key)
+            return True
+        probation = self.probation
+        if key in probation:
+            del probation[key]
+            main[key] = now
+            return True
+        ghost, main_ghost = self.ghost, self.main_ghost
+        if key in ghost:
+            del ghost[key]
+            main[key] = now
+        elif key in main_ghost:
+            del main_ghost[key]
+            main[key] = now
+        else:
+            probation[key] = now
+        if len(probation) + len(main) <= self.capacity:
+            return False
+        if probation and (
+            not main
+            or (now - next(iter(probation.values()))) * self.weight
+            >= now - next(iter(main.values()))
+        ):
+            victim, _ = probation.popitem(last=False)
+            ghost[victim] = None
+            if len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        else:
+            victim, _ = main.popitem(last=False)
+            main_ghost[victim] = None
+            if len(main_ghost) > self.capacity:
+                main_ghost.popitem(last=False)
+        return False
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.main)
+
+
+class WeightDuel:
+    """Runs one miniature cache per candidate weight on a hashed sample of the accesses."""
+
+    def __init__(
+        self,
+        cache_capacity: int,
+        weights: Sequence[float],
+        *,
+        shadow_blocks: int = 512,
+        min_rate: float = 0.001,
+        decay_every: int = 1024,
+        initial_weight: float = 1.0,
+    ) -> None:
+        rate = min(1.0, max(shadow_blocks / max(cache_capacity, 1), min_rate))
+        self.rate = rate
+        self._threshold = max(1, round(rate * _HASH_SPACE))
+        capacity = max(1, round(rate * cache_capacity))
+        self._caches = [_MiniCache(w, capacity) for w in weights]
+        self._decay_every = decay_every
+        self._steps = 0
+        self.weight = initial_weight
+
+    def sampled(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is in the sample (a deterministic hash, so replays repeat)."""
+        return (zlib.crc32(key) & 0xFFFF) < self._threshold
+
+    def access(self, keys: Sequence[OffloadKey]) -> None:
+        """The sampled keys of one request, in prefix order.
+
+        Each copy uses them tail first (as ``touch`` does) and scores the hits up to its
+        first miss in prefix order: past a miss the real lookup would stop too. Every
+        ``decay_every`` sampled keys the weight is re-chosen.
+        """
+        for cache in self._caches:
+            hit_flags = [cache.access(key) for key in reversed(keys)]
+            score = 0
+            for hit in reversed(hit_flags):
+                if not hit:
+                    break
+                score += 1
+            cache.hits += score
+        self._steps += len(keys)
+        if self._steps >= self._decay_every:
+            self._steps = 0
+            best = self._caches[0]
+            for cache in self._caches:
+                if cache.hits > best.hits:
+                    best = cache
+            self.weight = best.weight
+            for cache in self._caches:
+                cache.hits *= 0.5
+
+    def sizes(self) -> list[int]:
+        return [len(c) for c in self._caches]
+
+    def hit_counts(self) -> dict[float, float]:
+        return {c.weight: c.hits for c in self._caches}

@@ -1,0 +1,241 @@
+"""Adaptive LRU for prefix caches: probation weighted by a miniature-simulation duel.
+
+Blocks that were stored but never used since sit on probation; used blocks sit in the main
+LRU, and so do blocks stored again soon after eviction (their keys are remembered as ghosts,
+at most ``capacity`` per queue). Eviction compares the oldest idle block of each queue:
+probation goes first if its age times ``weight`` is at least the main block's age. Weight
+1 is exactly LRU (best when the cache holds most of the reuse); larger weights drop
+never-reused blocks sooner (best when the cache is small and one-off prefixes would flush
+it). The weight is chosen online by running a small copy of this policy per candidate
+weight on a hashed sample of the keys
+(:mod:`._mini_sim`).
+
+Two prefix-specific rules, since a lookup stops at a prefix's first miss:
+
+* a store's keys are enqueued tail first and ``touch`` leaves the first key most recent, so
+  a prefix loses its tail before its head;
+* the policy measures how often the last block of a store is used again compared with the
+  other blocks; when it is used far less (a prompt's partial last block, which the next
+  turn rewrites, as in the Mooncake traces), that block goes to the front of the probation
+  queue, so it is the first to leave. When last blocks are reused like the rest (vLLM
+  stores full blocks only), nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._mini_sim import WeightDuel
+from kvcache_offload.control.policies._prefix_batch import QueuePolicy
+from kvcache_offload.control.policies.base import BlockStatus
+
+__all__ = ["AdaptiveLRUCachePolicy"]
+
+_DEMOTED = -(1 << 62)
+"""Stamp of a demoted block: older than anything, so it is the first to go."""
+
+
+def _being_written(blocks: dict[OffloadKey, BlockStatus], key: OffloadKey) -> bool:
+    block = blocks.get(key)
+    return block is not None and block.ref_cnt == -1
+
+
+class _TailStats:
+    """Decaying counts of stored and later used blocks: store tails versus the rest."""
+
+    __slots__ = ("_budget", "_period", "stored", "used")
+
+    def __init__(self, period: int) -> None:
+        self._period = period
+        self._budget = period
+        self.stored = [1.0, 1.0]  # [tails, others], with a prior of one use in one store
+        self.used = [1.0, 1.0]
+
+    def add_store(self, blocks: int) -> None:
+        self.stored[0] += 1
+        self.stored[1] += blocks - 1
+        self._budget -= blocks
+        if self._budget <= 0:
+            self._budget = self._period
+            self.stored = [x / 2 for x in self.stored]
+            self.used = [x / 2 for x in self.used]
+
+    def add_use(self, tail: bool) -> None:
+        self.used[0 if tail else 1] += 1
+
+    def tails_are_dead(self, ratio: float) -> bool:
+        tail_rate = self.used[0] / self.stored[0]
+        other_rate = self.used[1] / self.stored[1]
+        return tail_rate < ratio * other_rate
+
+
+class AdaptiveLRUCachePolicy(QueuePolicy):
+    """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
+
+    name = "alru"
+    prefix_order = True
+    weights: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+    dead_tail_ratio = 0.25
+    """Demote store tails when they are used less than this fraction as often as the rest."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        # key -> stamp: insertion time on probation, last use in main.
+        self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._tails: set[OffloadKey] = set()
+        self._now = 0
+        self._reset_learning()
+
+    def _reset_learning(self) -> None:
+        self._duel = WeightDuel(self.cache_capacity, self.weights)
+        self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
+        self._demote_tails = False
+
+    # -- storage -------------------------------------------------------------------------
+
+    def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._now += 1
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = self._now
+        elif key in self._main_ghost:
+            del self._main_ghost[key]
+            self._main[key] = self._now
+        else:
+            self._probation[key] = self._now
+
+    def _flush_batch(self) -> None:
+        batch = self._batch
+        if not batch:
+            return
+        # The store covers the request from its first miss to its end: its last key is the
+        # request's last block.
+        tail = batch[-1]
+        stats = self._tail_stats
+        stats.add_store(len(batch))
+        super()._flush_batch()
+        if tail in self._probation:
+            self._tails.add(tail)
+            self._demote_tails = stats.tails_are_dead(self.dead_tail_ratio)
+            if self._demote_tails:
+                self._probation[tail] = _DEMOTED
+                self._probation.move_to_end(tail, last=False)
+
+    def _dequeue(self, key: OffloadKey) -> None:
+        self._tails.discard(key)
+        if key in self._probation:
+            del self._probation[key]
+        else:
+            del self._main[key]
+
+    def _clear_queues(self) -> None:
+        self._probation.clear()
+        self._main.clear()
+        self._ghost.clear()
+        self._main_ghost.clear()
+        self._tails.clear()
+        self._now = 0
+        self._reset_learning()
+
+    # -- use -----------------------------------------------------------------------------
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._flush_batch()
+        blocks, probation, main = self._blocks, self._probation, self._main
+        keys = list(keys)
+        duel = self._duel
+        # The miniature caches see the request's sampled keys, except stores just prepared.
+        sampled = [key for key in keys if duel.sampled(key) and not _being_written(blocks, key)]
+        if sampled:
+            duel.access(sampled)
+        for key in reversed(keys):
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == -1:
+                # A store just prepared is not an access: refresh its recency only (a
+                # demoted tail stays demoted).
+                if probation.get(key, _DEMOTED) != _DEMOTED:
+                    self._now += 1
+                    probation[key] = self._now
+                    probation.move_to_end(key)
+                continue
+            if block is None:
+                continue
+            self._now += 1
+            if key in main:
+                main[key] = self._now
+                main.move_to_end(key)
+            else:
+                del probation[key]
+                main[key] = self._now
+                tail = key in self._tails
+                if tail:
+                    self._tails.discard(key)
+                self._tail_stats.add_use(tail)
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def _candidates(
+        self, queue: OrderedDict[OffloadKey, int], protected: Collection[OffloadKey]
+    ) -> Iterator[tuple[OffloadKey, int]]:
+        blocks = self._blocks
+        for key, stamp in queue.items():
+            if blocks[key].ref_cnt == 0 and key not in protected:
+                yield key, stamp
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        self._flush_batch()
+        on_probation = self._candidates(self._probation, protected)
+        in_main = self._candidates(self._main, protected)
+        p = next(on_probation, None)
+        m = next(in_main, None)
+        # (key, came from probation), in the order chosen: victims are returned in that order.
+        selected: list[tuple[OffloadKey, bool]] = []
+        now, weight = self._now, self._duel.weight
+        for _ in range(n):
+            if p is not None and (m is None or (now - p[1]) * weight >= now - m[1]):
+                selected.append((p[0], True))
+                p = next(on_probation, None)
+            elif m is not None:
+                selected.append((m[0], False))
+                m = next(in_main, None)
+            else:
+                return None
+        blocks, tails = self._blocks, self._tails
+        ghost, main_ghost = self._ghost, self._main_ghost
+        victims = []
+        for key, on_probation_queue in selected:
+            if on_probation_queue:
+                del self._probation[key]
+                tails.discard(key)
+                ghost[key] = None
+            else:
+                del self._main[key]
+                main_ghost[key] = None
+            victims.append((key, blocks.pop(key)))
+        for queue in (ghost, main_ghost):
+            while len(queue) > self.cache_capacity:
+                queue.popitem(last=False)
+        return victims
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        return {
+            "size": len(self),
+            "probation": len(self._probation),
+            "main": len(self._main),
+            "weight": self._duel.weight,
+            "demote_tails": self._demote_tails,
+            "tails": len(self._tails),
+            "ghost": len(self._ghost),
+            "main_ghost": len(self._main_ghost),
+            "shadow_blocks": max(self._duel.sizes()),
+        }

@@ -1,0 +1,101 @@
+"""The eviction-policy contract: a policy owns both block storage and the replacement choice.
+
+Storage and decision cannot be split cleanly (ARC's ghost lists, segmented queues), so one
+object does both. Policies are pure Python and know nothing of torch or transfers; they only
+see each block's ``ref_cnt``: -1 being written, 0 idle (the only evictable state), >0 being
+read by that many loads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+
+__all__ = ["BlockStatus", "CachePolicy"]
+
+
+class BlockStatus:
+    """State of one CPU slot: its id and its reference count (-1 = being written)."""
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = -1
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class CachePolicy(ABC):
+    """Stores offloaded blocks and decides which idle ones to evict.
+
+    Rules every policy must honour (the manager and the stateful tests rely on them):
+    ``evict`` returns exactly ``n`` victims that are idle (``ref_cnt == 0``) and not in
+    ``protected``, or ``None`` having changed nothing; its cost is proportional to the victims
+    plus the pinned/protected blocks it skips, never to the cache size.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, cache_capacity: int) -> None:
+        # Concrete (not abstract) so compiled subclasses can chain to it.
+        self.cache_capacity = cache_capacity
+
+    @abstractmethod
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        """The block stored under ``key`` or None; no side effects."""
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        """Add a newly allocated block (``key`` is not present)."""
+
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        """Insert several new blocks in order; override when a batch is cheaper."""
+        for key, block in pairs:
+            self.insert(key, block)
+
+    def block_table(self) -> dict[OffloadKey, BlockStatus] | None:
+        """The policy's own key -> block dict holding exactly its blocks, if it has one.
+
+        A manager may then use it as its lookup table instead of keeping a copy; it never
+        mutates it, so it must stay the same object for the policy's lifetime (``clear``
+        empties it in place). None (the default) makes the manager keep its own table.
+        """
+        return None
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Drop a block whose store failed (``key`` is present)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark keys used, processed in reverse so the first key ends up most recent."""
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """Remove exactly ``n`` idle, unprotected blocks, or return None changing nothing."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every block and all adaptive state."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of blocks stored (any state)."""
+
+    def debug_state(self) -> dict[str, object]:
+        """Policy-specific internals for tests and introspection (sizes, targets)."""
+        return {"size": len(self)}

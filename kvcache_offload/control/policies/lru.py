@@ -1,0 +1,78 @@
+"""Least-recently-used eviction over one ordered dict (front = least recent)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+from mypy_extensions import mypyc_attr
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies.base import (
+    BlockStatus,
+    CachePolicy,
+)
+
+__all__ = ["LRUCachePolicy"]
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
+class LRUCachePolicy(CachePolicy):
+    """vLLM's LRU: insertion and ``touch`` move a key to the most-recent end.
+
+    Completing a load is not a use (recency only changes on insert and touch), so the order
+    matches vLLM's classic policy exactly. Eviction walks from the least-recent end once,
+    skipping pinned or protected blocks, and stops after ``n`` victims.
+    """
+
+    name = "lru"
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self.blocks.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.blocks[key] = block
+
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        self.blocks.update(pairs)
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.blocks[key]
+
+    def block_table(self) -> dict[OffloadKey, BlockStatus]:
+        return self.blocks
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        blocks = self.blocks
+        move = blocks.move_to_end
+        for key in reversed(keys):
+            if key in blocks:
+                move(key)
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        for key, block in self.blocks.items():
+            if block.ref_cnt == 0 and key not in protected:
+                victims.append((key, block))
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        blocks = self.blocks
+        for key, _ in victims:
+            del blocks[key]
+        return victims
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def __len__(self) -> int:
+        return len(self.blocks)

@@ -1,0 +1,216 @@
+"""S3-FIFO (Yang et al., SOSP'23) and a prefix-aware adaptive variant.
+
+Most offloaded blocks are never read again (a conversation's last turn, unique documents).
+S3-FIFO lets them leave quickly through a small probationary FIFO; blocks used while there,
+or stored again soon after leaving it (ghost hit), go to the main queue, which evicts with
+reinsertion while a small use counter lasts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
+from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
+from kvcache_offload.control.policies.base import BlockStatus
+
+__all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
+
+_MAX_FREQ = 3
+_SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
+
+
+class S3FIFOCachePolicy(PlannedQueuePolicy):
+    """S3-FIFO driven by the manager: ``touch`` is the access, a store is not.
+
+    The small queue targets ``small_ratio`` of the capacity; a block leaving it moves to the
+    main queue if it was used while there, else its key becomes a ghost (the ghost queue
+    keeps at most as many keys as the main queue may hold). A store of a ghost key goes
+    straight to the main queue.
+    """
+
+    name = "s3fifo"
+    small_ratio = 0.1
+    adaptive = False
+    """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
+    adapt_gain = 1.0
+    main_lru = False
+    """Order the main queue by ``touch`` (exact LRU) instead of FIFO with reinsertion."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._freq: dict[OffloadKey, int] = {}
+        self._small_target = float(max(1, round(cache_capacity * self.small_ratio)))
+        self._ghost_limit = (
+            cache_capacity if self.adaptive else max(1, cache_capacity - int(self._small_target))
+        )
+
+    def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._freq[key] = 0
+        ghost, main_ghost = self._ghost, self._main_ghost
+        if key in ghost:
+            if self.adaptive:
+                step = self.adapt_gain * max(1.0, len(main_ghost) / len(ghost))
+                self._small_target = min(self._small_target + step, float(self.cache_capacity))
+            del ghost[key]
+            self._main[key] = None
+        elif key in main_ghost:
+            step = self.adapt_gain * max(1.0, len(ghost) / len(main_ghost))
+            self._small_target = max(self._small_target - step, 1.0)
+            del main_ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+
+    def _dequeue(self, key: OffloadKey) -> None:
+        del self._freq[key]
+        if key in self._small:
+            del self._small[key]
+        else:
+            del self._main[key]
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._flush_batch()
+        blocks, freq, main = self._blocks, self._freq, self._main
+        main_lru = self.main_lru
+        for key in reversed(list(keys)):
+            block = blocks.get(key)
+            # A store just prepared is not an access.
+            if block is None or block.ref_cnt == -1:
+                continue
+            if main_lru and key in main:
+                main.move_to_end(key)
+                continue
+            count = freq[key]
+            if count < _MAX_FREQ:
+                freq[key] = count + 1
+
+    def _plan(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[int, OffloadKey]] | None:
+        """Choose the victims without changing anything: the steps to apply, or None.
+
+        Skipped (pinned or protected) blocks keep their place; the walk over the main queue
+        sees the keys it re-appends (promotions, reinsertions) after the original ones.
+        """
+        blocks, freq = self._blocks, self._freq
+        small_keys = iter(self._small)
+        main = VirtualFifo(self._main)
+        new_freq: dict[OffloadKey, int] = {}
+        steps: list[tuple[int, OffloadKey]] = []
+        small_len = len(self._small)
+        reinsert = not self.main_lru
+        victims = 0
+        small_done = main_done = False
+        while victims < n:
+            if not small_done and (small_len >= self._small_target or main_done):
+                key = next(small_keys, None)
+                while key is not None and (blocks[key].ref_cnt != 0 or key in protected):
+                    key = next(small_keys, None)
+                if key is not None:
+                    small_len -= 1
+                    if freq[key] > 0:
+                        steps.append((_SMALL_TO_MAIN, key))
+                        new_freq[key] = 0
+                        main.append(key)
+                        main_done = False
+                    else:
+                        steps.append((_SMALL_EVICT, key))
+                        victims += 1
+                    continue
+                small_done = True
+            if main_done:
+                return None
+            key = main.pop()
+            while key is not None and (blocks[key].ref_cnt != 0 or key in protected):
+                key = main.pop()
+            if key is None:
+                main_done = True
+                if small_done:
+                    return None
+                continue
+            count = new_freq.get(key)
+            if count is None:
+                count = freq[key]
+            if reinsert and count > 0:
+                new_freq[key] = count - 1
+                steps.append((_MAIN_REINSERT, key))
+                main.append(key)
+            else:
+                steps.append((_MAIN_EVICT, key))
+                victims += 1
+        return steps
+
+    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+        blocks, freq = self._blocks, self._freq
+        small, main, ghost = self._small, self._main, self._ghost
+        main_ghost = self._main_ghost if self.adaptive else None
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        for step, key in steps:
+            if step == _SMALL_TO_MAIN:
+                del small[key]
+                main[key] = None
+                freq[key] = 0
+            elif step == _MAIN_REINSERT:
+                main.move_to_end(key)
+                freq[key] -= 1
+            else:
+                if step == _SMALL_EVICT:
+                    del small[key]
+                    ghost[key] = None
+                else:
+                    del main[key]
+                    if main_ghost is not None:
+                        main_ghost[key] = None
+                del freq[key]
+                victims.append((key, blocks.pop(key)))
+        limit = self._ghost_limit
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
+        if main_ghost is not None:
+            while len(main_ghost) > limit:
+                main_ghost.popitem(last=False)
+        return victims
+
+    def _clear_queues(self) -> None:
+        self._small.clear()
+        self._main.clear()
+        self._ghost.clear()
+        self._main_ghost.clear()
+        self._freq.clear()
+        self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        return {
+            "size": len(self),
+            "small": len(self._small),
+            "main": len(self._main),
+            "ghost": len(self._ghost),
+            "main_ghost": len(self._main_ghost),
+            "small_target": self._small_target,
+        }
+
+
+class PrefixS3FIFOCachePolicy(S3FIFOCachePolicy):
+    """S3-FIFO tuned for prefix caches; the best shipped policy on the Mooncake traces.
+
+    Three changes, each aimed at prefix lookups (which stop at the first miss): a store's
+    keys enter tail first so a prefix loses its tail before its head; the main queue is an
+    LRU ordered by ``touch`` (reverse key order keeps heads more recent than tails); and the
+    small-queue target adapts, ARC-style, between ghost hits of the small and main queues,
+    starting large so that it behaves like LRU until the ghosts show otherwise.
+    """
+
+    name = "s3fifo-prefix"
+    prefix_order = True
+    small_ratio = 0.9
+    adaptive = True
+    adapt_gain = 2.0
+    main_lru = True

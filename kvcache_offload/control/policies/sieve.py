@@ -1,0 +1,123 @@
+"""SIEVE (Zhang et al., NSDI'24): one FIFO, a visited bit per block and a moving hand.
+
+A hit only sets a bit; the hand sweeps from old to new, clearing bits and evicting the
+first unvisited idle block, and survivors keep their place. Cheap hits and quick removal
+of blocks that are never read again, with no second queue to size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from itertools import chain
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
+from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
+from kvcache_offload.control.policies.base import BlockStatus
+
+__all__ = ["SIEVECachePolicy"]
+
+_KEEP, _CLEAR, _EVICT = range(3)
+
+
+class SIEVECachePolicy(PlannedQueuePolicy):
+    """SIEVE with the queue split at the hand.
+
+    ``_ahead`` holds the blocks from the hand to the newest (new blocks join its end);
+    ``_behind`` the blocks the hand already passed in this lap, oldest first. When the hand
+    reaches the newest block it wraps: ``_behind`` becomes ``_ahead``. Both are ordered
+    dicts, so every step is O(1). Pinned and protected blocks are passed over unchanged.
+    """
+
+    name = "sieve"
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._ahead: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._behind: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._visited: set[OffloadKey] = set()
+
+    def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._ahead[key] = None
+
+    def _dequeue(self, key: OffloadKey) -> None:
+        self._visited.discard(key)
+        if key in self._ahead:
+            del self._ahead[key]
+        else:
+            del self._behind[key]
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._flush_batch()
+        blocks, visited = self._blocks, self._visited
+        for key in reversed(list(keys)):
+            block = blocks.get(key)
+            # A store just prepared is not an access.
+            if block is not None and block.ref_cnt != -1:
+                visited.add(key)
+
+    def _plan(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[int, OffloadKey]] | None:
+        """The hand's moves until ``n`` victims, without changing anything; None if stuck.
+
+        The walk reads the queue in hand order and then the blocks it passed over (kept),
+        so it may lap; a whole lap with neither a victim nor a bit cleared means the
+        remaining blocks are all pinned or protected.
+        """
+        blocks, visited = self._blocks, self._visited
+        walk = VirtualFifo(chain(self._ahead, self._behind))
+        cleared: set[OffloadKey] = set()
+        steps: list[tuple[int, OffloadKey]] = []
+        victims = 0
+        idle_steps = 0
+        limit = len(blocks)
+        while victims < n:
+            key = walk.pop()
+            if key is None or idle_steps > limit:
+                return None
+            if blocks[key].ref_cnt != 0 or key in protected:
+                steps.append((_KEEP, key))
+                walk.append(key)
+                idle_steps += 1
+            elif key in visited and key not in cleared:
+                cleared.add(key)
+                steps.append((_CLEAR, key))
+                walk.append(key)
+                idle_steps = 0
+            else:
+                steps.append((_EVICT, key))
+                victims += 1
+                idle_steps = 0
+        return steps
+
+    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+        blocks, visited = self._blocks, self._visited
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        for step, key in steps:
+            if not self._ahead:
+                self._ahead, self._behind = self._behind, self._ahead
+            self._ahead.popitem(last=False)
+            if step == _EVICT:
+                visited.discard(key)
+                victims.append((key, blocks.pop(key)))
+            else:
+                self._behind[key] = None
+                if step == _CLEAR:
+                    visited.discard(key)
+        return victims
+
+    def _clear_queues(self) -> None:
+        self._ahead.clear()
+        self._behind.clear()
+        self._visited.clear()
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        return {
+            "size": len(self),
+            "ahead": len(self._ahead),
+            "behind": len(self._behind),
+            "visited": len(self._visited),
+        }

@@ -1,0 +1,131 @@
+"""Segmented LRU: a probation segment for blocks seen once, a protected one for reused blocks.
+
+A block that is only stored never pushes a reused block out: eviction takes the probation
+segment's least recent idle block first and the protected segment only when probation has
+none. Keys evicted from the protected segment are remembered (ghosts, at most the capacity)
+and a store of one of them goes straight back into the protected segment.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._prefix_batch import QueuePolicy
+from kvcache_offload.control.policies.base import BlockStatus
+
+__all__ = ["SLRUCachePolicy"]
+
+
+class SLRUCachePolicy(QueuePolicy):
+    """SLRU with ``protected_ratio`` of the capacity for the protected segment.
+
+    ``touch`` promotes a ready probation block to the protected segment's most recent end;
+    when that segment outgrows its share, its least recent block drops back to probation.
+    A store just prepared (``ref_cnt == -1``) only refreshes its probation recency.
+    """
+
+    name = "slru"
+    protected_ratio = 0.8
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._protected_target = int(cache_capacity * self.protected_ratio)
+
+    def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        if key in self._ghost:
+            del self._ghost[key]
+            self._protected[key] = None
+            self._demote_overflow()
+        else:
+            self._probation[key] = None
+
+    def _demote_overflow(self) -> None:
+        protected, probation = self._protected, self._probation
+        while len(protected) > self._protected_target:
+            key, _ = protected.popitem(last=False)
+            probation[key] = None
+
+    def _dequeue(self, key: OffloadKey) -> None:
+        if key in self._probation:
+            del self._probation[key]
+        else:
+            del self._protected[key]
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._flush_batch()
+        blocks, probation, protected = self._blocks, self._probation, self._protected
+        promoted = False
+        for key in reversed(list(keys)):
+            block = blocks.get(key)
+            if block is None:
+                continue
+            if key in protected:
+                protected.move_to_end(key)
+            elif block.ref_cnt == -1:
+                probation.move_to_end(key)
+            else:
+                del probation[key]
+                protected[key] = None
+                promoted = True
+        if promoted:
+            self._demote_overflow()
+
+    def _candidates(
+        self, segment: OrderedDict[OffloadKey, None], protected: Collection[OffloadKey]
+    ) -> Iterator[OffloadKey]:
+        blocks = self._blocks
+        for key in segment:
+            if blocks[key].ref_cnt == 0 and key not in protected:
+                yield key
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        self._flush_batch()
+        from_probation: list[OffloadKey] = []
+        for key in self._candidates(self._probation, protected):
+            from_probation.append(key)
+            if len(from_probation) == n:
+                break
+        from_protected: list[OffloadKey] = []
+        if len(from_probation) < n:
+            for key in self._candidates(self._protected, protected):
+                from_protected.append(key)
+                if len(from_probation) + len(from_protected) == n:
+                    break
+            else:
+                return None
+        blocks = self._blocks
+        victims = []
+        for key in from_probation:
+            del self._probation[key]
+            victims.append((key, blocks.pop(key)))
+        ghost = self._ghost
+        for key in from_protected:
+            del self._protected[key]
+            ghost[key] = None
+            victims.append((key, blocks.pop(key)))
+        while len(ghost) > self.cache_capacity:
+            ghost.popitem(last=False)
+        return victims
+
+    def _clear_queues(self) -> None:
+        self._probation.clear()
+        self._protected.clear()
+        self._ghost.clear()
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        return {
+            "size": len(self),
+            "probation": len(self._probation),
+            "protected": len(self._protected),
+            "ghost": len(self._ghost),
+        }

@@ -1,0 +1,460 @@
+"""Turn one transfer job into fragment copies: the vectorised block-id arithmetic.
+
+This is vLLM's ``compute_sub_block_ptrs`` walk (reference section 4.2), done once per job with
+numpy and shared by every copy path (the UVA kernel, the batched DMA and the plain-torch
+fallback, which is also the CPU backend). No torch here.
+
+Vocabulary:
+
+* A *side* is the source or the destination of a job. The GPU side addresses whole GPU pages
+  (factor 1); the CPU side addresses *sub-blocks*: one CPU slot holds ``block_size_factor``
+  GPU pages of each canonical tensor back to back.
+* A *unit* is the index of a GPU-page-sized piece on one side: ``unit = block * factor + j``
+  with ``j`` the sub-block. Its address in canonical tensor ``t`` is
+  ``base[t] + (unit // factor) * row_stride[t] + (unit % factor) * sub_bytes[t]``.
+* A *fragment* is one contiguous copy: one unit of one layer's canonical tensor, of the
+  layer's un-padded page size (padding is never copied).
+
+Per group ``g`` the job names ``group_sizes[g]`` GPU blocks starting at logical index
+``block_indices[g]``; a side with factor ``f`` skips ``block_indices[g] % f`` leading units
+of its first block, and consumes ``ceil((group_size + skip) / f)`` block ids. Every id of
+both specs must be consumed exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
+from kvcache_offload.errors import TransferError
+
+__all__ = [
+    "GroupPlan",
+    "PlanBuilder",
+    "SideGeometry",
+    "TransferPlan",
+    "build_plan",
+    "geometry_alignment",
+    "parse_job",
+    "refs_arrays",
+]
+
+
+@dataclass(frozen=True)
+class SideGeometry:
+    """Where the canonical tensors of one side live (int8 tensors, so strides are bytes)."""
+
+    base: np.ndarray
+    """``(T,)`` int64 data pointers."""
+    row_stride: np.ndarray
+    """``(T,)`` int64 bytes between consecutive blocks (rows)."""
+    sub_bytes: np.ndarray
+    """``(T,)`` int64 bytes between consecutive sub-blocks of one row (the GPU page)."""
+    num_rows: int
+    """Blocks per tensor (the smallest over the tensors)."""
+    factor: int
+    """Sub-blocks per row: 1 on the GPU side, ``block_size_factor`` on the CPU side."""
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Any], factor: int) -> SideGeometry:
+        """Geometry of 2-D int8 tensors ``(num_rows, factor * sub)`` (torch or numpy)."""
+        base, stride, sub, rows = [], [], [], []
+        for t in tensors:
+            shape = tuple(t.shape)
+            if len(shape) != 2:
+                raise TransferError(f"canonical tensors must be 2-D, got shape {shape}")
+            if shape[1] % factor:
+                raise TransferError(
+                    f"a row of {shape[1]} bytes cannot hold {factor} equal sub-blocks"
+                )
+            if hasattr(t, "data_ptr"):
+                base.append(int(t.data_ptr()))
+                stride.append(int(t.stride(0)))
+            else:  # numpy
+                base.append(int(t.ctypes.data))
+                stride.append(int(t.strides[0]))
+            sub.append(shape[1] // factor)
+            rows.append(shape[0])
+        return cls(
+            base=np.asarray(base, dtype=np.int64),
+            row_stride=np.asarray(stride, dtype=np.int64),
+            sub_bytes=np.asarray(sub, dtype=np.int64),
+            num_rows=min(rows) if rows else 0,
+            factor=factor,
+        )
+
+
+@dataclass
+class GroupPlan:
+    """The fragments of one KV-cache group: every ref times every unit pair."""
+
+    ref_tensors: np.ndarray
+    """``(R,)`` int64 canonical tensor index of each ref (layer)."""
+    ref_sizes: np.ndarray
+    """``(R,)`` int64 bytes to copy per fragment of each ref (un-padded page)."""
+    src_units: np.ndarray
+    """``(G,)`` int64 source units."""
+    dst_units: np.ndarray
+    """``(G,)`` int64 destination units, co-indexed with ``src_units``."""
+    index: int = 0
+    """The KV-cache group this is."""
+    ref_offset: int = 0
+    """Index of the first of ``ref_tensors`` among the group's refs (a job split by refs
+    between two mechanisms has parts that start past 0)."""
+
+    def split(self, m: int) -> tuple[GroupPlan, GroupPlan]:
+        """The first ``m`` refs and the rest, over the same units."""
+        return (
+            GroupPlan(self.ref_tensors[:m], self.ref_sizes[:m], self.src_units,
+                      self.dst_units, self.index, self.ref_offset),
+            GroupPlan(self.ref_tensors[m:], self.ref_sizes[m:], self.src_units,
+                      self.dst_units, self.index, self.ref_offset + m),
+        )  # fmt: skip
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.ref_tensors) * len(self.src_units)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.ref_sizes.sum()) * len(self.src_units)
+
+
+@dataclass
+class TransferPlan:
+    groups: list[GroupPlan]
+    num_fragments: int
+    num_bytes: int
+    uniform_size: int | None
+    """The fragment size when every fragment has the same size, else None."""
+    max_size: int
+    alignment: int
+    """Largest power of two (<= 16) dividing every fragment size; pointers checked apart."""
+
+    @property
+    def mean_fragment_bytes(self) -> float:
+        return self.num_bytes / self.num_fragments if self.num_fragments else 0.0
+
+    @classmethod
+    def of_groups(cls, groups: list[GroupPlan]) -> TransferPlan:
+        groups = [g for g in groups if g.num_fragments]
+        sizes = {int(s) for g in groups for s in g.ref_sizes}
+        bits = 0
+        for s in sizes:
+            bits |= s
+        alignment = _alignment_of(bits)
+        return cls(
+            groups=groups,
+            num_fragments=sum(g.num_fragments for g in groups),
+            num_bytes=sum(g.num_bytes for g in groups),
+            uniform_size=next(iter(sizes)) if len(sizes) == 1 else None,
+            max_size=max(sizes, default=0),
+            alignment=alignment,
+        )
+
+    @classmethod
+    def merge(cls, plans: Sequence[TransferPlan]) -> TransferPlan:
+        """One plan that copies every fragment of ``plans`` (jobs of one handler, so a KV-cache
+        group has the same refs in each): each group's units are concatenated in order."""
+        by_group: dict[int, list[GroupPlan]] = {}
+        for plan in plans:
+            for g in plan.groups:
+                by_group.setdefault(g.index, []).append(g)
+        groups = []
+        for index in sorted(by_group):
+            parts = by_group[index]
+            first = parts[0]
+            if len(parts) == 1:
+                groups.append(first)
+                continue
+            groups.append(
+                GroupPlan(
+                    first.ref_tensors,
+                    first.ref_sizes,
+                    np.concatenate([g.src_units for g in parts]),
+                    np.concatenate([g.dst_units for g in parts]),
+                    index,
+                    first.ref_offset,
+                )
+            )
+        sizes = {p.uniform_size for p in plans}
+        return cls(
+            groups=groups,
+            num_fragments=sum(p.num_fragments for p in plans),
+            num_bytes=sum(p.num_bytes for p in plans),
+            uniform_size=plans[0].uniform_size if len(sizes) == 1 else None,
+            max_size=max(p.max_size for p in plans),
+            alignment=min(p.alignment for p in plans),
+        )
+
+    def split_refs(self, share: float) -> tuple[TransferPlan, TransferPlan]:
+        """About ``share`` of every group's refs (by count) and the rest, as two plans."""
+        first, rest = [], []
+        for g in self.groups:
+            a, b = g.split(round(share * len(g.ref_tensors)))
+            first.append(a)
+            rest.append(b)
+        return TransferPlan.of_groups(first), TransferPlan.of_groups(rest)
+
+    def fill_pointer_table(
+        self, src: SideGeometry, dst: SideGeometry, out: np.ndarray
+    ) -> np.ndarray:
+        """Write absolute addresses into ``out[0]`` (src), ``out[1]`` (dst) and, when
+        ``out`` has three rows, sizes into ``out[2]``; fragments ordered group by group,
+        ref-major. Returns ``out[:, :num_fragments]``."""
+        n = self.num_fragments
+        if out.shape[1] < n:
+            raise TransferError(f"pointer table holds {out.shape[1]} fragments, need {n}")
+        col = 0
+        for g in self.groups:
+            r, k = len(g.ref_tensors), len(g.src_units)
+            if r == 0 or k == 0:
+                continue
+            t = g.ref_tensors
+            for side, units, row in ((src, g.src_units, 0), (dst, g.dst_units, 1)):
+                block = out[row, col : col + r * k].reshape(r, k)
+                if side.factor == 1:
+                    np.multiply(units[None, :], side.row_stride[t][:, None], out=block)
+                else:
+                    rows, subs = np.divmod(units, side.factor)
+                    np.multiply(rows[None, :], side.row_stride[t][:, None], out=block)
+                    block += subs[None, :] * side.sub_bytes[t][:, None]
+                block += side.base[t][:, None]
+            if out.shape[0] > 2:
+                out[2, col : col + r * k].reshape(r, k)[:] = g.ref_sizes[:, None]
+            col += r * k
+        return out[:, :n]
+
+
+def refs_arrays(refs: Sequence[CanonicalKVCacheRef]) -> tuple[np.ndarray, np.ndarray]:
+    """``(tensor indices, page sizes)`` of one group's refs as int64 arrays."""
+    return (
+        np.fromiter((r.tensor_idx for r in refs), dtype=np.int64, count=len(refs)),
+        np.fromiter((r.page_size_bytes for r in refs), dtype=np.int64, count=len(refs)),
+    )
+
+
+@dataclass(frozen=True)
+class _GroupFacts:
+    """What a job of one group always has in common, checked once per handler."""
+
+    tensors: np.ndarray
+    sizes: np.ndarray
+    bytes_per_unit: int
+    distinct_sizes: frozenset[int]
+    max_size: int
+    align_bits: int
+
+
+class PlanBuilder:
+    """Builds the plans of one handler's jobs; the per-group checks run once, here.
+
+    A job's own work is then the block-id arithmetic and one bounds check per side, which
+    keeps the host cost of a small job (the common case in serving) to a few microseconds.
+    """
+
+    def __init__(
+        self,
+        group_refs: Sequence[tuple[np.ndarray, np.ndarray]],
+        src: SideGeometry,
+        dst: SideGeometry,
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.num_groups = len(group_refs)
+        self._facts: list[_GroupFacts | None] = []
+        for g, (tensors, sizes) in enumerate(group_refs):
+            if len(tensors) == 0:
+                self._facts.append(None)
+                continue
+            if int(sizes.min()) <= 0:
+                raise TransferError(f"group {g}: page sizes must be > 0, got {sizes.tolist()}")
+            for side, what in ((src, "source"), (dst, "destination")):
+                if int(tensors.max()) >= len(side.base) or int(tensors.min()) < 0:
+                    raise TransferError(
+                        f"group {g} refers to canonical tensor {int(tensors.max())}, but the "
+                        f"{what} side has {len(side.base)}"
+                    )
+                too_big = sizes > side.sub_bytes[tensors]
+                if too_big.any():
+                    i = int(np.argmax(too_big))
+                    raise TransferError(
+                        f"group {g}: page of {int(sizes[i])} bytes does not fit the {what} "
+                        f"tensor {int(tensors[i])}'s page of "
+                        f"{int(side.sub_bytes[tensors[i]])} bytes"
+                    )
+            self._facts.append(
+                _GroupFacts(
+                    tensors,
+                    sizes,
+                    int(sizes.sum()),
+                    frozenset(int(x) for x in np.unique(sizes)),
+                    int(sizes.max()),
+                    int(np.bitwise_or.reduce(sizes)),
+                )
+            )
+
+    def build(
+        self,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+    ) -> TransferPlan:
+        """Validate one job against the geometry and compute its fragments.
+
+        Raises :class:`TransferError` naming the offending value when the specs do not fit.
+        """
+        src, dst = self.src, self.dst
+        if src_ids.ndim != 1 or dst_ids.ndim != 1:
+            raise TransferError("block ids must be 1-D")
+        if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
+            raise TransferError(
+                f"the job names {len(group_sizes)} group sizes and {len(block_indices)} block "
+                f"indices, expected one per KV-cache group ({self.num_groups})"
+            )
+        _check_ids(src_ids, src.num_rows, "source")
+        _check_ids(dst_ids, dst.num_rows, "destination")
+        src_off = dst_off = 0
+        groups: list[GroupPlan] = []
+        sizes_seen: set[int] = set()
+        max_size = align_bits = num_fragments = num_bytes = 0
+        for g, (size, start) in enumerate(zip(group_sizes, block_indices, strict=True)):
+            size, start = int(size), int(start)
+            if size < 0 or start < 0:
+                raise TransferError(f"group {g}: size {size} and start index {start} must be >= 0")
+            if size == 0:
+                continue
+            s_units, s_n = _side_units(
+                src_ids, src_off, size, start % src.factor, src.factor, "source"
+            )
+            d_units, d_n = _side_units(
+                dst_ids, dst_off, size, start % dst.factor, dst.factor, "destination"
+            )
+            src_off += s_n
+            dst_off += d_n
+            facts = self._facts[g]
+            if facts is None:
+                continue
+            groups.append(GroupPlan(facts.tensors, facts.sizes, s_units, d_units, g))
+            sizes_seen |= facts.distinct_sizes
+            max_size = max(max_size, facts.max_size)
+            align_bits |= facts.align_bits
+            num_fragments += len(facts.tensors) * size
+            num_bytes += facts.bytes_per_unit * size
+        if src_off != len(src_ids) or dst_off != len(dst_ids):
+            raise TransferError(
+                f"the groups consume {src_off} source and {dst_off} destination block ids, but "
+                f"the job names {len(src_ids)} and {len(dst_ids)}"
+            )
+        return TransferPlan(
+            groups=groups,
+            num_fragments=num_fragments,
+            num_bytes=num_bytes,
+            uniform_size=next(iter(sizes_seen)) if len(sizes_seen) == 1 else None,
+            max_size=max_size,
+            alignment=_alignment_of(align_bits),
+        )
+
+
+def _check_ids(ids: np.ndarray, num_rows: int, what: str) -> None:
+    n = len(ids)
+    if n == 0:
+        return
+    if n <= 64:  # a serving job's few ids: plain min/max beat two numpy reductions
+        values = ids.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= num_rows:
+        raise TransferError(
+            f"{what} block ids must be in [0, {num_rows}), got {ids.min()}..{ids.max()}"
+        )
+
+
+def _side_units(
+    ids: np.ndarray, offset: int, count: int, skip: int, factor: int, what: str
+) -> tuple[np.ndarray, int]:
+    """Units of ``count`` pieces starting ``skip`` units into block ``ids[offset]``."""
+    n_blocks = -(-(count + skip) // factor)
+    if offset + n_blocks > len(ids):
+        raise TransferError(
+            f"{what} spec has {len(ids)} block ids but the groups need at least {offset + n_blocks}"
+        )
+    blocks = ids[offset : offset + n_blocks]
+    if factor == 1:
+        return blocks.astype(np.int64, copy=True), n_blocks
+    units = (blocks[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).reshape(-1)
+    return units[skip : skip + count], n_blocks
+
+
+def build_plan(
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    group_refs: Sequence[tuple[np.ndarray, np.ndarray]],
+    src: SideGeometry,
+    dst: SideGeometry,
+) -> TransferPlan:
+    """One job's plan without a cached builder (handlers keep a :class:`PlanBuilder`)."""
+    if len(group_sizes) != len(group_refs) or len(block_indices) != len(group_refs):
+        raise TransferError(
+            f"the job names {len(group_sizes)} group sizes and {len(block_indices)} block "
+            f"indices, expected one per KV-cache group ({len(group_refs)})"
+        )
+    return PlanBuilder(group_refs, src, dst).build(src_ids, dst_ids, group_sizes, block_indices)
+
+
+def geometry_alignment(*sides: SideGeometry) -> int:
+    """Largest power of two (<= 16) dividing every base, row stride and sub-block size."""
+    bits = 0
+    for side in sides:
+        for arr in (side.base, side.row_stride, side.sub_bytes):
+            if len(arr):
+                bits |= int(np.bitwise_or.reduce(arr))
+    return _alignment_of(bits)
+
+
+def _alignment_of(bits: int) -> int:
+    """Largest power of two (<= 16) dividing ``bits``, an OR of sizes or addresses."""
+    alignment = 16
+    while alignment > 1 and bits % alignment:
+        alignment //= 2
+    return alignment
+
+
+def parse_job(
+    spec: tuple[object, object], gpu_to_cpu: bool
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], tuple[int, ...]]:
+    """``(src ids, dst ids, group_sizes, block_indices)`` of a (src, dst) spec pair.
+
+    The GPU-side spec must be a :class:`GPULoadStoreSpec` and the other side a block-id spec
+    of medium "CPU"; raises :class:`TransferError` otherwise.
+    """
+    from kvcache_offload.contracts.load_store_spec import (
+        BlockIDsLoadStoreSpec,
+        GPULoadStoreSpec,
+    )
+
+    try:
+        src, dst = spec
+    except (TypeError, ValueError):
+        raise TransferError(f"a job spec is a (source, destination) pair, got {spec!r}") from None
+    gpu_spec, cpu_spec = (src, dst) if gpu_to_cpu else (dst, src)
+    if not isinstance(gpu_spec, GPULoadStoreSpec):
+        raise TransferError(
+            f"the {'source' if gpu_to_cpu else 'destination'} of this handler must be a "
+            f"GPULoadStoreSpec, got {type(gpu_spec).__name__}"
+        )
+    if not isinstance(cpu_spec, BlockIDsLoadStoreSpec) or cpu_spec.medium() != "CPU":
+        raise TransferError(
+            f"the {'destination' if gpu_to_cpu else 'source'} of this handler must be a "
+            f"CPU block-id spec, got {type(cpu_spec).__name__}"
+        )
+    ids = gpu_spec.block_ids, cpu_spec.block_ids
+    src_ids, dst_ids = ids if gpu_to_cpu else ids[::-1]
+    return src_ids, dst_ids, gpu_spec.group_sizes, gpu_spec.block_indices

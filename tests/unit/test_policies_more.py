@@ -1,0 +1,424 @@
+"""S3-FIFO, SIEVE, SLRU and the prefix-aware S3-FIFO: what each evicts, and the shared rules."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache_offload import CPUOffloadingManager, OffloadKey
+from kvcache_offload.control.policies import (
+    AdaptiveLRUCachePolicy,
+    BlockStatus,
+    CachePolicy,
+    LRUCachePolicy,
+    PrefixS3FIFOCachePolicy,
+    S3FIFOCachePolicy,
+    SIEVECachePolicy,
+    SLRUCachePolicy,
+    get_cache_policy_cls,
+)
+from tests.unit._keys import key, key_ids, keys
+
+NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru"]
+
+
+def _make(policy: str | type[CachePolicy], capacity: int = 10) -> CachePolicy:
+    cls = get_cache_policy_cls(policy) if isinstance(policy, str) else policy
+    return cls(capacity)
+
+
+def _store(policy: CachePolicy, *ids: int, ref_cnt: int = 0) -> dict[int, BlockStatus]:
+    """Insert ``ids`` as one store (prefix order) and complete it with ``ref_cnt``."""
+    blocks = {i: BlockStatus(i) for i in ids}
+    for i in ids:
+        policy.insert(key(i), blocks[i])
+    for block in blocks.values():
+        block.ref_cnt = ref_cnt
+    return blocks
+
+
+def _evicted_ids(policy: CachePolicy, n: int, protected: frozenset[OffloadKey] = frozenset()):
+    victims = policy.evict(n, protected)
+    assert victims is not None
+    return key_ids(k for k, _ in victims)
+
+
+def _snapshot(policy: CachePolicy) -> str:
+    """Everything the policy holds, order included, as text."""
+    parts = []
+    for name, value in sorted(vars(policy).items()):
+        if isinstance(value, OrderedDict):
+            value = list(value.items())
+        elif isinstance(value, set):
+            value = sorted(value)
+        elif isinstance(value, dict):
+            value = sorted(value.items())
+        parts.append(f"{name}={value!r}")
+    return "\n".join(parts)
+
+
+class _CountingSet(frozenset[OffloadKey]):
+    """A protected set that counts membership checks (the eviction's work)."""
+
+    checks = 0
+
+    def __contains__(self, item: object) -> bool:
+        type(self).checks += 1
+        return super().__contains__(item)
+
+
+# -- rules every new policy honours -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_registered_with_its_name(name: str) -> None:
+    assert get_cache_policy_cls(name).name == name
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_pinned_writing_and_protected_blocks_are_never_evicted(name: str) -> None:
+    policy = _make(name)
+    _store(policy, 1, 2)
+    _store(policy, 3, ref_cnt=-1)  # being written
+    _store(policy, 4, ref_cnt=2)  # being read
+    _store(policy, 5, 6)
+    victims = _evicted_ids(policy, 3, frozenset(keys(2)))
+    assert sorted(victims) == [1, 5, 6]
+    assert policy.evict(1, frozenset(keys(2))) is None
+    assert sorted(_evicted_ids(policy, 1)) == [2]
+    assert len(policy) == 2
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_failed_eviction_changes_nothing(name: str) -> None:
+    policy = _make(name)
+    _store(policy, 1, 2, 3, 4)
+    _store(policy, 5, ref_cnt=1)
+    policy.touch(keys(1, 3))
+    _evicted_ids(policy, 1)  # move hands and queues off their start
+    policy.touch(keys(2, 4))
+    present = [k for k in keys(1, 2, 3, 4) if policy.get(k) is not None]
+    before = _snapshot(policy)
+    # Block 5 is pinned and one idle block is protected: one victim short.
+    assert policy.evict(len(present), frozenset(present[:1])) is None
+    assert _snapshot(policy) == before
+    assert policy.evict(len(present) - 1, frozenset(present[:1])) is not None
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_evict_zero_and_remove_and_clear(name: str) -> None:
+    policy = _make(name)
+    _store(policy, 1, 2, 3)
+    assert policy.evict(0, frozenset()) == []
+    policy.remove(key(2))
+    assert policy.get(key(2)) is None
+    assert len(policy) == 2
+    assert sorted(_evicted_ids(policy, 2)) == [1, 3]
+    _store(policy, 4)
+    policy.clear()
+    assert len(policy) == 0
+    assert policy.get(key(4)) is None
+    assert policy.evict(1, frozenset()) is None
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_eviction_work_is_proportional_to_victims_not_cache_size(name: str) -> None:
+    policy = _make(name, capacity=2000)
+    for i in range(0, 2000, 20):
+        _store(policy, *range(i, i + 20))
+    _CountingSet.checks = 0
+    for _ in range(10):
+        assert policy.evict(2, _CountingSet()) is not None
+    assert _CountingSet.checks <= 40
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_a_store_just_prepared_is_not_an_access(name: str) -> None:
+    touched, fresh = _make(name), _make(name)
+    for policy in (touched, fresh):
+        blocks = _store(policy, 1, ref_cnt=-1)
+        # The other policy gets an unrelated touch so both see the same store batches.
+        policy.touch(keys(1) if policy is touched else keys(99))
+        blocks[1].ref_cnt = 0
+        _store(policy, 2)
+    assert _evicted_ids(touched, 1) == _evicted_ids(fresh, 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    name=st.sampled_from(NEW_POLICIES),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "touch", "evict", "pin"]), st.integers(0, 15)),
+        max_size=60,
+    ),
+)
+def test_evict_returns_exactly_n_idle_unprotected_blocks_or_none(
+    name: str, ops: list[tuple[str, int]]
+) -> None:
+    policy = _make(name, capacity=8)
+    blocks: dict[int, BlockStatus] = {}
+    for op, i in ops:
+        if op == "store" and i not in blocks and len(blocks) < 8:
+            blocks.update(_store(policy, i, i + 16))
+        elif op == "touch":
+            policy.touch(keys(i, i + 16, i + 1))
+        elif op == "pin" and i in blocks:
+            blocks[i].ref_cnt = 1 - blocks[i].ref_cnt  # toggle being read
+        elif op == "evict":
+            n = i % 4
+            protected = frozenset(keys(i, i + 1))
+            idle = [j for j, b in blocks.items() if b.ref_cnt == 0 and key(j) not in protected]
+            victims = policy.evict(n, protected)
+            if len(idle) < n:
+                assert victims is None
+                continue
+            assert victims is not None and len(victims) == n
+            for k, block in victims:
+                (j,) = key_ids([k])
+                assert blocks.pop(j) is block and block.ref_cnt == 0 and k not in protected
+        assert len(policy) == len(blocks)
+        state = policy.debug_state()
+        for ghost in ("ghost", "main_ghost"):
+            assert int(state.get(ghost, 0)) <= 8  # type: ignore[call-overload]
+
+
+# -- what each policy evicts ---------------------------------------------------------------
+
+
+def test_s3fifo_evicts_unused_new_blocks_and_promotes_used_ones() -> None:
+    policy = S3FIFOCachePolicy(10)  # small queue target: 1 block
+    _store(policy, 1, 2, 3, 4)
+    policy.touch(keys(1))
+    assert _evicted_ids(policy, 1) == [2], "1 was used while small, so it moves to main"
+    assert policy.debug_state()["main"] == 1
+    assert policy.debug_state()["ghost"] == 1
+
+
+def test_s3fifo_ghost_hit_goes_straight_to_main() -> None:
+    policy = S3FIFOCachePolicy(10)
+    _store(policy, 1, 2)
+    assert _evicted_ids(policy, 1) == [1]
+    _store(policy, 1)
+    state = policy.debug_state()
+    assert (state["small"], state["main"], state["ghost"]) == (1, 1, 0)
+
+
+def test_s3fifo_main_queue_reinserts_used_blocks() -> None:
+    policy = S3FIFOCachePolicy(10)
+    _store(policy, 1, 2)
+    _evicted_ids(policy, 2)
+    _store(policy, 1, 2)  # both ghost hits: main = [1, 2]
+    policy.touch(keys(1))
+    assert _evicted_ids(policy, 1) == [2], "1 is reinserted once for its use"
+    assert _evicted_ids(policy, 1) == [1]
+
+
+def test_s3fifo_keeps_the_head_of_a_store_in_prefix_variant_only() -> None:
+    plain, prefix = S3FIFOCachePolicy(10), PrefixS3FIFOCachePolicy(10)
+    for policy in (plain, prefix):
+        _store(policy, 1, 2, 3)
+    assert _evicted_ids(plain, 1) == [1]
+    assert _evicted_ids(prefix, 1) == [3], "the prefix tail leaves first"
+
+
+def test_prefix_s3fifo_moves_its_small_target_on_ghost_hits() -> None:
+    policy = PrefixS3FIFOCachePolicy(10)
+    start = float(policy.debug_state()["small_target"])  # type: ignore[arg-type]
+    _store(policy, *range(1, 11))
+    _evicted_ids(policy, 2)  # from the small queue: tail first, 10 then 9
+    _store(policy, 10)  # small-ghost hit: the small queue was too small
+    grown = float(policy.debug_state()["small_target"])  # type: ignore[arg-type]
+    assert grown > start
+    policy.touch(keys(10))
+    main_victims = []
+    while len(main_victims) < 1:
+        victims = policy.evict(1, frozenset())
+        assert victims is not None
+        main_victims += [k for k, _ in victims if k == key(10)]
+    _store(policy, 10)  # main-ghost hit: the main queue was too small
+    assert float(policy.debug_state()["small_target"]) < grown  # type: ignore[arg-type]
+
+
+def test_prefix_s3fifo_main_queue_keeps_prefix_heads_most_recent() -> None:
+    policy = PrefixS3FIFOCachePolicy(4)
+    _store(policy, 1, 2)
+    _evicted_ids(policy, 2)
+    _store(policy, 1, 2)  # ghost hits: both in the main LRU
+    policy.touch(keys(1, 2))  # reverse order: 1 ends most recent
+    assert _evicted_ids(policy, 1) == [2]
+
+
+def test_sieve_hand_skips_visited_blocks_and_clears_their_bit() -> None:
+    policy = SIEVECachePolicy(10)
+    _store(policy, 1, 2, 3, 4)
+    policy.touch(keys(1, 3))
+    assert _evicted_ids(policy, 1) == [2]
+    assert _evicted_ids(policy, 1) == [4]
+    assert _evicted_ids(policy, 1) == [1], "the hand wrapped; 1's bit was cleared"
+    assert _evicted_ids(policy, 1) == [3]
+
+
+def test_sieve_new_blocks_join_behind_the_hand() -> None:
+    policy = SIEVECachePolicy(10)
+    _store(policy, 1, 2, 3)
+    policy.touch(keys(1, 2, 3))
+    assert _evicted_ids(policy, 1) == [1]  # full lap clears 1, 2, 3; then 1 goes
+    _store(policy, 4)
+    assert _evicted_ids(policy, 2) == [2, 3]
+    assert _evicted_ids(policy, 1) == [4]
+
+
+def test_slru_evicts_probation_before_protected() -> None:
+    policy = SLRUCachePolicy(10)
+    _store(policy, 1, 2, 3, 4)
+    policy.touch(keys(2))
+    assert _evicted_ids(policy, 3) == [1, 3, 4]
+    assert _evicted_ids(policy, 1) == [2]
+    _store(policy, 2)  # evicted from protected: comes back protected
+    assert policy.debug_state()["protected"] == 1
+
+
+def test_slru_touch_keeps_the_first_key_most_recent() -> None:
+    policy = SLRUCachePolicy(10)
+    _store(policy, 1, 2, 3)
+    policy.touch(keys(1, 2, 3))
+    assert _evicted_ids(policy, 3) == [3, 2, 1]
+
+
+def test_slru_demotes_the_protected_overflow_to_probation() -> None:
+    policy = SLRUCachePolicy(5)  # protected share: 4 blocks
+    _store(policy, *range(1, 6))
+    policy.touch(keys(5, 4, 3, 2, 1))  # applied in reverse: 1 promoted first, 5 last
+    state = policy.debug_state()
+    assert (state["protected"], state["probation"]) == (4, 1)
+    assert _evicted_ids(policy, 1) == [1], "the least recent protected block dropped back"
+
+
+class _PlainAdaptiveLRU(AdaptiveLRUCachePolicy):
+    dead_tail_ratio = 0.0  # never demote store tails
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "touch", "evict", "pin"]), st.integers(0, 12)),
+        max_size=80,
+    )
+)
+def test_alru_at_weight_one_evicts_exactly_like_lru(ops: list[tuple[str, int]]) -> None:
+    alru, lru = _PlainAdaptiveLRU(6), LRUCachePolicy(6)
+    blocks: dict[int, list[BlockStatus]] = {}
+    for op, i in ops:
+        if op == "store" and i not in blocks and len(blocks) < 6:
+            blocks[i] = [*_store(alru, i).values(), *_store(lru, i).values()]
+            alru.touch([])  # close the store batch: each store is one prepare_store
+        elif op == "touch":
+            alru.touch(keys(i, i + 1))
+            lru.touch(keys(i, i + 1))
+        elif op == "pin" and i in blocks:
+            for block in blocks[i]:
+                block.ref_cnt = 1 - block.ref_cnt
+        elif op == "evict":
+            protected = frozenset(keys(i))
+            a, b = alru.evict(1 + i % 2, protected), lru.evict(1 + i % 2, protected)
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert [k for k, _ in a] == [k for k, _ in b]
+                for k, _ in a:
+                    blocks.pop(key_ids([k])[0])
+    assert alru.debug_state()["weight"] == 1.0
+
+
+def test_alru_learns_that_store_tails_are_dead_and_evicts_them_first() -> None:
+    policy = AdaptiveLRUCachePolicy(100)
+    for turn in range(6):
+        a, b, c = 10 * turn, 10 * turn + 1, 10 * turn + 2
+        _store(policy, a, b, c)
+        policy.touch(keys(a, b))  # the tail c is never used again
+    assert policy.debug_state()["demote_tails"] is True
+    _store(policy, 100, 101, 102)
+    assert _evicted_ids(policy, 1) == [102]
+
+
+def test_alru_keeps_store_tails_in_order_when_they_are_reused() -> None:
+    policy = AdaptiveLRUCachePolicy(100)
+    for turn in range(6):
+        ids = (10 * turn, 10 * turn + 1, 10 * turn + 2)
+        _store(policy, *ids)
+        policy.touch(keys(*ids))
+    assert policy.debug_state()["demote_tails"] is False
+    _store(policy, 100, 101, 102)
+    assert _evicted_ids(policy, 1) == [2], "plain LRU order: the oldest tail goes first"
+
+
+def _access(policy: CachePolicy, i: int) -> None:
+    """One request for block ``i``: touch, and store it on a miss (evicting one if full)."""
+    policy.touch(keys(i))
+    if policy.get(key(i)) is None:
+        if len(policy) >= 64:
+            assert policy.evict(1, frozenset()) is not None
+        _store(policy, i)
+
+
+def test_alru_duel_raises_the_weight_when_one_off_blocks_flush_a_hot_set() -> None:
+    policy = AdaptiveLRUCachePolicy(64)
+    scan = 1000
+    for round_ in range(40):
+        for hot in range(40):
+            _access(policy, hot)
+            for _ in range(2):
+                scan += 1
+                _access(policy, scan)
+        if round_ == 0:
+            assert policy.debug_state()["weight"] == 1.0
+    assert float(policy.debug_state()["weight"]) > 1.0  # type: ignore[arg-type]
+    hot_cached = sum(policy.get(key(i)) is not None for i in range(40))
+    assert hot_cached > 20
+
+
+def test_alru_duel_keeps_lru_when_recency_is_all_there_is() -> None:
+    policy = AdaptiveLRUCachePolicy(64)
+    for _ in range(100):
+        for i in range(48):  # a loop that fits: every access after the first lap hits
+            _access(policy, i)
+    assert policy.debug_state()["weight"] == 1.0
+
+
+# -- through the manager, on a prefix workload ----------------------------------------------
+
+
+def _conversations(turns: int) -> Iterator[list[OffloadKey]]:
+    """Three chats behind one system prompt; each turn repeats its chat and adds two blocks."""
+    chats: list[list[int]] = [[0], [0], [0]]
+    next_id = 1
+    for turn in range(turns):
+        chat = chats[turn % 3]
+        chat.extend((next_id, next_id + 1))
+        next_id += 2
+        yield keys(*chat)
+        yield keys(0, 10_000 + turn, 20_000 + turn)  # a one-off request
+
+
+@pytest.mark.parametrize("name", NEW_POLICIES)
+def test_manager_replay_keeps_working_and_hits(name: str) -> None:
+    manager = CPUOffloadingManager(40, name)
+    hits = total = 0
+    for request in _conversations(30):
+        n = 0
+        while n < len(request) and manager.lookup(request[n]):
+            n += 1
+        manager.touch(request)
+        if n:
+            manager.prepare_load(request[:n])
+            manager.complete_load(request[:n])
+        out = manager.prepare_store(request[n:])
+        if out is not None:
+            manager.complete_store(out.keys_to_store)
+        hits += n
+        total += len(request)
+    assert len(manager.policy) <= 40
+    assert hits / total > 0.2
