@@ -50,6 +50,14 @@ class LazyRegistry(Generic[T]):
         self._targets.pop(key, None)
         self._loaded.pop(key, None)
 
+    def snapshot(self) -> dict[str, str]:
+        """The registrations, for :meth:`restore` (tests that register temporary entries)."""
+        return dict(self._targets)
+
+    def restore(self, snapshot: dict[str, str]) -> None:
+        self._targets = dict(snapshot)
+        self._loaded.clear()
+
     def names(self) -> list[str]:
         return sorted(self._targets)
 

@@ -22,10 +22,9 @@ from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 
 @pytest.fixture
 def restore_registry():  # type: ignore[no-untyped-def]
-    saved = dict(OffloadingSpecFactory._registry)
+    saved = OffloadingSpecFactory._registry.snapshot()
     yield
-    OffloadingSpecFactory._registry.clear()
-    OffloadingSpecFactory._registry.update(saved)
+    OffloadingSpecFactory._registry.restore(saved)
 
 
 def test_default_spec_is_the_cpu_spec_sized_from_the_byte_budget() -> None:
