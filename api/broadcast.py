@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import secrets
 from collections.abc import AsyncIterator, Collection
 from typing import Any
 
@@ -36,7 +37,9 @@ class EventBroadcaster:
     def __init__(self, engine: Any, capacity: int, encoder: EventEncoder | None = None) -> None:
         self._engine = engine
         self._capacity = max(1, capacity)
-        self._encoder = encoder or EventEncoder(cache_size=1)
+        hub = getattr(engine, "event_hub", None)
+        epoch = str(getattr(hub, "epoch", "")) or secrets.token_hex(6)
+        self._encoder = encoder or EventEncoder(cache_size=1, epoch=epoch)
         # frames[i] has sequence number seqs[i] (a gap frame: next_seq - 1); base is the
         # absolute position of frames[0], so positions survive trimming.
         self._frames: list[bytes] = []
@@ -69,6 +72,11 @@ class EventBroadcaster:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def epoch(self) -> str:
+        """This run's event-id epoch: ids of another run are stale (``api/sse.py``)."""
+        return self._encoder.epoch
 
     @property
     def engine(self) -> Any:
@@ -125,13 +133,32 @@ class EventBroadcaster:
 
     # -- clients -----------------------------------------------------------------------------
 
+    def resume_point(self, epoch: str | None, seq: int) -> tuple[int, bool]:
+        """Where a client resuming after ``epoch``/``seq`` starts, and whether it is stale.
+
+        A stale id (another run's epoch, or a bare number this run never reached) resumes
+        from the beginning of this run, after a ``gap`` frame with ``restarted``.
+        """
+        if (epoch is not None and epoch != self.epoch) or seq > self._engine_last_seq():
+            return 0, True
+        return seq, False
+
     async def stream(
-        self, types: Collection[EventType] | None = None, since_seq: int | None = None
+        self,
+        types: Collection[EventType] | None = None,
+        since_seq: int | None = None,
+        restarted: bool = False,
     ) -> AsyncIterator[bytes]:
         """SSE chunks for one client: live events, or every event after ``since_seq``."""
         self.start()
         wanted = None if types is None else frozenset(t.value for t in types) | {"gap"}
         last_seq = self._engine_last_seq() if since_seq is None else since_seq
+        if restarted:
+            first = self._seqs[0] if self._seqs else self._engine_last_seq() + 1
+            yield self._encoder.encode(
+                GapMarker(missed=first - 1 - last_seq, next_seq=first, restarted=True)
+            )
+            last_seq = first - 1
         position = self._base + bisect.bisect_right(self._seqs, last_seq)
         self.subscribers += 1
         try:

@@ -20,6 +20,7 @@ from kvcache_offload.errors import (
     ConfigError,
     InvalidKeyError,
     LeaseError,
+    NoSharedRegionError,
     OffloadError,
     RegionError,
     TransferError,
@@ -37,6 +38,7 @@ STATUS_BY_ERROR: dict[type[OffloadError], int] = {
     LeaseError: 404,
     TransferError: 502,
     RegionError: 503,
+    NoSharedRegionError: 409,
 }
 """Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
 

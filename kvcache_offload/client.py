@@ -84,7 +84,11 @@ def _keys(hexes: list[str]) -> list[OffloadKey]:
 def parse_event(event: str, data: dict[str, Any]) -> EngineEvent | GapMarker:
     """One SSE message (event name + decoded JSON data) as an engine event or a gap marker."""
     if event == "gap":
-        return GapMarker(missed=int(data["missed"]), next_seq=int(data["next_seq"]))
+        return GapMarker(
+            missed=int(data["missed"]),
+            next_seq=int(data["next_seq"]),
+            restarted=bool(data.get("restarted", False)),
+        )
     return EngineEvent(
         seq=int(data["seq"]),
         timestamp=float(data["timestamp"]),
@@ -315,13 +319,16 @@ class OffloadClient:
         self,
         types: Collection[EventType | str] | None = None,
         *,
-        last_event_id: int | None = None,
+        last_event_id: str | int | None = None,
         reconnect: bool = True,
         max_retries: int = 10,
         retry_delay_s: float = 0.2,
         queue_size: int | None = None,
     ) -> AsyncIterator[EngineEvent | GapMarker]:
         """Events in order; after a dropped connection, resume after the last id seen.
+
+        Ids carry the server run's epoch: resuming across a service restart yields a
+        :class:`GapMarker` with ``restarted=True``, then every event of the new run.
 
         ``max_retries`` consecutive failed reconnects end the iteration with the last error.
         """
@@ -366,7 +373,7 @@ class OffloadClient:
 
 async def _read_sse(
     response: httpx.Response,
-) -> AsyncIterator[tuple[int | None, EngineEvent | GapMarker]]:
+) -> AsyncIterator[tuple[str | None, EngineEvent | GapMarker]]:
     """(id, item) per SSE message; comments (heartbeats) are skipped."""
     import json
 
@@ -377,7 +384,7 @@ async def _read_sse(
         if not line:
             if data:
                 item = parse_event(event, json.loads("\n".join(data)))
-                yield (int(msg_id) if msg_id and msg_id.isdigit() else None), item
+                yield (msg_id or None), item
             msg_id, event, data = None, "message", []
             continue
         if line.startswith(":"):

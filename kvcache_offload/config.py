@@ -78,6 +78,10 @@ class OffloadConfig(BaseSettings):
 
     # -- async core -------------------------------------------------------------------------
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    lease_grace_s: float = Field(default=60.0, ge=0)
+    """How long the slots of an expired (or reset) sidecar lease stay out of use, so that a
+    client still copying after its ``expires_at`` cannot touch another key's block. 0 frees
+    them at once (only safe when no sidecar client can be late)."""
     event_buffer_size: int = Field(default=10_000, ge=1)
     subscriber_queue_size: int = Field(default=1_000, ge=1)
 

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "InvalidKeyError",
     "LeaseError",
+    "NoSharedRegionError",
     "OffloadError",
     "RegionError",
     "TransferError",
@@ -54,6 +55,10 @@ class TransferError(OffloadError):
 
 class RegionError(OffloadError):
     """The shared /dev/shm region cannot be created, joined or sized."""
+
+
+class NoSharedRegionError(RegionError):
+    """A call needs the shared region (the sidecar flow) but the service runs without one."""
 
 
 class LeaseError(OffloadError):

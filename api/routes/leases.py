@@ -18,6 +18,8 @@ from api.schemas import (
     StoreLeaseOut,
 )
 
+from kvcache_offload.errors import NoSharedRegionError
+
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["leases"])
@@ -29,7 +31,14 @@ router = APIRouter(prefix="/v1", tags=["leases"])
 async def prepare_store(request: Request) -> FastJSONResponse:
     """Allocate CPU slots for the keys not yet offloaded (evicting if needed) under a lease."""
     body = await parse_body(request, PrepareRequest)
-    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    config = config_of(request)
+    if not config.shared_region:
+        # The client would copy into memory it cannot reach; the blocks would be zeros.
+        raise NoSharedRegionError(
+            "this service has no shared region, so a sidecar client cannot write blocks: "
+            "start it with --shared-region, or upload the bytes with PUT /v1/blocks"
+        )
+    keys = resolve_keys(body, config.max_keys_per_request)
     lease = await engine_of(request).prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(
         {

@@ -114,6 +114,10 @@ class GapMarker:
     """How many events were skipped."""
     next_seq: int
     """Sequence number of the next event the subscriber will receive."""
+    restarted: bool = False
+    """The resume point came from another run of the service (it restarted, so sequence
+    numbers began again at 1): what happened after it is unknown; ``missed`` counts only
+    this run's events that are no longer kept."""
 
 
 TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -158,6 +162,8 @@ class EngineStats:
     blocks_writing: int
     blocks_idle: int
     blocks_reading: int
+    blocks_fenced: int = 0
+    """Slots of expired or reset sidecar leases held out of use for the grace period."""
     lookups: int = 0
     lookup_keys: int = 0
     lookup_hit_blocks: int = 0

@@ -152,10 +152,35 @@ def test_sigkill_of_any_process_leaves_nothing_in_shm(shm_dir, name, victim):
     assert _leftovers(shm_dir, name) == []
 
 
-def test_stale_file_from_a_crashed_creator_does_not_break_the_next_start(shm_dir, name):
+def _wait_until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_creator_sigkilled_before_any_joiner_leaves_no_file(shm_dir, name):
     (crashed,) = _start(name, shm_dir, [0], 2)  # waits for a second worker that never comes
+    assert len(_leftovers(shm_dir, name)) == 1
     crashed.kill()
-    assert len(_leftovers(shm_dir, name)) == 1  # the crash left its file behind
+    _wait_until(lambda: _leftovers(shm_dir, name) == [])  # its reaper removed the file
+
+
+def test_a_region_garbage_collected_without_cleanup_removes_its_file(tmp_path):
+    import gc
+
+    region = SharedOffloadRegion("gc", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+    path = region.path
+    assert os.path.exists(path)
+    del region
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_stale_file_from_a_crashed_creator_does_not_break_the_next_start(shm_dir, name):
+    stale = os.path.join(shm_dir, f"kvcache_offload_{name}.mmap")
+    with open(stale, "wb") as f:  # a crash whose reaper was killed too (e.g. a kill -9 -PGID)
+        f.write(b"KVOFFRG1" + bytes(8192))
     creator, joiner = _start(name, shm_dir, [0, 1], 2)
     try:
         assert creator.send("write") == {"event": "written"}
@@ -197,6 +222,55 @@ def test_a_late_joiner_gets_a_clear_error(shm_dir, name):
 
 
 # -- in-process behaviour -----------------------------------------------------------------------
+
+
+def test_racing_joiners_never_get_a_spurious_too_late(tmp_path):
+    """Eight threads join at once, twenty times: every one maps the region, none is "late"."""
+    for round_ in range(20):
+        regions: list[SharedOffloadRegion] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        start = threading.Barrier(8)
+
+        def join(rank: int, round_: int = round_) -> None:
+            start.wait()
+            try:
+                r = SharedOffloadRegion(
+                    f"race{round_}", 4, 512, num_workers=8, rank=rank, shm_dir=tmp_path,
+                    populate=False, timeout_s=20,
+                )  # fmt: skip
+                with lock:
+                    regions.append(r)
+            except BaseException as exc:  # noqa: BLE001 - collected for the assert
+                with lock:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        try:
+            assert errors == [], f"round {round_}: {errors}"
+            assert sum(r.is_creator for r in regions) == 1
+            assert not os.path.exists(regions[0].path)  # all eight mapped it: sealed
+        finally:
+            for r in regions:
+                r.cleanup()
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_service_on_the_same_region_name_is_refused(tmp_path):
+    first = SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=None, shm_dir=tmp_path)
+    try:
+        with pytest.raises(RegionError, match="already used by another service"):
+            SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=None, shm_dir=tmp_path)
+        assert not first.sealed and os.path.exists(first.path)  # the first one is untouched
+        worker = SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+        worker.cleanup()
+    finally:
+        first.cleanup()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_too_small_shm_gives_a_clear_region_error(tmp_path, monkeypatch):
