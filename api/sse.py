@@ -17,7 +17,6 @@ from typing import Any
 
 from api.responses import json_bytes
 from kvcache_offload.aio.types import EngineEvent, GapMarker
-
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["GAP_EVENT", "EventEncoder", "event_payload", "parse_event_id"]

@@ -17,7 +17,6 @@ from api.schemas import (
     StoreCompleteRequest,
     StoreLeaseOut,
 )
-
 from kvcache_offload.errors import NoSharedRegionError
 
 __all__ = ["router"]

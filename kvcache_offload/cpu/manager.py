@@ -133,11 +133,7 @@ class CPUOffloadingManager(OffloadingManager):
     def _num_idle(self) -> int:
         """Blocks neither free, fenced, being written nor being read: the only evictable ones."""
         return (
-            self._num_blocks
-            - self._num_free()
-            - self._writing
-            - self._reading
-            - len(self._fenced)
+            self._num_blocks - self._num_free() - self._writing - self._reading - len(self._fenced)
         )
 
     def stats(self) -> CPUManagerStats:

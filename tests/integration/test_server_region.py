@@ -8,11 +8,12 @@ import signal
 
 import httpx
 
+from tests._regions import region_name
 from tests.integration._server import running_server
 
 
 def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
-    name = f"api-test-{os.getpid()}"  # never collide with another test's region
+    name = region_name("api-test")  # never collide with another test's region
     env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
     with running_server("--shared-region", "--log-level", "info", env=env) as srv:
         r = httpx.get(f"{srv.url}/v1/region", timeout=10)
@@ -29,7 +30,7 @@ def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
 
 def test_a_sidecar_client_writes_blocks_through_the_region_described_by_the_server() -> None:
     """prepare -> write into the mapped file where /v1/region says -> complete -> bytes serve."""
-    name = f"api-sidecar-{os.getpid()}"
+    name = region_name("api-sidecar")
     env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
     with (
         running_server("--shared-region", env=env) as srv,

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 from kvcache_offload.cpu import shared_offload_region as sor
 from kvcache_offload.cpu.shared_offload_region import SharedOffloadRegion
 from kvcache_offload.errors import RegionError
+from tests._regions import region_name
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the region is Linux-only")
 
@@ -40,7 +40,7 @@ def shm_dir(tmp_path: Path) -> str:
 
 @pytest.fixture
 def name() -> str:
-    return f"it-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    return region_name("it")
 
 
 def _leftovers(shm_dir: str, name: str) -> list[str]:
@@ -224,34 +224,34 @@ def test_a_late_joiner_gets_a_clear_error(shm_dir, name):
 # -- in-process behaviour -----------------------------------------------------------------------
 
 
+def _join_racing(name: str, rank: int, shm_dir: Path, start: threading.Barrier, out: list) -> None:
+    start.wait()
+    try:
+        out.append(
+            SharedOffloadRegion(
+                name, 4, 512, num_workers=8, rank=rank, shm_dir=shm_dir, populate=False
+            )
+        )
+    except BaseException as exc:  # collected for the test's assert
+        out.append(exc)
+
+
 def test_racing_joiners_never_get_a_spurious_too_late(tmp_path):
     """Eight threads join at once, twenty times: every one maps the region, none is "late"."""
     for round_ in range(20):
-        regions: list[SharedOffloadRegion] = []
-        errors: list[BaseException] = []
-        lock = threading.Lock()
         start = threading.Barrier(8)
-
-        def join(rank: int, round_: int = round_) -> None:
-            start.wait()
-            try:
-                r = SharedOffloadRegion(
-                    f"race{round_}", 4, 512, num_workers=8, rank=rank, shm_dir=tmp_path,
-                    populate=False, timeout_s=20,
-                )  # fmt: skip
-                with lock:
-                    regions.append(r)
-            except BaseException as exc:  # noqa: BLE001 - collected for the assert
-                with lock:
-                    errors.append(exc)
-
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(8)]
+        out: list = []  # list.append is atomic
+        threads = [
+            threading.Thread(target=_join_racing, args=(f"race{round_}", r, tmp_path, start, out))
+            for r in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)
+        regions = [r for r in out if isinstance(r, SharedOffloadRegion)]
         try:
-            assert errors == [], f"round {round_}: {errors}"
+            assert len(regions) == 8, f"round {round_}: {[e for e in out if e not in regions]}"
             assert sum(r.is_creator for r in regions) == 1
             assert not os.path.exists(regions[0].path)  # all eight mapped it: sealed
         finally:

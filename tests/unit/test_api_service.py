@@ -51,7 +51,7 @@ async def test_stats_report_engine_counters_as_json() -> None:
 
 
 async def test_region_answers_404_when_the_server_has_no_shared_region() -> None:
-    async with served() as s:
+    async with served(small_config(shared_region=False)) as s:
         r = await s.client.get("/v1/region")
         assert r.status_code == 404
         assert "no shared region" in r.json()["detail"]

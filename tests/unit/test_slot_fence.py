@@ -116,7 +116,9 @@ async def test_fenced_slots_are_free_again_after_the_grace_period() -> None:
     config = small_config(cpu_bytes_to_use=BLOCK_BYTES, lease_grace_s=0.05)
     async with OffloadEngine(config) as engine:
         await engine.prepare_store([key(2)], ttl_s=0.05)
-        await wait_for(lambda: engine.stats().blocks_fenced == 0 and engine.stats().blocks_free == 1)
+        await wait_for(
+            lambda: engine.stats().blocks_fenced == 0 and engine.stats().blocks_free == 1
+        )
         assert (await engine.write_blocks([key(3)], [fill(3)])).keys_stored == [key(3)]
 
 
