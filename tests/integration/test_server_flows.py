@@ -61,9 +61,10 @@ async def test_token_id_requests_use_the_documented_keys(client: OffloadClient) 
 async def test_errors_come_back_as_library_exceptions(client: OffloadClient) -> None:
     with pytest.raises(BlockStateError):
         await client.prepare_load([key(1)])
-    await client.prepare_store([key(i) for i in range(CAPACITY_BLOCKS)])
+    everything = await client.prepare_store([key(i) for i in range(CAPACITY_BLOCKS)])
     with pytest.raises(CapacityError):
         await client.prepare_store([key(1000)])
+    await client.complete_store(everything.lease_id, success=False)  # frees the slots now
     with pytest.raises(ServiceError) as info:
         await client.lookup(["xyz"])
     assert info.value.status == 422
