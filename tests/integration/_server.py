@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -99,10 +100,9 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Se
         yield server
     finally:
         if process.poll() is None:
-            try:
+            # On a timeout stop() kills it; the region's reaper then removes the file.
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 server.stop(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass  # stop() killed it; the region's reaper removes the file
         _wait_gone(
             Path("/dev/shm") / f"kvcache_offload_{full_env['KVCACHE_OFFLOAD_REGION_NAME']}.mmap"
         )
