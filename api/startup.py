@@ -25,7 +25,7 @@ Message = dict[str, Any]
 
 
 def preflight(config: OffloadConfig) -> None:
-    """Raise :class:`~kvcache_offload.errors.ConfigError` (one line) for a config that cannot run."""
+    """Raise :class:`~kvcache_offload.errors.ConfigError` (one line) for a config that fails."""
     spec = OffloadingSpecFactory.create_spec(config)
     try:
         spec.get_manager()
