@@ -90,8 +90,17 @@ async def _handle(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug or an exhausted host (e.g. MemoryError): still the documented JSON body.
+
+    Starlette logs the traceback after this handler answers.
+    """
+    return _body("InternalError", f"{type(exc).__name__}: {exc}"[:500], 500)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Register every mapping on ``app``."""
+    """Register every mapping on ``app``; anything unexpected is a JSON 500."""
     for cls in (OffloadError, RequestValidationError, RequestLimitError, EngineNotReady):
         app.add_exception_handler(cls, _handle)
     app.add_exception_handler(HTTPException, _handle)
+    app.add_exception_handler(Exception, _unexpected)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from api import create_app
-from tests.unit._api_app import hex_key, served, small_config, store
+from tests.unit._api_app import BLOCK_BYTES, hex_key, served, small_config, store
 
 TOKEN = "s3cret-token"
 
@@ -135,3 +135,19 @@ async def test_readyz_is_503_once_a_served_engine_is_closed() -> None:
         assert (await s.client.get("/readyz")).status_code == 200
         await s.engine.aclose()
         assert (await s.client.get("/readyz")).status_code == 503
+
+
+async def test_an_unexpected_error_is_still_a_json_500() -> None:
+    async with served() as s:
+
+        async def out_of_memory(*args: object, **kwargs: object) -> None:
+            raise MemoryError("cannot allocate")
+
+        s.engine.write_blocks = out_of_memory  # type: ignore[method-assign]
+        transport = httpx.ASGITransport(app=s.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            r = await client.put(
+                "/v1/blocks", params={"keys": [hex_key(1)]}, content=bytes(BLOCK_BYTES)
+            )
+        assert r.status_code == 500
+        assert r.json() == {"error": "InternalError", "detail": "MemoryError: cannot allocate"}
