@@ -44,6 +44,20 @@ STATUS_BY_ERROR: dict[type[OffloadError], int] = {
 
 _EXPIRED_LEASE_STATUS = 410
 
+_BAD_KEY = (
+    "an offload key is hex: the block hash bytes then the 4-byte big-endian group index, "
+    "10 to 264 hex digits (e.g. '000000000000002a00000000')"
+)
+
+_LIMIT_ERROR_NAMES = {408: "RequestTimeout", 413: "RequestTooLarge", 429: "TooManyRequests"}
+
+
+def _readable(error: Mapping[str, object]) -> str:
+    """pydantic's message, except a regex mismatch (only keys have one) says what a key is."""
+    if error.get("type") == "string_pattern_mismatch":
+        return _BAD_KEY
+    return str(error.get("msg", ""))
+
 
 def status_for(exc: OffloadError) -> int:
     """HTTP status of a library error; an expired lease is 410 Gone, an unknown one 404."""
@@ -68,12 +82,12 @@ def error_response(exc: BaseException) -> Response | None:
         return _body(type(exc).__name__, str(exc), status_for(exc))
     if isinstance(exc, RequestValidationError):
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            {"loc": list(e.get("loc", ())), "msg": _readable(e), "type": e.get("type", "")}
             for e in exc.errors()
         ]
         return _body("ValidationError", errors, 422)
     if isinstance(exc, RequestLimitError):
-        name = "RequestTimeout" if exc.status == 408 else "RequestTooLarge"
+        name = _LIMIT_ERROR_NAMES.get(exc.status, "InvalidRequest")
         return _body(name, exc.message, exc.status)
     if isinstance(exc, EngineNotReady):
         return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})

@@ -28,7 +28,7 @@ from kvcache_offload.aio.types import (
     StoreResult,
 )
 from kvcache_offload.base import OffloadKey
-from kvcache_offload.errors import OffloadError
+from kvcache_offload.errors import NoSharedRegionError, OffloadError
 
 __all__ = ["OffloadClient", "ServiceError", "parse_event"]
 
@@ -163,8 +163,12 @@ class OffloadClient:
         out = await self._post(
             "/v1/lookup", _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
         )
+        derived = out.get("keys")
         return LookupResult(
-            hits=out["hits"], pending=out["pending"], states=[KeyState(s) for s in out["states"]]
+            hits=out["hits"],
+            pending=out["pending"],
+            states=[KeyState(s) for s in out["states"]],
+            keys=_keys(derived) if derived is not None else None,
         )
 
     async def touch(
@@ -294,7 +298,11 @@ class OffloadClient:
 
     async def region(self) -> dict[str, Any]:
         """The shared region's description (``RegionError`` when the server has none)."""
-        out: dict[str, Any] = (await self._get("/v1/region")).json()
+        response = await self._http.get("/v1/region")
+        if response.status_code == 404:
+            raise NoSharedRegionError(str(response.json().get("detail", "no shared region")))
+        _raise_for(response)
+        out: dict[str, Any] = response.json()
         return out
 
     async def stats(self) -> dict[str, Any]:

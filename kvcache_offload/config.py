@@ -125,8 +125,15 @@ def _read_file(path: Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text) or {}
-        else:
+        elif path.suffix == ".json":
             data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"config file {path} has an unknown type {path.suffix or '(no suffix)'!r}: use "
+                f".toml, .json, .yaml or .yml"
+            )
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"cannot parse config file {path}: {exc}") from exc
     if not isinstance(data, dict):

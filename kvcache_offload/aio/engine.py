@@ -803,6 +803,7 @@ class OffloadEngine:
             blocks_idle=int(getattr(snap, "idle", 0)),
             blocks_reading=int(getattr(snap, "reading", 0)),
             blocks_fenced=int(getattr(snap, "fenced", 0)),
+            block_nbytes=int(getattr(self.spec, "kv_bytes_per_offloaded_block", 0) or 0),
             lookups=self._lookups,
             lookup_keys=self._lookup_keys,
             lookup_hit_blocks=self._lookup_hit_blocks,

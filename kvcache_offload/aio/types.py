@@ -45,6 +45,8 @@ class LookupResult:
     hits: int
     pending: bool
     states: list[KeyState]
+    keys: list[OffloadKey] | None = None
+    """The keys looked up, when the service derived them from token ids (else None)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class EngineStats:
     blocks_writing: int
     blocks_idle: int
     blocks_reading: int
+    block_nbytes: int = 0
+    """Bytes of one offloaded block (one CPU slot): the page size of PUT/GET /v1/blocks."""
     blocks_fenced: int = 0
     """Slots of expired or reset sidecar leases held out of use for the grace period."""
     lookups: int = 0
