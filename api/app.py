@@ -39,6 +39,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         410: "The lease expired and was rolled back.",
         413: "Request body too large.",
         422: "Malformed request or too many keys.",
+        429: "Too many open leases (max_open_leases).",
         502: "A transfer failed.",
         503: "Engine or region not available.",
         507: "The CPU tier cannot hold the blocks.",

@@ -20,6 +20,7 @@ from kvcache_offload.errors import (
     ConfigError,
     InvalidKeyError,
     LeaseError,
+    LeaseLimitError,
     NoSharedRegionError,
     OffloadError,
     RegionError,
@@ -39,6 +40,7 @@ STATUS_BY_ERROR: dict[type[OffloadError], int] = {
     TransferError: 502,
     RegionError: 503,
     NoSharedRegionError: 409,
+    LeaseLimitError: 429,
 }
 """Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
 

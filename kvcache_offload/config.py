@@ -78,6 +78,9 @@ class OffloadConfig(BaseSettings):
 
     # -- async core -------------------------------------------------------------------------
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    max_open_leases: int = Field(default=65_536, ge=1)
+    """Open sidecar leases at most (each pins blocks until completed or expired); a prepare
+    beyond it answers 429. Leases that hold nothing are not kept and do not count."""
     lease_grace_s: float = Field(default=60.0, ge=0)
     """How long the slots of an expired (or reset) sidecar lease stay out of use, so that a
     client still copying after its ``expires_at`` cannot touch another key's block. 0 frees

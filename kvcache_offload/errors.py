@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "InvalidKeyError",
     "LeaseError",
+    "LeaseLimitError",
     "NoSharedRegionError",
     "OffloadError",
     "RegionError",
@@ -47,6 +48,10 @@ class BlockStateError(OffloadError):
 
 class CapacityError(OffloadError):
     """The CPU tier cannot hold what was asked for."""
+
+
+class LeaseLimitError(CapacityError):
+    """Too many leases are open (``max_open_leases``): complete some before preparing more."""
 
 
 class TransferError(OffloadError):

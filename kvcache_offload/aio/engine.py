@@ -119,7 +119,9 @@ class OffloadEngine:
         self._factor = self.spec.block_size_factor
         self._num_groups = len(self.spec.gpu_block_size)
         self._hub = EventHub(config.event_buffer_size, config.subscriber_queue_size)
-        self._leases = LeaseTable(self._on_lease_expired, config.lease_ttl_s)
+        self._leases = LeaseTable(
+            self._on_lease_expired, config.lease_ttl_s, config.max_open_leases
+        )
         self._copies = BlockCopies()
         self._quarantine = SlotQuarantine(config.lease_grace_s)
         self._observers = list(access_observers)
