@@ -69,6 +69,12 @@ class EventBroadcaster:
             await asyncio.wait([task])
         self._notify()
 
+    def end_streams(self) -> None:
+        """End every client stream cleanly (server shutdown): each sends what it has, then
+        finishes its response; the pump stops in :meth:`aclose`."""
+        self._closed = True
+        self._notify()
+
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()

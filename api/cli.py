@@ -100,13 +100,23 @@ def serve(
 
 def _run(app: Any, config: OffloadConfig, log_level: str, access_log: bool) -> None:
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
+    from api.serving import protocol_class
+
+    def end_event_streams() -> None:
+        broadcaster = getattr(app.app.state, "broadcaster", None)
+        if broadcaster is not None:
+            broadcaster.end_streams()
+
+    # Our drain ends the event streams cleanly; sse-starlette's own would cancel them.
+    AppStatus.disable_automatic_graceful_drain()
     uvicorn.run(
         app,
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(config.header_read_timeout_s, end_event_streams),
         log_level=log_level.lower(),
         access_log=access_log,
         lifespan="on",

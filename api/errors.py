@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from api.deps import EngineNotReady
@@ -106,6 +106,11 @@ async def _handle(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client disconnected (or shutdown cut its body short): nobody reads an answer."""
+    return Response(status_code=499)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     """A bug or an exhausted host (e.g. MemoryError): still the documented JSON body.
 
@@ -119,4 +124,5 @@ def install_error_handlers(app: FastAPI) -> None:
     for cls in (OffloadError, RequestValidationError, RequestLimitError, EngineNotReady):
         app.add_exception_handler(cls, _handle)
     app.add_exception_handler(HTTPException, _handle)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected)

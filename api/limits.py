@@ -2,8 +2,9 @@
 
 The body limits are a pure ASGI middleware so an oversized upload is refused from its
 ``Content-Length`` before a byte is read; bodies without one are counted as they stream in.
-A client that stops sending in the middle of its body gets 408 instead of holding a
-connection and a worker forever.
+A client that does not deliver its whole body within ``body_read_timeout_s`` (one deadline
+for the whole body, so trickling a byte now and then does not extend it) gets 408 instead of
+holding a connection and a worker forever.
 """
 
 from __future__ import annotations
@@ -48,19 +49,22 @@ class BodyLimitMiddleware:
         self.read_timeout_s = read_timeout_s
 
     def _timed(self, receive: Receive) -> Receive:
-        """``receive`` with a deadline per body chunk, until the body is complete.
+        """``receive`` with one deadline for the whole body, counted from the first read.
 
         Later calls (a streaming response waiting for the client to disconnect) wait freely.
         """
         complete = False
         timeout_s = self.read_timeout_s
+        deadline: float | None = None
 
         async def timed_receive() -> Message:
-            nonlocal complete
+            nonlocal complete, deadline
             if complete:
                 return await receive()
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + timeout_s
             try:
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
                 raise RequestLimitError(

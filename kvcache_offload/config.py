@@ -96,6 +96,9 @@ class OffloadConfig(BaseSettings):
     max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     """A request body that stalls longer than this between chunks is answered 408."""
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection whose request headers are not complete this long after it opened (or
+    after its previous response) is closed: idle and half-sent requests cannot pile up."""
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
