@@ -130,6 +130,7 @@ def create_app(
         BodyLimitMiddleware,
         max_bytes=int(cfg.max_body_bytes),
         read_timeout_s=cfg.body_read_timeout_s,
+        max_large_bodies=cfg.max_large_bodies,
     )
     if app.state.api_token is not None:
         app.add_middleware(BearerAuthMiddleware, token=app.state.api_token)

@@ -94,6 +94,9 @@ class OffloadConfig(BaseSettings):
     api_token: SecretStr | None = None
     max_keys_per_request: int = Field(default=4096, ge=1)
     max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
+    max_large_bodies: int = Field(default=2, ge=1)
+    """Request bodies over 4 MiB (or of unknown length) received at once; memory for bodies
+    stays near ``max_large_bodies x max_body_bytes`` whatever the number of clients."""
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     """A request body that stalls longer than this between chunks is answered 408."""
     header_read_timeout_s: float = Field(default=10.0, gt=0)
