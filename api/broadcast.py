@@ -7,6 +7,11 @@ each once and appends it to a ring; a client only keeps a cursor into the ring, 
 per batch and sends everything new as one chunk (a C-level join). Per-event work is O(1);
 per-client work is O(batches).
 
+Memory per client is bounded: it holds a cursor and at most one chunk of
+``_MAX_CHUNK_FRAMES`` frames in flight; a client that stops reading is disconnected after
+``sse_send_timeout_s`` (sse-starlette's send timeout) and at most ``max_event_subscribers``
+clients stream at once (more get 503).
+
 A client that falls behind by more than the ring (``config.event_buffer_size`` events)
 resumes at the oldest kept frame after a ``gap`` frame counting what it missed; a resume from
 ``Last-Event-ID`` starts right after that id, or with a gap when it left the ring.
@@ -28,7 +33,9 @@ __all__ = ["EventBroadcaster"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_CHUNK_FRAMES = 4096
+_MAX_CHUNK_FRAMES = 256
+"""Frames per chunk a client is sent at once: with a client that stops reading, one chunk
+(~100 KiB) waits in the server's write buffer, not thousands of frames."""
 
 
 class EventBroadcaster:

@@ -27,7 +27,18 @@ from kvcache_offload.errors import (
     TransferError,
 )
 
-__all__ = ["STATUS_BY_ERROR", "error_response", "install_error_handlers", "status_for"]
+__all__ = [
+    "STATUS_BY_ERROR",
+    "TooManySubscribers",
+    "error_response",
+    "install_error_handlers",
+    "status_for",
+]
+
+
+class TooManySubscribers(OffloadError):
+    """Every event-stream slot is taken (``max_event_subscribers``): retry later."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +52,7 @@ STATUS_BY_ERROR: dict[type[OffloadError], int] = {
     RegionError: 503,
     NoSharedRegionError: 409,
     LeaseLimitError: 429,
+    TooManySubscribers: 503,
 }
 """Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
 

@@ -102,6 +102,11 @@ class OffloadConfig(BaseSettings):
     header_read_timeout_s: float = Field(default=10.0, gt=0)
     """A connection whose request headers are not complete this long after it opened (or
     after its previous response) is closed: idle and half-sent requests cannot pile up."""
+    max_event_subscribers: int = Field(default=256, ge=1)
+    """Event streams (SSE clients) served at once; more are answered 503."""
+    sse_send_timeout_s: float = Field(default=30.0, gt=0)
+    """An event-stream client that accepts no bytes for this long is disconnected, so a
+    stalled client holds at most one chunk (~100 KiB) for a bounded time."""
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse
 
 from api.broadcast import EventBroadcaster
+from api.errors import TooManySubscribers
 from api.routes._state import config_of, engine_of
 from api.sse import parse_event_id
 from kvcache_offload.aio.types import EventType
@@ -71,7 +72,14 @@ async def events(
     restarted = False
     if raw:
         since, restarted = broadcaster.resume_point(*parse_event_id(raw))
+    config = config_of(request)
+    if broadcaster.subscribers >= config.max_event_subscribers:
+        raise TooManySubscribers(
+            f"{broadcaster.subscribers} event streams are open, the most allowed "
+            f"(max_event_subscribers={config.max_event_subscribers}); retry later"
+        )
     return EventSourceResponse(
         broadcaster.stream(wanted, since, restarted),
-        ping=config_of(request).sse_heartbeat_s,
+        ping=config.sse_heartbeat_s,
+        send_timeout=config.sse_send_timeout_s,  # a client that stops reading is dropped
     )

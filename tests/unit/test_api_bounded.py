@@ -74,3 +74,17 @@ async def test_large_bodies_are_admitted_a_few_at_a_time() -> None:
     assert entered == ["/one", "/small"]
     release.set()
     await one
+
+
+async def test_event_streams_beyond_max_event_subscribers_answer_503() -> None:
+    from api.broadcast import EventBroadcaster
+    from tests.unit._api_app import small_config
+
+    async with served(small_config(max_event_subscribers=1)) as s:
+        broadcaster = EventBroadcaster(s.engine, 10)
+        s.app.state.broadcaster = broadcaster
+        broadcaster.subscribers = 1  # one stream is open
+        r = await s.client.get("/v1/events")
+        assert r.status_code == 503
+        assert r.json()["error"] == "TooManySubscribers"
+        assert "max_event_subscribers=1" in r.json()["detail"]
