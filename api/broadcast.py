@@ -34,8 +34,10 @@ __all__ = ["EventBroadcaster"]
 logger = logging.getLogger(__name__)
 
 _MAX_CHUNK_FRAMES = 256
-"""Frames per chunk a client is sent at once: with a client that stops reading, one chunk
-(~100 KiB) waits in the server's write buffer, not thousands of frames."""
+_MAX_CHUNK_BYTES = 64 * 1024
+"""A chunk sent to a client holds at most this many frames and (beyond its first frame)
+bytes: with a client that stops reading, one such chunk waits in the server's write
+buffer, not thousands of frames."""
 
 
 class EventBroadcaster:
@@ -193,6 +195,13 @@ class EventBroadcaster:
                     self.dropped += missed
                     yield self._encoder.encode(GapMarker(missed=missed, next_seq=seqs[0]))
                 stop = min(end - self._base, start + _MAX_CHUNK_FRAMES)
+                budget = _MAX_CHUNK_BYTES  # frames vary in size: cap the bytes too
+                frames = self._frames
+                for i in range(start, stop):
+                    budget -= len(frames[i])
+                    if budget < 0 and i > start:
+                        stop = i
+                        break
                 position = self._base + stop
                 last_seq = seqs[stop - 1]
                 if wanted is None:

@@ -222,3 +222,20 @@ async def test_a_resume_id_of_this_run_is_not_stale() -> None:
 def test_a_malformed_last_event_id_is_a_clear_config_error() -> None:
     with pytest.raises(ConfigError, match="Last-Event-ID must be an event id"):
         parse_event_id("x1")
+
+
+async def test_a_chunk_for_one_client_is_bounded_in_bytes_whatever_the_backlog() -> None:
+    """A client that stops reading holds one bounded chunk, not its whole backlog."""
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine, capacity=1000)
+        await _started(engine, broadcaster)
+        many_keys = [OffloadKey(i.to_bytes(8, "big") + b"\0\0\0\0") for i in range(1000)]
+        for _ in range(200):  # ~25 KB per frame, ~5 MB of backlog
+            engine.event_hub.publish(EventType.STORED, many_keys)
+        await _wait_for_frames(broadcaster, engine)
+        stream = broadcaster.stream(since_seq=0)
+        chunk = await stream.__anext__()
+        frame = len(broadcaster._frames[0])
+        assert len(chunk) <= 64 * 1024 + frame
+        await stream.aclose()
+        await broadcaster.aclose()
