@@ -6,6 +6,7 @@ and that belongs to another key is caught. Runs a fixed number of rounds (a few 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from typing import Any
@@ -48,10 +49,8 @@ async def test_no_read_ever_returns_another_keys_bytes() -> None:
                 if worker == 0 and n % 15 == 7:  # resets while copies and leases are open
                     await engine.reset()
                 keys = list({key(rng.randrange(64)) for _ in range(rng.randint(1, 4))})
-                try:
+                with contextlib.suppress(OffloadError):
                     await engine.write_blocks(keys, [content(k) for k in keys])
-                except OffloadError:
-                    pass
                 await anyio.sleep(0)
 
         async def reader(worker: int) -> None:
@@ -83,10 +82,8 @@ async def test_no_read_ever_returns_another_keys_bytes() -> None:
                     await anyio.to_thread.run_sync(_write_into, memory, slot, data)
                 if killed:
                     continue
-                try:
+                with contextlib.suppress(OffloadError):
                     await engine.complete_store(lease.lease_id)
-                except OffloadError:
-                    pass
 
         async def sidecar_reader(worker: int) -> None:
             nonlocal ok_reads
