@@ -236,8 +236,18 @@ def _join_racing(name: str, rank: int, shm_dir: Path, start: threading.Barrier, 
         out.append(exc)
 
 
-def test_racing_joiners_never_get_a_spurious_too_late(tmp_path):
-    """Eight threads join at once, twenty times: every one maps the region, none is "late"."""
+def test_racing_joiners_never_get_a_spurious_too_late(tmp_path, monkeypatch):
+    """Eight threads join at once, twenty times: every one maps the region, none is "late".
+
+    The creator is slowed down so that the joiners keep probing while it creates the file.
+    """
+    create = SharedOffloadRegion._create
+
+    def slow_create(self: SharedOffloadRegion) -> None:
+        time.sleep(0.05)  # widens the window in which joiners find no file yet
+        create(self)
+
+    monkeypatch.setattr(SharedOffloadRegion, "_create", slow_create)
     for round_ in range(20):
         start = threading.Barrier(8)
         out: list = []  # list.append is atomic
