@@ -26,6 +26,7 @@ from api.routes import metrics as metrics_route
 from api.schemas import ErrorBody
 from kvcache_offload.aio.types import EngineStats
 from kvcache_offload.config import OffloadConfig, load_config
+from kvcache_offload.errors import OffloadError
 
 __all__ = ["create_app"]
 
@@ -38,6 +39,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         410: "The lease expired and was rolled back.",
         413: "Request body too large.",
         422: "Malformed request or too many keys.",
+        429: "Too many open leases (max_open_leases).",
         502: "A transfer failed.",
         503: "Engine or region not available.",
         507: "The CPU tier cannot hold the blocks.",
@@ -73,13 +75,19 @@ def create_app(
         from kvcache_offload.aio import OffloadEngine
 
         observers = build_observers(cfg)
+        started = False
         try:
             async with OffloadEngine(cfg, access_observers=observers) as engine:
                 app.state.engine = engine
+                started = True
                 try:
                     yield
                 finally:
                     await _stop_serving(app)
+        except OffloadError as exc:
+            if not started:  # reported in one line by api.startup.OneLineStartupErrors
+                app.state.startup_error = exc
+            raise
         finally:
             await close_observers(observers)
 
@@ -94,6 +102,7 @@ def create_app(
     token = cfg.api_token.get_secret_value() if cfg.api_token is not None else ""
     app.state.api_token = token.encode() if token else None
     app.state.broadcaster = None
+    app.state.startup_error = None
 
     def stats() -> EngineStats | None:
         engine: EngineLike | None = app.state.engine
@@ -121,6 +130,7 @@ def create_app(
         BodyLimitMiddleware,
         max_bytes=int(cfg.max_body_bytes),
         read_timeout_s=cfg.body_read_timeout_s,
+        max_large_bodies=cfg.max_large_bodies,
     )
     if app.state.api_token is not None:
         app.add_middleware(BearerAuthMiddleware, token=app.state.api_token)

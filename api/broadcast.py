@@ -7,6 +7,11 @@ each once and appends it to a ring; a client only keeps a cursor into the ring, 
 per batch and sends everything new as one chunk (a C-level join). Per-event work is O(1);
 per-client work is O(batches).
 
+Memory per client is bounded: it holds a cursor and at most one chunk of
+``_MAX_CHUNK_FRAMES`` frames in flight; a client that stops reading is disconnected after
+``sse_send_timeout_s`` (sse-starlette's send timeout) and at most ``max_event_subscribers``
+clients stream at once (more get 503).
+
 A client that falls behind by more than the ring (``config.event_buffer_size`` events)
 resumes at the oldest kept frame after a ``gap`` frame counting what it missed; a resume from
 ``Last-Event-ID`` starts right after that id, or with a gap when it left the ring.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import secrets
 from collections.abc import AsyncIterator, Collection
 from typing import Any
 
@@ -27,7 +33,11 @@ __all__ = ["EventBroadcaster"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_CHUNK_FRAMES = 4096
+_MAX_CHUNK_FRAMES = 256
+_MAX_CHUNK_BYTES = 64 * 1024
+"""A chunk sent to a client holds at most this many frames and (beyond its first frame)
+bytes: with a client that stops reading, one such chunk waits in the server's write
+buffer, not thousands of frames."""
 
 
 class EventBroadcaster:
@@ -36,7 +46,9 @@ class EventBroadcaster:
     def __init__(self, engine: Any, capacity: int, encoder: EventEncoder | None = None) -> None:
         self._engine = engine
         self._capacity = max(1, capacity)
-        self._encoder = encoder or EventEncoder(cache_size=1)
+        hub = getattr(engine, "event_hub", None)
+        epoch = str(getattr(hub, "epoch", "")) or secrets.token_hex(6)
+        self._encoder = encoder or EventEncoder(cache_size=1, epoch=epoch)
         # frames[i] has sequence number seqs[i] (a gap frame: next_seq - 1); base is the
         # absolute position of frames[0], so positions survive trimming.
         self._frames: list[bytes] = []
@@ -66,9 +78,20 @@ class EventBroadcaster:
             await asyncio.wait([task])
         self._notify()
 
+    def end_streams(self) -> None:
+        """End every client stream cleanly (server shutdown): each sends what it has, then
+        finishes its response; the pump stops in :meth:`aclose`."""
+        self._closed = True
+        self._notify()
+
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def epoch(self) -> str:
+        """This run's event-id epoch: ids of another run are stale (``api/sse.py``)."""
+        return self._encoder.epoch
 
     @property
     def engine(self) -> Any:
@@ -125,13 +148,32 @@ class EventBroadcaster:
 
     # -- clients -----------------------------------------------------------------------------
 
+    def resume_point(self, epoch: str | None, seq: int) -> tuple[int, bool]:
+        """Where a client resuming after ``epoch``/``seq`` starts, and whether it is stale.
+
+        A stale id (another run's epoch, or a bare number this run never reached) resumes
+        from the beginning of this run, after a ``gap`` frame with ``restarted``.
+        """
+        if (epoch is not None and epoch != self.epoch) or seq > self._engine_last_seq():
+            return 0, True
+        return seq, False
+
     async def stream(
-        self, types: Collection[EventType] | None = None, since_seq: int | None = None
+        self,
+        types: Collection[EventType] | None = None,
+        since_seq: int | None = None,
+        restarted: bool = False,
     ) -> AsyncIterator[bytes]:
         """SSE chunks for one client: live events, or every event after ``since_seq``."""
         self.start()
         wanted = None if types is None else frozenset(t.value for t in types) | {"gap"}
         last_seq = self._engine_last_seq() if since_seq is None else since_seq
+        if restarted:
+            first = self._seqs[0] if self._seqs else self._engine_last_seq() + 1
+            yield self._encoder.encode(
+                GapMarker(missed=first - 1 - last_seq, next_seq=first, restarted=True)
+            )
+            last_seq = first - 1
         position = self._base + bisect.bisect_right(self._seqs, last_seq)
         self.subscribers += 1
         try:
@@ -153,6 +195,13 @@ class EventBroadcaster:
                     self.dropped += missed
                     yield self._encoder.encode(GapMarker(missed=missed, next_seq=seqs[0]))
                 stop = min(end - self._base, start + _MAX_CHUNK_FRAMES)
+                budget = _MAX_CHUNK_BYTES  # frames vary in size: cap the bytes too
+                frames = self._frames
+                for i in range(start, stop):
+                    budget -= len(frames[i])
+                    if budget < 0 and i > start:
+                        stop = i
+                        break
                 position = self._base + stop
                 last_seq = seqs[stop - 1]
                 if wanted is None:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from kvcache_offload.config import OffloadConfig, load_config
-from kvcache_offload.errors import ConfigError
+from kvcache_offload.errors import OffloadError
 
 __all__ = ["build_config", "serve"]
 
@@ -52,6 +52,10 @@ def serve(
     lease_ttl: Annotated[
         float | None, typer.Option(help="Seconds before an uncompleted lease rolls back.")
     ] = None,
+    region_name: Annotated[
+        str | None,
+        typer.Option(help="Name of the shared region (one per service on a host)."),
+    ] = None,
     api_token: Annotated[
         str | None,
         typer.Option(help="Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
@@ -82,9 +86,8 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
-    import uvicorn
-
     from api.app import create_app
+    from api.startup import OneLineStartupErrors, preflight
 
     if log_level.lower() not in _LOG_LEVELS:
         raise typer.BadParameter(f"expected one of {_LOG_LEVELS}", param_hint="--log-level")
@@ -100,6 +103,7 @@ def serve(
             backend=backend,
             shared_region=shared_region,
             lease_ttl_s=lease_ttl,
+            region_name=region_name,
             api_token=api_token,
             kv_events_endpoint=kv_events_endpoint,
             kv_events_replay_endpoint=kv_events_replay_endpoint,
@@ -110,16 +114,39 @@ def serve(
             model_id=model_id,
             tier_write=tier_write,
         )
-    except ConfigError as exc:
+        preflight(config)
+    except OffloadError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
+    app = OneLineStartupErrors(create_app(config))
+    try:
+        _run(app, config, log_level, access_log)
+    except SystemExit:
+        if app.failed is not None:  # the one-line reason is already logged
+            raise typer.Exit(2) from None
+        raise
+
+
+def _run(app: Any, config: OffloadConfig, log_level: str, access_log: bool) -> None:
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from api.serving import protocol_class
+
+    def end_event_streams() -> None:
+        broadcaster = getattr(app.app.state, "broadcaster", None)
+        if broadcaster is not None:
+            broadcaster.end_streams()
+
+    # Our drain ends the event streams cleanly; sse-starlette's own would cancel them.
+    AppStatus.disable_automatic_graceful_drain()
     uvicorn.run(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(config.header_read_timeout_s, end_event_streams),
         log_level=log_level.lower(),
         access_log=access_log,
         lifespan="on",

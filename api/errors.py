@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from api.deps import EngineNotReady
@@ -20,12 +20,25 @@ from kvcache_offload.errors import (
     ConfigError,
     InvalidKeyError,
     LeaseError,
+    LeaseLimitError,
+    NoSharedRegionError,
     OffloadError,
     RegionError,
     TransferError,
 )
 
-__all__ = ["STATUS_BY_ERROR", "error_response", "install_error_handlers", "status_for"]
+__all__ = [
+    "STATUS_BY_ERROR",
+    "TooManySubscribers",
+    "error_response",
+    "install_error_handlers",
+    "status_for",
+]
+
+
+class TooManySubscribers(OffloadError):
+    """Every event-stream slot is taken (``max_event_subscribers``): retry later."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +50,27 @@ STATUS_BY_ERROR: dict[type[OffloadError], int] = {
     LeaseError: 404,
     TransferError: 502,
     RegionError: 503,
+    NoSharedRegionError: 409,
+    LeaseLimitError: 429,
+    TooManySubscribers: 503,
 }
 """Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
 
 _EXPIRED_LEASE_STATUS = 410
+
+_BAD_KEY = (
+    "an offload key is hex: the block hash bytes then the 4-byte big-endian group index, "
+    "10 to 264 hex digits (e.g. '000000000000002a00000000')"
+)
+
+_LIMIT_ERROR_NAMES = {408: "RequestTimeout", 413: "RequestTooLarge", 429: "TooManyRequests"}
+
+
+def _readable(error: Mapping[str, object]) -> str:
+    """pydantic's message, except a regex mismatch (only keys have one) says what a key is."""
+    if error.get("type") == "string_pattern_mismatch":
+        return _BAD_KEY
+    return str(error.get("msg", ""))
 
 
 def status_for(exc: OffloadError) -> int:
@@ -66,12 +96,12 @@ def error_response(exc: BaseException) -> Response | None:
         return _body(type(exc).__name__, str(exc), status_for(exc))
     if isinstance(exc, RequestValidationError):
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            {"loc": list(e.get("loc", ())), "msg": _readable(e), "type": e.get("type", "")}
             for e in exc.errors()
         ]
         return _body("ValidationError", errors, 422)
     if isinstance(exc, RequestLimitError):
-        name = "RequestTimeout" if exc.status == 408 else "RequestTooLarge"
+        name = _LIMIT_ERROR_NAMES.get(exc.status, "InvalidRequest")
         return _body(name, exc.message, exc.status)
     if isinstance(exc, EngineNotReady):
         return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
@@ -88,8 +118,23 @@ async def _handle(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client disconnected (or shutdown cut its body short): nobody reads an answer."""
+    return Response(status_code=499)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug or an exhausted host (e.g. MemoryError): still the documented JSON body.
+
+    Starlette logs the traceback after this handler answers.
+    """
+    return _body("InternalError", f"{type(exc).__name__}: {exc}"[:500], 500)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Register every mapping on ``app``."""
+    """Register every mapping on ``app``; anything unexpected is a JSON 500."""
     for cls in (OffloadError, RequestValidationError, RequestLimitError, EngineNotReady):
         app.add_exception_handler(cls, _handle)
     app.add_exception_handler(HTTPException, _handle)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(Exception, _unexpected)

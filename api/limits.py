@@ -2,8 +2,14 @@
 
 The body limits are a pure ASGI middleware so an oversized upload is refused from its
 ``Content-Length`` before a byte is read; bodies without one are counted as they stream in.
-A client that stops sending in the middle of its body gets 408 instead of holding a
-connection and a worker forever.
+A client that does not deliver its whole body within ``body_read_timeout_s`` (one deadline
+for the whole body, so trickling a byte now and then does not extend it) gets 408 instead of
+holding a connection and a worker forever.
+
+Large bodies (over ``LARGE_BODY_BYTES``, or of unknown length) are admitted
+``max_large_bodies`` at a time, so the memory they take is bounded by about
+``max_large_bodies x max_body_bytes`` (x2 while a body is joined) whatever the number of
+clients; the others wait for their turn, up to ``body_read_timeout_s``, then get 503.
 """
 
 from __future__ import annotations
@@ -39,28 +45,43 @@ async def _refuse(send: Send, limit: int, size: str) -> None:
     await send_json_error(send, 413, "RequestTooLarge", detail, [(b"connection", b"close")])
 
 
+LARGE_BODY_BYTES = 4 * 1024 * 1024
+"""Bodies above this size count against ``max_large_bodies`` (64 hex keys are ~2 KiB)."""
+
+
 class BodyLimitMiddleware:
     """Answer 413 to bodies larger than ``max_bytes``, 408 to bodies that stall mid-way."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        read_timeout_s: float = 30.0,
+        max_large_bodies: int = 2,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self._large = asyncio.Semaphore(max_large_bodies)
+        self.max_large_bodies = max_large_bodies
 
     def _timed(self, receive: Receive) -> Receive:
-        """``receive`` with a deadline per body chunk, until the body is complete.
+        """``receive`` with one deadline for the whole body, counted from the first read.
 
         Later calls (a streaming response waiting for the client to disconnect) wait freely.
         """
         complete = False
         timeout_s = self.read_timeout_s
+        deadline: float | None = None
 
         async def timed_receive() -> Message:
-            nonlocal complete
+            nonlocal complete, deadline
             if complete:
                 return await receive()
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + timeout_s
             try:
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
                 raise RequestLimitError(
@@ -86,9 +107,29 @@ class BodyLimitMiddleware:
             if not length.isdigit() or int(length) > self.max_bytes:
                 await _refuse(send, self.max_bytes, length.decode("latin-1")[:32])
                 return
-            await self.app(scope, receive, send)  # the server enforces the declared length
+            if int(length) <= LARGE_BODY_BYTES:
+                await self.app(scope, receive, send)  # the server enforces the length
+                return
+        elif scope.get("method") in ("GET", "HEAD"):
+            await self._counted(scope, receive, send)
             return
-        await self._counted(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                await self._large.acquire()
+        except TimeoutError:
+            detail = (
+                f"{self.max_large_bodies} large request bodies are being received already "
+                f"(max_large_bodies); retry shortly"
+            )
+            await send_json_error(send, 503, "Busy", detail, [(b"retry-after", b"1")])
+            return
+        try:
+            if length is not None:
+                await self.app(scope, receive, send)
+            else:
+                await self._counted(scope, receive, send)
+        finally:
+            self._large.release()
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0

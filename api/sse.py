@@ -1,4 +1,8 @@
-"""Server-sent-event framing of engine events: ``id:`` = seq, ``event:`` = type, JSON data.
+"""Server-sent-event framing of engine events: ``id:`` = ``<epoch>-<seq>``, ``event:`` = type.
+
+The epoch names this run of sequence numbers (the engine's event hub makes a new one each
+start), so a ``Last-Event-ID`` kept across a service restart is recognised as stale instead of
+silently skipping the new run's events up to that number (see :func:`parse_event_id`).
 
 Each event is encoded once, whatever the number of subscribers (see ``api/broadcast.py``).
 A ``gap`` frame replaces events a subscriber missed; its ``id`` is the sequence number just
@@ -8,14 +12,29 @@ hole. Heartbeats are SSE comments sent by sse-starlette.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from api.responses import json_bytes
 from kvcache_offload.aio.types import EngineEvent, GapMarker
+from kvcache_offload.errors import ConfigError
 
-__all__ = ["GAP_EVENT", "EventEncoder", "event_payload"]
+__all__ = ["GAP_EVENT", "EventEncoder", "event_payload", "parse_event_id"]
 
 GAP_EVENT = "gap"
+
+_EVENT_ID = re.compile(r"^(?:([0-9a-f]{1,32})-)?([0-9]{1,19})$")
+
+
+def parse_event_id(raw: str) -> tuple[str | None, int]:
+    """``"<epoch>-<seq>"`` (or a bare ``seq``, from older servers) as ``(epoch, seq)``."""
+    match = _EVENT_ID.match(raw)
+    if match is None:
+        raise ConfigError(
+            f"Last-Event-ID must be an event id such as '3f2a9c1e0b7d-42' (or a bare sequence "
+            f"number), got {raw[:40]!r}"
+        )
+    return match.group(1), int(match.group(2))
 
 
 def event_payload(event: EngineEvent) -> dict[str, Any]:
@@ -33,18 +52,28 @@ def event_payload(event: EngineEvent) -> dict[str, Any]:
 class EventEncoder:
     """Encodes events to SSE bytes once, whatever the number of subscribers."""
 
-    def __init__(self, cache_size: int = 8192) -> None:
+    def __init__(self, cache_size: int = 8192, epoch: str = "0") -> None:
         self._cache: dict[int, bytes] = {}
         self._cache_size = cache_size
+        self.epoch = epoch
+        self._epoch = epoch.encode()
 
     def encode(self, item: EngineEvent | GapMarker) -> bytes:
         if isinstance(item, GapMarker):
-            data = json_bytes({"missed": item.missed, "next_seq": item.next_seq})
-            return b"id: %d\nevent: gap\ndata: %s\n\n" % (item.next_seq - 1, data)
+            fields: dict[str, Any] = {"missed": item.missed, "next_seq": item.next_seq}
+            if item.restarted:
+                fields["restarted"] = True
+            data = json_bytes(fields)
+            return b"id: %s-%d\nevent: gap\ndata: %s\n\n" % (
+                self._epoch,
+                item.next_seq - 1,
+                data,
+            )
         cached = self._cache.get(item.seq)
         if cached is not None:
             return cached
-        encoded = b"id: %d\nevent: %s\ndata: %s\n\n" % (
+        encoded = b"id: %s-%d\nevent: %s\ndata: %s\n\n" % (
+            self._epoch,
             item.seq,
             item.type.value.encode(),
             json_bytes(event_payload(item)),

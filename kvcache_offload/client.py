@@ -28,7 +28,7 @@ from kvcache_offload.aio.types import (
     StoreResult,
 )
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.errors import OffloadError
+from kvcache_offload.errors import NoSharedRegionError, OffloadError
 
 __all__ = ["OffloadClient", "ServiceError", "parse_event"]
 
@@ -84,7 +84,11 @@ def _keys(hexes: list[str]) -> list[OffloadKey]:
 def parse_event(event: str, data: dict[str, Any]) -> EngineEvent | GapMarker:
     """One SSE message (event name + decoded JSON data) as an engine event or a gap marker."""
     if event == "gap":
-        return GapMarker(missed=int(data["missed"]), next_seq=int(data["next_seq"]))
+        return GapMarker(
+            missed=int(data["missed"]),
+            next_seq=int(data["next_seq"]),
+            restarted=bool(data.get("restarted", False)),
+        )
     return EngineEvent(
         seq=int(data["seq"]),
         timestamp=float(data["timestamp"]),
@@ -159,11 +163,13 @@ class OffloadClient:
         out = await self._post(
             "/v1/lookup", _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
         )
+        derived = out.get("keys")
         return LookupResult(
             hits=out["hits"],
             pending=out["pending"],
             states=[KeyState(s) for s in out["states"]],
             tiers=out.get("tiers"),
+            keys=_keys(derived) if derived is not None else None,
         )
 
     async def touch(
@@ -293,7 +299,11 @@ class OffloadClient:
 
     async def region(self) -> dict[str, Any]:
         """The shared region's description (``RegionError`` when the server has none)."""
-        out: dict[str, Any] = (await self._get("/v1/region")).json()
+        response = await self._http.get("/v1/region")
+        if response.status_code == 404:
+            raise NoSharedRegionError(str(response.json().get("detail", "no shared region")))
+        _raise_for(response)
+        out: dict[str, Any] = response.json()
         return out
 
     async def stats(self) -> dict[str, Any]:
@@ -318,13 +328,16 @@ class OffloadClient:
         self,
         types: Collection[EventType | str] | None = None,
         *,
-        last_event_id: int | None = None,
+        last_event_id: str | int | None = None,
         reconnect: bool = True,
         max_retries: int = 10,
         retry_delay_s: float = 0.2,
         queue_size: int | None = None,
     ) -> AsyncIterator[EngineEvent | GapMarker]:
         """Events in order; after a dropped connection, resume after the last id seen.
+
+        Ids carry the server run's epoch: resuming across a service restart yields a
+        :class:`GapMarker` with ``restarted=True``, then every event of the new run.
 
         ``max_retries`` consecutive failed reconnects end the iteration with the last error.
         """
@@ -369,7 +382,7 @@ class OffloadClient:
 
 async def _read_sse(
     response: httpx.Response,
-) -> AsyncIterator[tuple[int | None, EngineEvent | GapMarker]]:
+) -> AsyncIterator[tuple[str | None, EngineEvent | GapMarker]]:
     """(id, item) per SSE message; comments (heartbeats) are skipped."""
     import json
 
@@ -380,7 +393,7 @@ async def _read_sse(
         if not line:
             if data:
                 item = parse_event(event, json.loads("\n".join(data)))
-                yield (int(msg_id) if msg_id and msg_id.isdigit() else None), item
+                yield (msg_id or None), item
             msg_id, event, data = None, "message", []
             continue
         if line.startswith(":"):

@@ -83,6 +83,13 @@ class OffloadConfig(BaseSettings):
 
     # -- async core -------------------------------------------------------------------------
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    max_open_leases: int = Field(default=65_536, ge=1)
+    """Open sidecar leases at most (each pins blocks until completed or expired); a prepare
+    beyond it answers 429. Leases that hold nothing are not kept and do not count."""
+    lease_grace_s: float = Field(default=60.0, ge=0)
+    """How long the slots of an expired (or reset) sidecar lease stay out of use, so that a
+    client still copying after its ``expires_at`` cannot touch another key's block. 0 frees
+    them at once (only safe when no sidecar client can be late)."""
     event_buffer_size: int = Field(default=10_000, ge=1)
     subscriber_queue_size: int = Field(default=1_000, ge=1)
 
@@ -109,8 +116,19 @@ class OffloadConfig(BaseSettings):
     api_token: SecretStr | None = None
     max_keys_per_request: int = Field(default=4096, ge=1)
     max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
+    max_large_bodies: int = Field(default=2, ge=1)
+    """Request bodies over 4 MiB (or of unknown length) received at once; memory for bodies
+    stays near ``max_large_bodies x max_body_bytes`` whatever the number of clients."""
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     """A request body that stalls longer than this between chunks is answered 408."""
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection whose request headers are not complete this long after it opened (or
+    after its previous response) is closed: idle and half-sent requests cannot pile up."""
+    max_event_subscribers: int = Field(default=256, ge=1)
+    """Event streams (SSE clients) served at once; more are answered 503."""
+    sse_send_timeout_s: float = Field(default=30.0, gt=0)
+    """An event-stream client that accepts no bytes for this long is disconnected, so a
+    stalled client holds at most one chunk (~100 KiB) for a bounded time."""
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
@@ -172,8 +190,15 @@ def _read_file(path: Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text) or {}
-        else:
+        elif path.suffix == ".json":
             data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"config file {path} has an unknown type {path.suffix or '(no suffix)'!r}: use "
+                f".toml, .json, .yaml or .yml"
+            )
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"cannot parse config file {path}: {exc}") from exc
     if not isinstance(data, dict):

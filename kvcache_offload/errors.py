@@ -12,6 +12,8 @@ __all__ = [
     "ConfigError",
     "InvalidKeyError",
     "LeaseError",
+    "LeaseLimitError",
+    "NoSharedRegionError",
     "OffloadError",
     "RegionError",
     "TierError",
@@ -49,12 +51,20 @@ class CapacityError(OffloadError):
     """The CPU tier cannot hold what was asked for."""
 
 
+class LeaseLimitError(CapacityError):
+    """Too many leases are open (``max_open_leases``): complete some before preparing more."""
+
+
 class TransferError(OffloadError):
     """A GPU<->CPU transfer failed or could not be submitted."""
 
 
 class RegionError(OffloadError):
     """The shared /dev/shm region cannot be created, joined or sized."""
+
+
+class NoSharedRegionError(RegionError):
+    """A call needs the shared region (the sidecar flow) but the service runs without one."""
 
 
 class LeaseError(OffloadError):

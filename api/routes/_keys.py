@@ -1,14 +1,48 @@
-"""Turn a request's key source (hex keys or token ids) into offload keys, within limits."""
+"""Turn a request's key source (hex keys or token ids) into offload keys, within limits.
+
+Parsing a large body and hashing its token ids can take seconds of CPU: bodies over
+``OFF_LOOP_BYTES`` are parsed and hashed in a worker thread (:func:`parse_keys`), so the event
+loop keeps answering other requests (and ``/healthz``) meanwhile.
+"""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import anyio
+
 from api.limits import check_key_count
+from api.routes._body import validate_body
 from api.schemas import KeysRequest
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.keys import token_block_keys
 
-__all__ = ["hex_keys", "remember_block_tokens", "request_context", "resolve_keys"]
+__all__ = [
+    "OFF_LOOP_BYTES",
+    "hex_keys",
+    "parse_keys",
+    "remember_block_tokens",
+    "request_context",
+    "resolve_keys",
+]
+
+K = TypeVar("K", bound=KeysRequest)
+
+OFF_LOOP_BYTES = 64 * 1024
+"""Bodies larger than this are parsed and hashed off the event loop (64 hex keys: ~2 KiB)."""
+
+
+def _parse_and_resolve(raw: bytes, model: type[K], max_keys: int) -> tuple[K, list[OffloadKey]]:
+    body = validate_body(raw, model)
+    return body, resolve_keys(body, max_keys)
+
+
+async def parse_keys(raw: bytes, model: type[K], max_keys: int) -> tuple[K, list[OffloadKey]]:
+    """The validated body and its keys; large bodies are handled in a worker thread."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return _parse_and_resolve(raw, model, max_keys)
+    return await anyio.to_thread.run_sync(_parse_and_resolve, raw, model, max_keys)
 
 
 def resolve_keys(body: KeysRequest, max_keys: int) -> list[OffloadKey]:

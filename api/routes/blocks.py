@@ -56,7 +56,7 @@ async def put_blocks(
             422, f"body must be {len(keys)} x {page} = {expected} bytes, got {len(body)}"
         )
     view = memoryview(body)
-    blocks = [bytes(view[i * page : (i + 1) * page]) for i in range(len(keys))]
+    blocks = [view[i * page : (i + 1) * page] for i in range(len(keys))]  # no second copy
     result = await engine.write_blocks([OffloadKey(bytes.fromhex(k)) for k in keys], blocks)
     return FastJSONResponse(
         {

@@ -8,7 +8,9 @@ from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse
 
 from api.broadcast import EventBroadcaster
+from api.errors import TooManySubscribers
 from api.routes._state import config_of, engine_of
+from api.sse import parse_event_id
 from kvcache_offload.aio.types import EventType
 from kvcache_offload.errors import ConfigError
 
@@ -27,14 +29,6 @@ def _parse_types(raw: list[str] | None) -> list[EventType] | None:
         return [EventType(n) for n in names] or None
     except ValueError:
         raise ConfigError(f"unknown event type in {names}: expected some of {_TYPES}") from None
-
-
-def _parse_seq(raw: str | None) -> int | None:
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit() or len(raw) > 19:
-        raise ConfigError(f"last event id must be a non-negative integer, got {raw[:40]!r}")
-    return int(raw)
 
 
 def broadcaster_of(request: Request) -> EventBroadcaster:
@@ -67,12 +61,25 @@ async def events(
 ) -> EventSourceResponse:
     """Live events; ``Last-Event-ID`` (header) or ``last_event_id`` (query) replays newer ones.
 
-    A ``gap`` event (data: ``missed``, ``next_seq``) replaces events this client missed.
+    A ``gap`` event (data: ``missed``, ``next_seq``) replaces events this client missed; an
+    id from another run of the service (it restarted) replays this run's events from the
+    start, after a ``gap`` event with ``restarted: true``.
     """
-    since = _parse_seq(last_event_id_header or last_event_id)
+    raw = last_event_id_header or last_event_id
     wanted = _parse_types(types)
     broadcaster = broadcaster_of(request)
+    since: int | None = None
+    restarted = False
+    if raw:
+        since, restarted = broadcaster.resume_point(*parse_event_id(raw))
+    config = config_of(request)
+    if broadcaster.subscribers >= config.max_event_subscribers:
+        raise TooManySubscribers(
+            f"{broadcaster.subscribers} event streams are open, the most allowed "
+            f"(max_event_subscribers={config.max_event_subscribers}); retry later"
+        )
     return EventSourceResponse(
-        broadcaster.stream(wanted, since),
-        ping=config_of(request).sse_heartbeat_s,
+        broadcaster.stream(wanted, since, restarted),
+        ping=config.sse_heartbeat_s,
+        send_timeout=config.sse_send_timeout_s,  # a client that stops reading is dropped
     )

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import State
 
 from api.responses import FastJSONResponse
-from api.routes._body import json_body, parse_body, validate_body
-from api.routes._keys import hex_keys, request_context, resolve_keys
+from api.routes._body import json_body
+from api.routes._keys import hex_keys, parse_keys, request_context
 from api.routes._state import config_of, engine_of, state_config, state_engine
 from api.schemas import KeysRequest, LookupOut, Touched
 
@@ -22,8 +22,7 @@ LOOKUP_PATH = "/v1/lookup"
 
 async def lookup_answer(state: State, raw_body: bytes) -> dict[str, Any]:
     """The lookup response for a raw JSON body (shared with the fast path in api/hot_path.py)."""
-    body = validate_body(raw_body, KeysRequest)
-    keys = resolve_keys(body, state_config(state).max_keys_per_request)
+    body, keys = await parse_keys(raw_body, KeysRequest, state_config(state).max_keys_per_request)
     result = await state_engine(state).lookup(keys, request_context(body))
     out: dict[str, Any] = {"hits": result.hits, "pending": result.pending, "states": result.states}
     if result.tiers is not None:
@@ -47,7 +46,7 @@ async def lookup(request: Request) -> FastJSONResponse:
 @router.post("/touch", response_model=Touched, openapi_extra=json_body(KeysRequest))
 async def touch(request: Request) -> FastJSONResponse:
     """Mark blocks recently used (the first key ends up most recently used)."""
-    body = await parse_body(request, KeysRequest)
-    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    raw = await request.body()
+    body, keys = await parse_keys(raw, KeysRequest, config_of(request).max_keys_per_request)
     await engine_of(request).touch(keys, request_context(body))
     return FastJSONResponse({"touched": len(keys)})

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from api.responses import FastJSONResponse
 from api.routes._body import json_body, parse_body
-from api.routes._keys import hex_keys, remember_block_tokens, request_context, resolve_keys
+from api.routes._keys import hex_keys, parse_keys, remember_block_tokens, request_context
 from api.routes._state import config_of, engine_of
 from api.schemas import (
     LoadCompleted,
@@ -17,6 +17,7 @@ from api.schemas import (
     StoreCompleteRequest,
     StoreLeaseOut,
 )
+from kvcache_offload.errors import NoSharedRegionError
 
 __all__ = ["router"]
 
@@ -28,8 +29,14 @@ router = APIRouter(prefix="/v1", tags=["leases"])
 )
 async def prepare_store(request: Request) -> FastJSONResponse:
     """Allocate CPU slots for the keys not yet offloaded (evicting if needed) under a lease."""
-    body = await parse_body(request, PrepareRequest)
-    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    config = config_of(request)
+    if not config.shared_region:
+        # The client would copy into memory it cannot reach; the blocks would be zeros.
+        raise NoSharedRegionError(
+            "this service has no shared region, so a sidecar client cannot write blocks: "
+            "start it with --shared-region, or upload the bytes with PUT /v1/blocks"
+        )
+    body, keys = await parse_keys(await request.body(), PrepareRequest, config.max_keys_per_request)
     engine = engine_of(request)
     remember_block_tokens(engine, body, keys)
     lease = await engine.prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
@@ -61,8 +68,8 @@ async def complete_store(request: Request) -> FastJSONResponse:
 @router.post("/load/prepare", response_model=LoadLeaseOut, openapi_extra=json_body(PrepareRequest))
 async def prepare_load(request: Request) -> FastJSONResponse:
     """Pin ready blocks for reading under a lease; 409 if any is not ready."""
-    body = await parse_body(request, PrepareRequest)
-    keys = resolve_keys(body, config_of(request).max_keys_per_request)
+    raw = await request.body()
+    body, keys = await parse_keys(raw, PrepareRequest, config_of(request).max_keys_per_request)
     lease = await engine_of(request).prepare_load(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(
         {

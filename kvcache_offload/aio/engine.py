@@ -36,6 +36,7 @@ from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.slot_fence import BlockCopies, SlotQuarantine
 from kvcache_offload.aio.tiering import CPU_TIER, EngineTiers
 from kvcache_offload.aio.types import (
     EngineStats,
@@ -126,7 +127,11 @@ class OffloadEngine:
         self._kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
             self._kv_events = self._open_kv_events(config)
-        self._leases = LeaseTable(self._on_lease_expired, config.lease_ttl_s)
+        self._leases = LeaseTable(
+            self._on_lease_expired, config.lease_ttl_s, config.max_open_leases
+        )
+        self._copies = BlockCopies()
+        self._quarantine = SlotQuarantine(config.lease_grace_s)
         self._observers = list(access_observers)
         self._on_lookup = self._observer_methods("on_lookup")
         self._on_store = self._observer_methods("on_store")
@@ -439,6 +444,7 @@ class OffloadEngine:
         self._check_open()
         if self._on_store:
             self._notify(self._on_store, keys)
+        self._release_quarantined()
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             self._stores_rejected += 1
@@ -696,7 +702,7 @@ class OffloadEngine:
         self._record_copy(LOAD_DIRECTION, transfer_bytes, transfer_seconds)
 
     def _on_lease_expired(self, lease: Lease) -> None:
-        self._rollback_lease(lease)
+        self._quarantine_lease(lease)
         self._hub.publish(
             EventType.LEASE_EXPIRED,
             lease.keys,
@@ -706,6 +712,40 @@ class OffloadEngine:
                 "req_id": lease.req_context.req_id,
             },
         )
+
+    def _quarantine_lease(self, lease: Lease) -> None:
+        """Roll an expired lease back without letting its slots change owner yet.
+
+        The sidecar client may still be copying (see :mod:`kvcache_offload.aio.slot_fence`):
+        a store lease's keys are dropped but its slots fenced, a load lease's blocks stay
+        pinned, both until the grace period is over.
+        """
+        fence = getattr(self.manager, "fence", None)
+        if not lease.keys or not callable(fence) or self._quarantine.grace_s <= 0:
+            self._rollback_lease(lease)
+            return
+        try:
+            if lease.kind == "store":
+                self._quarantine.fence(fence(lease.keys))
+                self._store_failed += len(lease.keys)
+                self._publish_manager_events()
+            else:
+                self._quarantine.pin(list(lease.keys), lease.req_context)
+        except OffloadError:
+            logger.exception("quarantining %s lease %s failed", lease.kind, lease.lease_id)
+
+    def _release_quarantined(self) -> None:
+        """Free the quarantined slots whose grace period is over (cheap when none is due)."""
+        for item in self._quarantine.due():
+            try:
+                if item.pinned_keys:
+                    self.manager.complete_load(item.pinned_keys, item.req_context)
+                else:
+                    release = getattr(self.manager, "release_fenced", None)
+                    if callable(release):
+                        release(item.block_ids)
+            except OffloadError:
+                logger.exception("releasing quarantined slots failed")
 
     def _rollback_lease(self, lease: Lease) -> None:
         if not lease.keys:
@@ -780,13 +820,15 @@ class OffloadEngine:
             return time.perf_counter() - start
 
         success = False
-        try:
-            seconds = await anyio.to_thread.run_sync(copy_in)
-            success = True
-        except OffloadError as exc:
-            raise TransferError(f"writing {len(stored)} blocks failed: {exc}") from exc
-        finally:
-            self._finish_store(stored, ctx, success, "" if success else "block write failed")
+        # Counted from before the first await: a reset waits for this copy (slot_fence).
+        with self._copies.copying():
+            try:
+                seconds = await anyio.to_thread.run_sync(copy_in)
+                success = True
+            except OffloadError as exc:
+                raise TransferError(f"writing {len(stored)} blocks failed: {exc}") from exc
+            finally:
+                self._finish_store(stored, ctx, success, "" if success else "block write failed")
         self._record_copy(STORE_DIRECTION, size * len(stored), seconds)
         return StoreResult(stored, out.evicted_keys, size * len(stored), seconds)
 
@@ -798,10 +840,11 @@ class OffloadEngine:
             await self._tiers.promote([key])
         (block_id,) = self._prepare_load([key], ctx)
         start = time.perf_counter()
-        try:
-            data = await anyio.to_thread.run_sync(memory.read, block_id)
-        finally:
-            self.manager.complete_load([key], ctx)
+        with self._copies.copying():
+            try:
+                data = await anyio.to_thread.run_sync(memory.read, block_id)
+            finally:
+                self.manager.complete_load([key], ctx)
         self._record_copy(LOAD_DIRECTION, len(data), time.perf_counter() - start)
         self._load_completed += 1
         self._hub.publish(EventType.LOAD_COMPLETED, [key], detail={"req_id": "", "remote": True})
@@ -810,16 +853,36 @@ class OffloadEngine:
     # -- reset, stats, events ----------------------------------------------------------------
 
     async def reset(self) -> None:
-        """Drop every offloaded block once in-flight jobs finished; open leases roll back."""
+        """Drop every offloaded block once in-flight jobs and block copies finished.
+
+        Open leases roll back; their slots (which sidecar clients may still be copying) stay
+        fenced for the grace period, so a late copy never lands in a block of another key.
+        """
         self._check_open()
         poller = self._poller
-        while poller is not None and poller.in_flight:
-            self._ensure_started()
-            if not await poller.drain(self.close_timeout_s):
-                raise TransferError("reset gave up waiting for in-flight transfers")
-        # From here on everything is synchronous: no job or lease can sneak in.
-        for lease in self._leases.take_all():
-            self._rollback_lease(lease)
+        copies = self._copies
+        while (poller is not None and poller.in_flight) or copies.running:
+            if poller is not None and poller.in_flight:
+                self._ensure_started()
+                if not await poller.drain(self.close_timeout_s):
+                    raise TransferError("reset gave up waiting for in-flight transfers")
+            if not await copies.wait_idle(self.close_timeout_s):
+                raise TransferError("reset gave up waiting for in-flight block copies")
+        # From here on everything is synchronous: no job, copy or lease can sneak in.
+        fence = getattr(self.manager, "fence", None)
+        leases = self._leases.take_all()
+        if callable(fence) and self._quarantine.grace_s > 0:
+            fenced: list[int] = []
+            for lease in leases:
+                fenced += fence(lease.keys)
+                if lease.kind == "store":
+                    self._store_failed += len(lease.keys)
+            for item in self._quarantine.take_pinned():
+                fenced += fence(item.pinned_keys)
+            self._quarantine.fence(fenced)
+        else:
+            for lease in leases:
+                self._rollback_lease(lease)
         self._publish_manager_events()
         self.manager.reset_cache()
         if self._tiers is not None:
@@ -827,6 +890,7 @@ class OffloadEngine:
         self._hub.publish(EventType.RESET, [])
 
     def stats(self) -> EngineStats:
+        self._release_quarantined()
         manager_stats = getattr(self.manager, "stats", None)
         snap = manager_stats() if callable(manager_stats) else None
         capacity = int(getattr(snap, "num_blocks", 0))
@@ -837,6 +901,8 @@ class OffloadEngine:
             blocks_writing=int(getattr(snap, "writing", 0)),
             blocks_idle=int(getattr(snap, "idle", 0)),
             blocks_reading=int(getattr(snap, "reading", 0)),
+            blocks_fenced=int(getattr(snap, "fenced", 0)),
+            block_nbytes=int(getattr(self.spec, "kv_bytes_per_offloaded_block", 0) or 0),
             lookups=self._lookups,
             lookup_keys=self._lookup_keys,
             lookup_hit_blocks=self._lookup_hit_blocks,

@@ -16,6 +16,7 @@ All methods run on the event-loop thread.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
@@ -147,6 +148,9 @@ class EventHub:
         self._ring: deque[EngineEvent] = deque(maxlen=buffer_size)
         self._subs: dict[EventSubscription, None] = {}
         self._seq = 0
+        self.epoch = secrets.token_hex(6)
+        """Names this run of sequence numbers: a resume id from another run (a restart) is
+        told apart from one of this run (see the SSE ids in ``api/sse.py``)."""
         self._published: dict[str, int] = {}
         self._dropped = 0
         self._closed = False

@@ -24,7 +24,7 @@ from typing import Literal
 from kvcache_offload.aio._waker import Waker
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.errors import ConfigError, LeaseError
+from kvcache_offload.errors import ConfigError, LeaseError, LeaseLimitError
 
 __all__ = ["Lease", "LeaseKind", "LeaseTable"]
 
@@ -34,6 +34,10 @@ LeaseKind = Literal["store", "load"]
 
 _REMEMBER_EXPIRED = 10_000
 """Expired lease ids remembered so a late completion hears "expired", not "unknown"."""
+
+EMPTY_LEASE_PREFIX = "empty-"
+"""Ids of leases that hold nothing (every key already stored, or no key): never kept in the
+table, so they cost no memory, and completing one is a no-op."""
 
 
 @dataclass
@@ -53,9 +57,15 @@ class Lease:
 class LeaseTable:
     """Open leases by id plus a heap of deadlines; ``on_expire`` rolls an expired lease back."""
 
-    def __init__(self, on_expire: Callable[[Lease], None], default_ttl_s: float) -> None:
+    def __init__(
+        self,
+        on_expire: Callable[[Lease], None],
+        default_ttl_s: float,
+        max_open: int = 65_536,
+    ) -> None:
         self.check_ttl(default_ttl_s)
         self.default_ttl_s = default_ttl_s
+        self.max_open = max_open
         self._on_expire = on_expire
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
@@ -83,6 +93,24 @@ class LeaseTable:
     ) -> Lease:
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         self.check_ttl(ttl)
+        if not keys:  # holds nothing: not kept, completing it is a no-op
+            return Lease(
+                lease_id=EMPTY_LEASE_PREFIX + uuid.uuid4().hex,
+                kind=kind,
+                keys=[],
+                block_ids=[],
+                req_context=req_context,
+                deadline=time.monotonic() + ttl,
+                expires_at=time.time() + ttl,
+                evicted_keys=evicted_keys or [],
+            )
+        if len(self._leases) >= self.max_open:
+            self.expire_due()
+            if len(self._leases) >= self.max_open:
+                raise LeaseLimitError(
+                    f"{len(self._leases)} leases are open, the most allowed "
+                    f"(max_open_leases={self.max_open}): complete some first"
+                )
         lease = Lease(
             lease_id=uuid.uuid4().hex,
             kind=kind,
@@ -102,6 +130,8 @@ class LeaseTable:
 
     def pop(self, lease_id: str, kind: LeaseKind) -> Lease:
         """Remove and return an open lease; expired or unknown ids raise :class:`LeaseError`."""
+        if lease_id.startswith(EMPTY_LEASE_PREFIX):
+            return Lease(lease_id, kind, [], [], ReqContext(), 0.0, 0.0)
         lease = self._leases.get(lease_id)
         if lease is not None and time.monotonic() >= lease.deadline:
             self.expire_due()

@@ -52,6 +52,8 @@ class LookupResult:
     tiers: list[str | None] | None = None
     """With secondary tiers configured: where each key in ``states`` is ("CPU", "disk",
     "redis"), None when nowhere ready. A key below the CPU tier is READY: a load promotes it."""
+    keys: list[OffloadKey] | None = None
+    """The keys looked up, when the service derived them from token ids (else None)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ class GapMarker:
     """How many events were skipped."""
     next_seq: int
     """Sequence number of the next event the subscriber will receive."""
+    restarted: bool = False
+    """The resume point came from another run of the service (it restarted, so sequence
+    numbers began again at 1): what happened after it is unknown; ``missed`` counts only
+    this run's events that are no longer kept."""
 
 
 TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -165,6 +171,10 @@ class EngineStats:
     blocks_writing: int
     blocks_idle: int
     blocks_reading: int
+    block_nbytes: int = 0
+    """Bytes of one offloaded block (one CPU slot): the page size of PUT/GET /v1/blocks."""
+    blocks_fenced: int = 0
+    """Slots of expired or reset sidecar leases held out of use for the grace period."""
     lookups: int = 0
     lookup_keys: int = 0
     lookup_hit_blocks: int = 0

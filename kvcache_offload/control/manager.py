@@ -54,6 +54,8 @@ class CPUManagerStats:
     failed_store_blocks: int
     loaded_blocks: int
     policy: str
+    fenced: int = 0
+    """Slots held back from reuse because a client may still write them (see ``fence``)."""
 
     @property
     def used(self) -> int:
@@ -109,6 +111,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy_name = policy_cls.name or policy_cls.__name__
         self._num_allocated = 0
         self._free_list: list[BlockStatus] = []
+        # Slots taken from their keys but not reusable yet: a sidecar client may still write.
+        self._fenced: dict[int, BlockStatus] = {}
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._writing = 0
         self._reading = 0
@@ -132,8 +136,10 @@ class CPUOffloadingManager(OffloadingManager):
         return len(self._free_list) + self._num_blocks - self._num_allocated
 
     def _num_idle(self) -> int:
-        """Blocks neither free, being written nor being read: the only evictable ones."""
-        return self._num_blocks - self._num_free() - self._writing - self._reading
+        """Blocks neither free, fenced, being written nor being read: the only evictable ones."""
+        return (
+            self._num_blocks - self._num_free() - self._writing - self._reading - len(self._fenced)
+        )
 
     def stats(self) -> CPUManagerStats:
         return CPUManagerStats(
@@ -148,6 +154,7 @@ class CPUOffloadingManager(OffloadingManager):
             failed_store_blocks=self._failed_store_blocks,
             loaded_blocks=self._loaded_blocks,
             policy=self._policy_name,
+            fenced=len(self._fenced),
         )
 
     # -- lookups and loads ---------------------------------------------------------------
@@ -333,13 +340,59 @@ class CPUOffloadingManager(OffloadingManager):
         events, self.events = self.events, []
         yield from events
 
+    def fence(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Drop ``keys`` (in any state) but keep their slots from reuse; returns the slot ids.
+
+        For slots a client outside this process may still write (an expired or reset
+        sidecar store lease): handing such a slot to another key would let the late bytes
+        land in that key's ready block. :meth:`release_fenced` makes them free again.
+        """
+        _check_keys(keys)
+        get = self._blocks.get
+        remove = self._policy.remove
+        table = self._blocks
+        fenced: list[int] = []
+        for key in keys:
+            block = get(key)
+            if block is None:
+                continue
+            if block.ref_cnt == -1:
+                self._writing -= 1
+                self._failed_store_blocks += 1
+            elif block.ref_cnt > 0:
+                self._reading -= 1
+            remove(key)
+            if not self._shared_table:
+                del table[key]
+            block.ref_cnt = -1
+            self._fenced[block.block_id] = block
+            fenced.append(block.block_id)
+        return fenced
+
+    def release_fenced(self, block_ids: Sequence[int]) -> None:
+        """Make fenced slots free again (unknown ids are ignored: a reset may have freed them)."""
+        for block_id in block_ids:
+            block = self._fenced.pop(block_id, None)
+            if block is not None:
+                self._free_list.append(block)
+
     def reset_cache(self) -> None:
+        """Drop every block; fenced slots stay fenced (their writers may still be running)."""
         self._policy.clear()
         self._blocks.clear()
         self._free_list.clear()
         self._num_allocated = 0
         self._writing = 0
         self._reading = 0
+        if self._fenced:
+            # Everything else is free again, handed out in ascending order as after a start.
+            fenced = self._fenced
+            self._free_list = [
+                BlockStatus(block_id)
+                for block_id in range(self._num_blocks - 1, -1, -1)
+                if block_id not in fenced
+            ]
+            self._num_allocated = self._num_blocks
 
     def shutdown(self) -> None:
         self.reset_cache()

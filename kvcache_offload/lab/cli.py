@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -125,12 +126,23 @@ def plot_result(result: SweepResult, path: Path) -> None:
     plot_hit_rates(panels, path, xlabel=xlabel)
 
 
+def _check_writable(path: Path) -> None:
+    """Fail before a long replay, not after it, when an output file cannot be written."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise OffloadError(f"cannot write {path}: it is a directory")
+    if not parent.is_dir():
+        raise OffloadError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise OffloadError(f"cannot write {path}: permission denied")
+
+
 def replay(
     traces: Annotated[
         list[Path] | None,
         typer.Argument(
-            help="Mooncake JSONL traces or recorded request logs (default: the Mooncake "
-            "traces in ../shared/traces when present, else the shipped sample).",
+            help="Mooncake JSONL traces or recorded request logs (default: the traces in "
+            "$KVCACHE_OFFLOAD_TRACE_DIR when set, else the shipped sample).",
             show_default=False,
         ),
     ] = None,
@@ -178,6 +190,9 @@ def replay(
         paths = list(traces) if traces else default_trace_paths()
         policies = _policies(policy)
         capacities = parse_capacities(capacity)
+        for out in (json_out, plot):
+            if out is not None:
+                _check_writable(out)
         loaded = [load_trace(p) for p in paths]
         if full_blocks_only:
             loaded = [t.without_partial_blocks() for t in loaded]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tests._regions import region_name
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 4096
@@ -67,6 +70,9 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Se
         **os.environ,
         "KVCACHE_OFFLOAD_LAYOUT__BYTES_PER_BLOCK": str(BLOCK_BYTES),
         "KVCACHE_OFFLOAD_BACKEND": "cpu",
+        # A shared region of this test session: the sidecar flow needs one.
+        "KVCACHE_OFFLOAD_SHARED_REGION": "true",
+        "KVCACHE_OFFLOAD_REGION_NAME": region_name("srv"),
         **(env or {}),
     }
     process = subprocess.Popen(
@@ -94,5 +100,16 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Se
         yield server
     finally:
         if process.poll() is None:
-            process.kill()
-            process.wait()
+            # On a timeout stop() kills it; the region's reaper then removes the file.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.stop(timeout=10)
+        _wait_gone(
+            Path("/dev/shm") / f"kvcache_offload_{full_env['KVCACHE_OFFLOAD_REGION_NAME']}.mmap"
+        )
+
+
+def _wait_gone(path: Path, timeout: float = 10.0) -> None:
+    """A killed server's region file is removed by its reaper child, a moment later."""
+    deadline = time.monotonic() + timeout
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)

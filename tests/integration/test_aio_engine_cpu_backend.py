@@ -25,6 +25,7 @@ from kvcache_offload.aio import (  # noqa: E402
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
 from kvcache_offload.dataplane import layouts  # noqa: E402
 from kvcache_offload.errors import OffloadError  # noqa: E402
+from tests._regions import region_name  # noqa: E402
 from tests.unit._aio_fakes import wait_for  # noqa: E402
 from tests.unit._keys import key_ids, keys  # noqa: E402
 
@@ -187,14 +188,13 @@ async def test_shutdown_with_jobs_in_flight_completes_or_fails_every_store() -> 
 async def test_shared_region_engine_serves_block_bytes_and_cleans_up() -> None:
     pytest.importorskip("kvcache_offload.dataplane.memory.shared_offload_region")
     import os
-    import uuid
 
     page = 4096
     config = OffloadConfig(
         cpu_bytes_to_use=16 * page,
         layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page),
         shared_region=True,
-        region_name=f"aio-test-{uuid.uuid4().hex[:8]}",
+        region_name=region_name("aio-test"),
     )
     engine = OffloadEngine(config)
     async with engine:

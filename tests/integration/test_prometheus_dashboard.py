@@ -34,6 +34,8 @@ import httpx
 import pytest
 import yaml
 
+from tests._regions import region_name
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "kvcache-offload.json"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus.yml"
@@ -142,6 +144,10 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         # A disk tier, so the "Secondary tiers" panels have data too.
         "KVCACHE_OFFLOAD_DISK_PATH": str(tmp / "disk-tier"),
         "KVCACHE_OFFLOAD_DISK_BYTES": "64MiB",
+        # Expired leases free their slots at once: the traffic below reuses them right away.
+        "KVCACHE_OFFLOAD_LEASE_GRACE_S": "0",
+        "KVCACHE_OFFLOAD_SHARED_REGION": "true",  # the sidecar flow needs one
+        "KVCACHE_OFFLOAD_REGION_NAME": region_name("dashboard"),
     }
     with spawn(serve_command(port), tmp / "service.log", env) as proc:
         url = f"http://127.0.0.1:{port}"

@@ -157,7 +157,40 @@ async def test_client_reconnects_with_last_event_id_and_loses_nothing(
     )
     assert len(transport.resume_headers) == 2
     resumed_from = transport.resume_headers[1]
-    assert resumed_from is not None and start < int(resumed_from) < start + 10
+    assert resumed_from is not None and start < int(resumed_from.rsplit("-", 1)[1]) < start + 10
+
+
+async def test_resuming_with_an_id_of_a_previous_run_gets_a_restart_gap_then_everything(
+    client: OffloadClient,
+) -> None:
+    """A client resuming across a service restart hears about it and loses no new event."""
+    ids: list[str] = []
+    with running_server() as previous:  # the previous run of the service
+        async with OffloadClient(previous.url) as old:
+            for i in range(30):  # it got further than the new run will
+                await old.put_blocks([key(500 + i)], [bytes(4096)])
+            async with old._http.stream(
+                "GET", "/v1/events", headers={"Last-Event-ID": "0"}
+            ) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("id: "):
+                        ids.append(line[4:])
+                    if len(ids) == 30:
+                        break
+    first = await last_seq(client) + 1
+    await store_keys(client, [key(i) for i in range(3)])
+    stream = client.events(last_event_id=ids[-1], reconnect=False)
+    items: list[EngineEvent | GapMarker] = []
+    with anyio.fail_after(10):
+        async for item in stream:
+            items.append(item)
+            if isinstance(item, EngineEvent) and item.seq == first + 2:
+                break
+    await stream.aclose()
+    gap, *events = items
+    assert isinstance(gap, GapMarker) and gap.restarted
+    seqs = [e.seq for e in events if isinstance(e, EngineEvent)]
+    assert seqs == list(range(gap.next_seq, first + 3))  # every event this run still keeps
 
 
 async def test_expired_lease_is_visible_as_an_event(client: OffloadClient) -> None:

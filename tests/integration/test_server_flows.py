@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -61,9 +62,10 @@ async def test_token_id_requests_use_the_documented_keys(client: OffloadClient) 
 async def test_errors_come_back_as_library_exceptions(client: OffloadClient) -> None:
     with pytest.raises(BlockStateError):
         await client.prepare_load([key(1)])
-    await client.prepare_store([key(i) for i in range(CAPACITY_BLOCKS)])
+    everything = await client.prepare_store([key(i) for i in range(CAPACITY_BLOCKS)])
     with pytest.raises(CapacityError):
         await client.prepare_store([key(1000)])
+    await client.complete_store(everything.lease_id, success=False)  # frees the slots now
     with pytest.raises(ServiceError) as info:
         await client.lookup(["xyz"])
     assert info.value.status == 422
@@ -147,3 +149,51 @@ def test_sigterm_with_an_open_event_stream_still_shuts_down_promptly() -> None:
     assert code in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
     assert elapsed < 10
+
+
+def test_idle_and_half_sent_requests_are_closed_after_the_header_deadline() -> None:
+    import socket
+    from urllib.parse import urlparse
+
+    env = {"KVCACHE_OFFLOAD_HEADER_READ_TIMEOUT_S": "0.5"}
+    with running_server(env=env) as srv:
+        port = urlparse(srv.url).port
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        partial = socket.create_connection(("127.0.0.1", port), timeout=10)
+        partial.sendall(b"GET /hea")
+        for sock in (idle, partial):
+            with sock:
+                assert sock.recv(100) == b""  # closed by the server, well before the timeout
+
+
+def test_sigterm_answers_slow_bodies_503_and_ends_event_streams_cleanly() -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    with running_server("--log-level", "info") as srv:
+        port = urlparse(srv.url).port
+        events = socket.create_connection(("127.0.0.1", port), timeout=10)
+        events.sendall(b"GET /v1/events HTTP/1.1\r\nHost: t\r\nAccept: text/event-stream\r\n\r\n")
+        assert events.recv(4096).startswith(b"HTTP/1.1 200")
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(
+            b"POST /v1/lookup HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
+        assert httpx.get(f"{srv.url}/healthz", timeout=10).status_code == 200
+        started = time.monotonic()
+        code = srv.stop(timeout=15)
+        elapsed = time.monotonic() - started
+        answer = slow.recv(4096)
+        tail = b""
+        while chunk := events.recv(4096):
+            tail += chunk
+        slow.close()
+        events.close()
+        output = srv.process.stdout.read().decode() if srv.process.stdout else ""
+    assert code in (0, -signal.SIGTERM), output
+    assert answer.startswith(b"HTTP/1.1 503") and b"ShuttingDown" in answer
+    assert tail.endswith(b"0\r\n\r\n")  # the chunked event stream was finished, not cut
+    assert "ERROR" not in output and "Traceback" not in output, output
+    assert elapsed < 4  # not held until the 5 s graceful timeout

@@ -5,14 +5,25 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import httpx
 
-from tests.integration._server import running_server
+from tests._regions import region_name
+from tests.integration._server import (
+    BLOCK_BYTES,
+    CAPACITY_BLOCKS,
+    ROOT,
+    SERVE,
+    free_port,
+    running_server,
+)
 
 
 def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
-    name = f"api-test-{os.getpid()}"  # never collide with another test's region
+    name = region_name("api-test")  # never collide with another test's region
     env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
     with running_server("--shared-region", "--log-level", "info", env=env) as srv:
         r = httpx.get(f"{srv.url}/v1/region", timeout=10)
@@ -29,7 +40,7 @@ def test_region_is_described_then_released_by_a_graceful_shutdown() -> None:
 
 def test_a_sidecar_client_writes_blocks_through_the_region_described_by_the_server() -> None:
     """prepare -> write into the mapped file where /v1/region says -> complete -> bytes serve."""
-    name = f"api-sidecar-{os.getpid()}"
+    name = region_name("api-sidecar")
     env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
     with (
         running_server("--shared-region", env=env) as srv,
@@ -54,3 +65,58 @@ def test_a_sidecar_client_writes_blocks_through_the_region_described_by_the_serv
         assert served.content == payload
         assert srv.stop() in (0, -signal.SIGTERM)
     assert not os.path.exists(info["path"]), "the region outlived a graceful shutdown"
+
+
+def test_a_second_service_on_the_same_region_exits_2_and_leaves_the_first_intact() -> None:
+    name = region_name("api-dup")
+    env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
+    key = (7).to_bytes(8, "big").hex() + "00000000"
+    with running_server(env=env) as first, httpx.Client(base_url=first.url, timeout=10) as c:
+        block = bytes([7]) * BLOCK_BYTES
+        assert c.put("/v1/blocks", params={"keys": [key]}, content=block).status_code == 200
+        second = subprocess.run(
+            [sys.executable, "-c", SERVE, "--port", str(free_port()), "--cpu-bytes",
+             str(CAPACITY_BLOCKS * BLOCK_BYTES)],
+            env={**os.environ, "KVCACHE_OFFLOAD_LAYOUT__BYTES_PER_BLOCK": str(BLOCK_BYTES),
+                 "KVCACHE_OFFLOAD_SHARED_REGION": "true", **env},
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert "already used by another service" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert c.get("/v1/region").json()["sealed"] is False
+        assert c.get(f"/v1/blocks/{key}").content == block
+
+
+def test_a_late_sidecar_write_after_lease_expiry_never_reaches_another_keys_block() -> None:
+    """--lease-ttl 1 and a writer that sleeps past it: its bytes land in a fenced slot."""
+    with (
+        running_server("--lease-ttl", "1") as srv,
+        httpx.Client(base_url=srv.url, timeout=10) as client,
+    ):
+        info = client.get("/v1/region").json()
+        late_key = (1).to_bytes(8, "big").hex() + "00000000"
+        lease = client.post("/v1/store/prepare", json={"keys": [late_key]}).json()
+        deadline = time.monotonic() + 10
+        while client.get("/v1/stats").json()["leases_expired"].get("store", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # Other keys fill every slot the service may hand out.
+        others = [(100 + i).to_bytes(8, "big").hex() + "00000000" for i in range(CAPACITY_BLOCKS)]
+        body = b"".join(bytes([i % 250 + 1]) * BLOCK_BYTES for i in range(len(others)))
+        r = client.put("/v1/blocks", params={"keys": others}, content=body)
+        assert r.status_code == 507  # one slot is fenced: the late writer may still write it
+        stored = others[: CAPACITY_BLOCKS - 1]
+        r = client.put(
+            "/v1/blocks", params={"keys": stored}, content=body[: len(stored) * BLOCK_BYTES]
+        )
+        assert r.status_code == 200, r.text
+        (slot,) = lease["block_ids"]
+        row = info["row_stride"]
+        with open(info["path"], "r+b") as f, mmap.mmap(f.fileno(), info["total_size_bytes"]) as mm:
+            start = info["data_offset"] + slot * row
+            mm[start : start + row] = b"\xee" * row  # the late write
+        for i, k in enumerate(stored):
+            assert client.get(f"/v1/blocks/{k}").content == bytes([i % 250 + 1]) * BLOCK_BYTES
+        done = client.post("/v1/store/complete", json={"lease_id": lease["lease_id"]})
+        assert done.status_code == 410

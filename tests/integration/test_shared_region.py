@@ -13,7 +13,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 from kvcache_offload.dataplane.memory import shared_offload_region as sor
 from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
 from kvcache_offload.errors import RegionError
+from tests._regions import region_name
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the region is Linux-only")
 
@@ -40,7 +40,7 @@ def shm_dir(tmp_path: Path) -> str:
 
 @pytest.fixture
 def name() -> str:
-    return f"it-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    return region_name("it")
 
 
 def _leftovers(shm_dir: str, name: str) -> list[str]:
@@ -152,10 +152,35 @@ def test_sigkill_of_any_process_leaves_nothing_in_shm(shm_dir, name, victim):
     assert _leftovers(shm_dir, name) == []
 
 
-def test_stale_file_from_a_crashed_creator_does_not_break_the_next_start(shm_dir, name):
+def _wait_until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_creator_sigkilled_before_any_joiner_leaves_no_file(shm_dir, name):
     (crashed,) = _start(name, shm_dir, [0], 2)  # waits for a second worker that never comes
+    assert len(_leftovers(shm_dir, name)) == 1
     crashed.kill()
-    assert len(_leftovers(shm_dir, name)) == 1  # the crash left its file behind
+    _wait_until(lambda: _leftovers(shm_dir, name) == [])  # its reaper removed the file
+
+
+def test_a_region_garbage_collected_without_cleanup_removes_its_file(tmp_path):
+    import gc
+
+    region = SharedOffloadRegion("gc", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+    path = region.path
+    assert os.path.exists(path)
+    del region
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_stale_file_from_a_crashed_creator_does_not_break_the_next_start(shm_dir, name):
+    stale = os.path.join(shm_dir, f"kvcache_offload_{name}.mmap")
+    with open(stale, "wb") as f:  # a crash whose reaper was killed too (e.g. a kill -9 -PGID)
+        f.write(b"KVOFFRG1" + bytes(8192))
     creator, joiner = _start(name, shm_dir, [0, 1], 2)
     try:
         assert creator.send("write") == {"event": "written"}
@@ -197,6 +222,65 @@ def test_a_late_joiner_gets_a_clear_error(shm_dir, name):
 
 
 # -- in-process behaviour -----------------------------------------------------------------------
+
+
+def _join_racing(name: str, rank: int, shm_dir: Path, start: threading.Barrier, out: list) -> None:
+    start.wait()
+    try:
+        out.append(
+            SharedOffloadRegion(
+                name, 4, 512, num_workers=8, rank=rank, shm_dir=shm_dir, populate=False
+            )
+        )
+    except BaseException as exc:  # collected for the test's assert
+        out.append(exc)
+
+
+def test_racing_joiners_never_get_a_spurious_too_late(tmp_path, monkeypatch):
+    """Eight threads join at once, twenty times: every one maps the region, none is "late".
+
+    The creator is slowed down so that the joiners keep probing while it creates the file.
+    """
+    create = SharedOffloadRegion._create
+
+    def slow_create(self: SharedOffloadRegion) -> None:
+        time.sleep(0.05)  # widens the window in which joiners find no file yet
+        create(self)
+
+    monkeypatch.setattr(SharedOffloadRegion, "_create", slow_create)
+    for round_ in range(20):
+        start = threading.Barrier(8)
+        out: list = []  # list.append is atomic
+        threads = [
+            threading.Thread(target=_join_racing, args=(f"race{round_}", r, tmp_path, start, out))
+            for r in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        regions = [r for r in out if isinstance(r, SharedOffloadRegion)]
+        try:
+            assert len(regions) == 8, f"round {round_}: {[e for e in out if e not in regions]}"
+            assert sum(r.is_creator for r in regions) == 1
+            assert not os.path.exists(regions[0].path)  # all eight mapped it: sealed
+        finally:
+            for r in regions:
+                r.cleanup()
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_service_on_the_same_region_name_is_refused(tmp_path):
+    first = SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=None, shm_dir=tmp_path)
+    try:
+        with pytest.raises(RegionError, match="already used by another service"):
+            SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=None, shm_dir=tmp_path)
+        assert not first.sealed and os.path.exists(first.path)  # the first one is untouched
+        worker = SharedOffloadRegion("svc2", 4, 512, num_workers=2, rank=0, shm_dir=tmp_path)
+        worker.cleanup()
+    finally:
+        first.cleanup()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_too_small_shm_gives_a_clear_region_error(tmp_path, monkeypatch):

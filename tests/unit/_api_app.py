@@ -14,16 +14,20 @@ from fastapi import FastAPI
 from api import create_app
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.config import OffloadConfig, load_config
+from tests._regions import region_name
 
 BLOCK_BYTES = 4096
 CAPACITY_BLOCKS = 16
 
 
 def small_config(**overrides: Any) -> OffloadConfig:
+    """A tiny CPU tier in a shared region of this test session (the sidecar flow needs one)."""
     values: dict[str, Any] = {
         "cpu_bytes_to_use": CAPACITY_BLOCKS * BLOCK_BYTES,
         "layout": {"bytes_per_block": BLOCK_BYTES},
         "backend": "cpu",
+        "shared_region": True,
+        "region_name": region_name("unit"),
     }
     values.update(overrides)
     return load_config(**values)

@@ -143,3 +143,32 @@ async def test_thread_wakeup_resolves_a_job_after_the_spin_window() -> None:
         await asyncio.wait_for(fut, 2)  # would take 30 s without the wake-up
     finally:
         task.cancel()
+
+
+async def test_leases_that_hold_nothing_are_not_kept_and_complete_as_no_ops() -> None:
+    from kvcache_offload.aio import OffloadEngine
+    from tests.unit._aio_fakes import FakeSpec, small_config
+
+    config = small_config(4, max_open_leases=2)
+    async with OffloadEngine(config, spec=FakeSpec(config)) as engine:
+        for _ in range(1000):  # e.g. 20,000 prepares of nothing with ttl_s 3600
+            empty = await engine.prepare_store([], ttl_s=3600)
+            assert engine.stats().leases_active == 0
+        assert await engine.complete_store(empty.lease_id) == []
+
+
+async def test_open_leases_are_capped_with_a_lease_limit_error() -> None:
+    from kvcache_offload.aio import OffloadEngine
+    from kvcache_offload.errors import LeaseLimitError
+    from tests.unit._aio_fakes import FakeSpec, small_config
+    from tests.unit._keys import keys
+
+    config = small_config(8, max_open_leases=2)
+    async with OffloadEngine(config, spec=FakeSpec(config)) as engine:
+        first = await engine.prepare_store(keys(1))
+        await engine.prepare_load([], ttl_s=5)  # holds nothing: not counted
+        await engine.prepare_store(keys(2))
+        with pytest.raises(LeaseLimitError, match="max_open_leases=2"):
+            await engine.prepare_store(keys(3))
+        await engine.complete_store(first.lease_id)
+        await engine.prepare_store(keys(3))

@@ -67,3 +67,21 @@ async def test_a_complete_body_in_chunks_is_not_cut_off() -> None:
         )
         start = next(m for m in sent if m["type"] == "http.response.start")
         assert start["status"] == 200
+
+
+async def test_a_body_trickled_byte_by_byte_still_hits_one_deadline_for_the_whole_body() -> None:
+    """Each chunk arrives well within the timeout; the whole body does not."""
+    async with OffloadEngine(small_config(body_read_timeout_s=0.3)) as engine:
+        app = create_app(engine)
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(0.05)  # a byte every 50 ms: each chunk is "on time"
+            return {"type": "http.request", "body": b" ", "more_body": True}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(_scope("/v1/lookup"), receive, send), timeout=10)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        assert start["status"] == 408

@@ -46,3 +46,37 @@ def test_help_lists_the_main_flags() -> None:
     assert result.exit_code == 0
     for flag in ("--host", "--port", "--config", "--cpu-bytes", "--policy", "--api-token"):
         assert flag in result.output
+
+
+def _serve(*args: str) -> object:
+    app = typer.Typer()
+    app.command()(serve)
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--policy", "bogus"], "unknown cache policy 'bogus'"),
+        (["--cpu-bytes", "1"], "holds no block: one offloaded block is 2.00 MiB"),
+        (["--cpu-bytes", "1000TiB"], "memory available: lower --cpu-bytes"),
+    ],
+    ids=["unknown-policy", "no-block", "beyond-host-memory"],
+)
+def test_impossible_configurations_exit_2_with_one_line_before_serving(
+    args: list[str], reason: str
+) -> None:
+    result = _serve("--port", "1", *args)  # port 1 is never bound: the checks come first
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    output = result.output  # type: ignore[attr-defined]
+    assert reason in output
+    assert "Traceback" not in output and len(output.strip().splitlines()) == 1
+
+
+def test_tier_check_counts_blocks_memory_and_shm() -> None:
+    from kvcache_offload.dataplane.memory.tier_check import check_cpu_tier
+    from kvcache_offload.errors import ConfigError
+
+    check_cpu_tier(4, 1024, 4096, available=4096)
+    with pytest.raises(ConfigError, match=r"only 4\.00 KiB of memory available"):
+        check_cpu_tier(5, 1024, 5120, available=4096)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache_offload.aio import EventType
-from tests.unit._api_app import CAPACITY_BLOCKS, hex_key, served, store, wait_for
+from tests.unit._api_app import CAPACITY_BLOCKS, hex_key, served, small_config, store, wait_for
 
 
 async def test_store_then_load_flow_pins_and_releases_blocks() -> None:
@@ -107,3 +107,16 @@ async def test_reset_drops_every_block() -> None:
         assert r.status_code == 200
         r = await s.client.post("/v1/lookup", json={"keys": [hex_key(1)]})
         assert r.json()["hits"] == 0
+
+
+async def test_the_sidecar_store_flow_is_refused_with_409_without_a_shared_region() -> None:
+    """Without a region the client could not write the blocks: they would be served as zeros."""
+    async with served(small_config(shared_region=False)) as s:
+        r = await s.client.post("/v1/store/prepare", json={"keys": [hex_key(1)]})
+        assert r.status_code == 409
+        body = r.json()
+        assert body["error"] == "NoSharedRegionError"
+        assert "--shared-region" in body["detail"] and "PUT /v1/blocks" in body["detail"]
+        lookup = await s.client.post("/v1/lookup", json={"keys": [hex_key(1)]})
+        assert lookup.json()["states"] == ["absent"]
+        assert s.engine.stats().leases_active == 0

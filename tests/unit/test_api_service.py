@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from api import create_app
-from tests.unit._api_app import hex_key, served, small_config, store
+from tests.unit._api_app import BLOCK_BYTES, hex_key, served, small_config, store
 
 TOKEN = "s3cret-token"
 
@@ -51,7 +51,7 @@ async def test_stats_report_engine_counters_as_json() -> None:
 
 
 async def test_region_answers_404_when_the_server_has_no_shared_region() -> None:
-    async with served() as s:
+    async with served(small_config(shared_region=False)) as s:
         r = await s.client.get("/v1/region")
         assert r.status_code == 404
         assert "no shared region" in r.json()["detail"]
@@ -135,3 +135,68 @@ async def test_readyz_is_503_once_a_served_engine_is_closed() -> None:
         assert (await s.client.get("/readyz")).status_code == 200
         await s.engine.aclose()
         assert (await s.client.get("/readyz")).status_code == 503
+
+
+async def test_an_unexpected_error_is_still_a_json_500() -> None:
+    async with served() as s:
+
+        async def out_of_memory(*args: object, **kwargs: object) -> None:
+            raise MemoryError("cannot allocate")
+
+        s.engine.write_blocks = out_of_memory  # type: ignore[method-assign]
+        transport = httpx.ASGITransport(app=s.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            r = await client.put(
+                "/v1/blocks", params={"keys": [hex_key(1)]}, content=bytes(BLOCK_BYTES)
+            )
+        assert r.status_code == 500
+        assert r.json() == {"error": "InternalError", "detail": "MemoryError: cannot allocate"}
+
+
+async def test_stats_state_the_block_size_in_bytes() -> None:
+    async with served() as s:
+        stats = (await s.client.get("/v1/stats")).json()
+        assert stats["block_nbytes"] == BLOCK_BYTES == s.engine.block_nbytes
+
+
+async def test_a_malformed_key_is_explained_not_shown_as_a_regex() -> None:
+    async with served() as s:
+        r = await s.client.post("/v1/lookup", json={"keys": ["xyz"]})
+        assert r.status_code == 422
+        (error,) = r.json()["detail"]
+        assert "hex" in error["msg"] and "group index" in error["msg"]
+        assert "^(" not in error["msg"]
+
+
+async def test_a_body_of_the_wrong_size_is_not_called_too_large() -> None:
+    async with served() as s:
+        r = await s.client.put("/v1/blocks", params={"keys": [hex_key(1)]}, content=b"12345")
+        assert r.status_code == 422
+        assert r.json()["error"] == "InvalidRequest"
+        assert f"1 x {BLOCK_BYTES}" in r.json()["detail"]
+
+
+async def test_client_region_raises_a_region_error_and_lookup_keeps_derived_keys() -> None:
+    from kvcache_offload.client import OffloadClient
+    from kvcache_offload.errors import RegionError
+    from kvcache_offload.keys import token_block_keys
+
+    async with served(small_config(shared_region=False)) as s:
+        transport = httpx.ASGITransport(app=s.app)
+        async with OffloadClient("http://test", transport=transport) as client:
+            with pytest.raises(RegionError, match="no shared region"):
+                await client.region()
+            tokens = list(range(32))
+            result = await client.lookup(token_ids=tokens, block_size=16)
+            assert result.keys == token_block_keys(tokens, 16)
+            assert (await client.lookup([hex_key(1)])).keys is None
+
+
+def test_a_config_file_of_an_unknown_type_is_named_not_parsed_as_json(tmp_path: Path) -> None:
+    from kvcache_offload.config import load_config
+    from kvcache_offload.errors import ConfigError
+
+    ini = tmp_path / "offload.ini"
+    ini.write_text("[kvcache_offload]\nport = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown type '\.ini': use \.toml, \.json"):
+        load_config(ini)

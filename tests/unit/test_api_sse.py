@@ -9,13 +9,19 @@ import anyio
 import pytest
 
 from api.broadcast import EventBroadcaster
-from api.sse import EventEncoder
+from api.sse import EventEncoder, parse_event_id
 from kvcache_offload.aio import EventHub, EventType, GapMarker, OffloadEngine
 from kvcache_offload.client import parse_event
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.errors import ConfigError
 from tests.unit._api_app import small_config
 
 KEY = OffloadKey(b"\x01" * 8 + b"\0\0\0\0")
+
+
+def _seq(msg: dict[str, str]) -> int:
+    """The sequence number of an SSE id ``<epoch>-<seq>``."""
+    return int(msg["id"].rsplit("-", 1)[1])
 
 
 def _messages(chunk: bytes) -> list[dict[str, str]]:
@@ -31,8 +37,8 @@ def _messages(chunk: bytes) -> list[dict[str, str]]:
 def test_event_frame_has_seq_as_id_type_as_name_and_json_data() -> None:
     hub = EventHub()
     event = hub.publish(EventType.STORED, [KEY], detail={"req_id": "r1"})
-    (msg,) = _messages(EventEncoder().encode(event))
-    assert msg["id"] == "1" and msg["event"] == "stored"
+    (msg,) = _messages(EventEncoder(epoch="ab12").encode(event))
+    assert msg["id"] == "ab12-1" and msg["event"] == "stored"
     data = json.loads(msg["data"])
     assert data == {
         "seq": 1,
@@ -46,8 +52,8 @@ def test_event_frame_has_seq_as_id_type_as_name_and_json_data() -> None:
 
 
 def test_gap_frame_lets_a_resume_continue_after_the_hole() -> None:
-    (msg,) = _messages(EventEncoder().encode(GapMarker(missed=5, next_seq=11)))
-    assert msg["event"] == "gap" and msg["id"] == "10"
+    (msg,) = _messages(EventEncoder(epoch="ab12").encode(GapMarker(missed=5, next_seq=11)))
+    assert msg["event"] == "gap" and msg["id"] == "ab12-10"
     assert json.loads(msg["data"]) == {"missed": 5, "next_seq": 11}
 
 
@@ -101,7 +107,7 @@ async def test_live_clients_get_every_new_event_in_order_in_few_chunks() -> None
         chunks = [await f for f in firsts]
         for stream, chunk in zip(streams, chunks, strict=True):
             messages = _messages(chunk) + await _read(stream, 200 - len(_messages(chunk)))
-            assert [int(m["id"]) for m in messages] == list(range(2, 202))
+            assert [_seq(m) for m in messages] == list(range(2, 202))
             await stream.aclose()
         assert broadcaster.subscribers == 0
         await broadcaster.aclose()
@@ -115,7 +121,7 @@ async def test_resume_replays_exactly_the_events_after_since_seq() -> None:
         await _started(engine, broadcaster)
         await _wait_for_frames(broadcaster, engine)
         stream = broadcaster.stream(since_seq=6)
-        assert [int(m["id"]) for m in await _read(stream, 4)] == [7, 8, 9, 10]
+        assert [_seq(m) for m in await _read(stream, 4)] == [7, 8, 9, 10]
         await stream.aclose()
         await broadcaster.aclose()
 
@@ -134,7 +140,7 @@ async def test_resume_older_than_the_ring_starts_with_a_gap() -> None:
             "missed": oldest - 4,
             "next_seq": oldest,
         }
-        assert int(first["id"]) == oldest
+        assert _seq(first) == oldest
         assert broadcaster.adjust(engine.stats()).events_dropped >= oldest - 4
         await stream.aclose()
         await broadcaster.aclose()
@@ -148,14 +154,14 @@ async def test_a_client_that_falls_behind_gets_a_gap_then_continues() -> None:
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
         engine.event_hub.publish(EventType.STORED, [KEY])
-        assert [int(m["id"]) for m in _messages(await first)] == [1]
+        assert [_seq(m) for m in _messages(await first)] == [1]
         for _ in range(100):  # the client reads nothing meanwhile
             engine.event_hub.publish(EventType.STORED, [KEY])
         await _wait_for_frames(broadcaster, engine)
         messages = await _read(stream, 2)
         assert messages[0]["event"] == "gap"
         gap = json.loads(messages[0]["data"])
-        assert int(messages[1]["id"]) == gap["next_seq"] == broadcaster._seqs[0]
+        assert _seq(messages[1]) == gap["next_seq"] == broadcaster._seqs[0]
         assert gap["missed"] == gap["next_seq"] - 2
         await stream.aclose()
         await broadcaster.aclose()
@@ -176,3 +182,60 @@ async def test_type_filter_and_closing_end_the_stream() -> None:
         await broadcaster.aclose()
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(rest, 5)
+
+
+@pytest.mark.parametrize(
+    "last_event_id",
+    ["0123456789ab-9", "9999999999999999999", "0123456789ab-3"],
+    ids=["other-run", "beyond-this-run", "other-run-low-seq"],
+)
+async def test_a_resume_id_from_another_run_replays_everything_after_a_restart_gap(
+    last_event_id: str,
+) -> None:
+    """After a restart the old Last-Event-ID must not silently skip the new run's events."""
+    async with OffloadEngine(small_config()) as engine:
+        for _ in range(11):
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        broadcaster = EventBroadcaster(engine, capacity=1000)
+        await _started(engine, broadcaster)
+        await _wait_for_frames(broadcaster, engine)
+        since, restarted = broadcaster.resume_point(*parse_event_id(last_event_id))
+        assert restarted
+        stream = broadcaster.stream(since_seq=since, restarted=restarted)
+        gap, *events = await _read(stream, 12)
+        assert gap["event"] == "gap"
+        assert json.loads(gap["data"]) == {"missed": 0, "next_seq": 1, "restarted": True}
+        assert [_seq(m) for m in events] == list(range(1, 12))
+        assert parse_event("gap", json.loads(gap["data"])) == GapMarker(0, 1, restarted=True)
+        await stream.aclose()
+        await broadcaster.aclose()
+
+
+async def test_a_resume_id_of_this_run_is_not_stale() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        engine.event_hub.publish(EventType.STORED, [KEY])
+        broadcaster = EventBroadcaster(engine, capacity=10)
+        assert broadcaster.resume_point(*parse_event_id(f"{broadcaster.epoch}-1")) == (1, False)
+        assert broadcaster.resume_point(None, 1) == (1, False)  # a bare id of an older client
+
+
+def test_a_malformed_last_event_id_is_a_clear_config_error() -> None:
+    with pytest.raises(ConfigError, match="Last-Event-ID must be an event id"):
+        parse_event_id("x1")
+
+
+async def test_a_chunk_for_one_client_is_bounded_in_bytes_whatever_the_backlog() -> None:
+    """A client that stops reading holds one bounded chunk, not its whole backlog."""
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine, capacity=1000)
+        await _started(engine, broadcaster)
+        many_keys = [OffloadKey(i.to_bytes(8, "big") + b"\0\0\0\0") for i in range(1000)]
+        for _ in range(200):  # ~25 KB per frame, ~5 MB of backlog
+            engine.event_hub.publish(EventType.STORED, many_keys)
+        await _wait_for_frames(broadcaster, engine)
+        stream = broadcaster.stream(since_seq=0)
+        chunk = await stream.__anext__()
+        frame = len(broadcaster._frames[0])
+        assert len(chunk) <= 64 * 1024 + frame
+        await stream.aclose()
+        await broadcaster.aclose()

@@ -26,6 +26,7 @@ from kvcache_offload.dataplane.memory.block_memory import (  # noqa: E402
 from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion  # noqa: E402
 from kvcache_offload.dataplane.spec import CPUOffloadingSpec  # noqa: E402
 from kvcache_offload.errors import ConfigError, TransferError  # noqa: E402
+from tests._regions import region_name  # noqa: E402
 from tests._roundtrip import (  # noqa: E402
     finish,
     job_bytes,
@@ -396,7 +397,7 @@ def test_spec_without_handlers_gives_host_block_memory():
 def test_spec_with_shared_region_maps_views_and_cleans_up(tmp_path, monkeypatch):
     monkeypatch.setattr(shared_offload_region, "DEFAULT_SHM_DIR", str(tmp_path))
     kv = _caches(15)
-    spec = _spec(kv, shared_region=True, region_name="spec-test")
+    spec = _spec(kv, shared_region=True, region_name=region_name("spec-test"))
     list(spec.get_handlers(kv))
     mem = spec.get_block_memory()
     assert isinstance(mem, RegionBlockMemory)
@@ -437,7 +438,7 @@ def test_spec_block_memory_region_and_plan_modules_import_without_torch():
 def test_closing_the_specs_region_block_memory_releases_the_region(tmp_path, monkeypatch):
     monkeypatch.setattr(shared_offload_region, "DEFAULT_SHM_DIR", str(tmp_path))
     kv = _caches(16)
-    spec = _spec(kv, shared_region=True, region_name="svc-close")
+    spec = _spec(kv, shared_region=True, region_name=region_name("svc-close"))
     mem = spec.get_block_memory()  # the service maps every row: waits for one worker more
     assert len(list(tmp_path.iterdir())) == 1
     mem.close()  # what the engine does on aclose

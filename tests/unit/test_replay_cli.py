@@ -152,3 +152,21 @@ def test_replay_path_imports_neither_torch_nor_matplotlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_unwritable_output_paths_fail_in_one_line_before_the_replay(tmp_path: Path) -> None:
+    for flag in ("--plot", "--json"):
+        result = CliRunner().invoke(
+            _app(), [str(sample_trace_path()), "-p", "lru", flag, "/nonexistent/x.out"]
+        )
+        assert result.exit_code == 2, result.output
+        assert "directory /nonexistent does not exist" in result.output
+        assert "Traceback" not in result.output
+        assert "replays in" not in result.output  # refused before replaying anything
+    result = CliRunner().invoke(_app(), [str(sample_trace_path()), "--plot", str(tmp_path)])
+    assert result.exit_code == 2 and "is a directory" in result.output
+
+
+def test_replay_help_names_no_path_users_do_not_have() -> None:
+    result = CliRunner().invoke(_app(), ["--help"])
+    assert result.exit_code == 0 and "../shared" not in result.output

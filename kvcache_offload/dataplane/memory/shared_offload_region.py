@@ -22,6 +22,12 @@ Creator/joiner protocol, and what it fixes compared with vLLM:
   creator included, leaves nothing in ``/dev/shm`` (vLLM #51579, #54002, #57303). The
   sealer also binds a second abstract name, so a joiner that arrives after the seal gets
   a clear "too late" :class:`RegionError` at once.
+* Until the seal, a tiny reaper child (``/bin/sh``) of the creator unlinks the file if the
+  creator dies first, SIGKILL included; a region garbage-collected without ``cleanup()``
+  unlinks its unsealed file too. A second mapper without a rank (a second *service* on the
+  same region name) is refused with a :class:`RegionError` rather than sharing the blocks.
+* Liveness probes ``connect`` to the abstract names instead of binding them, so concurrent
+  probes never see each other as the holder.
 * Expected mappers: ``num_workers`` when the creator is a worker (has a rank), plus one
   when the creator has no rank (a sidecar service that maps every row); override with
   ``expected_mappers``.
@@ -42,6 +48,7 @@ import os
 import re
 import socket
 import struct
+import subprocess
 import threading
 import time
 import weakref
@@ -67,6 +74,8 @@ _MAGIC = b"KVOFFRG1"
 _HEADER = struct.Struct("<8sIIQQQQIIIIQ")
 # magic, state, version, creator_pid, creator_start, num_blocks, cpu_page_size,
 # num_workers, expected, joined, sealed, data_offset
+_SERVICE_OFFSET = 127
+"""One header byte: 1 once a mapper without a rank (a service) has joined."""
 _BITMAP_OFFSET = 128
 _MAX_RANKS = (PAGE_SIZE - _BITMAP_OFFSET) * 8
 _STATE_READY = 1
@@ -84,6 +93,31 @@ def _unlink_unsealed_at_exit() -> None:
         with contextlib.suppress(Exception):
             if not region._closed and not region.sealed and region.is_creator:
                 region._unlink_if_ours()
+
+
+_REAPER_SCRIPT = (
+    'cat >/dev/null; i=$(stat -c %i -- "$1" 2>/dev/null) && [ "$i" = "$2" ] && rm -f -- "$1"'
+)
+
+
+def _start_reaper(path: str, inode: int) -> subprocess.Popen[bytes] | None:
+    """A tiny child that unlinks the unsealed file once this process is gone, SIGKILL included.
+
+    It waits for end-of-file on a pipe only this process writes; the pipe closes when the
+    region is sealed or cleaned up, or when the process dies. It then removes ``path`` only
+    if it still names the file we created (same inode), so a newer region is never touched.
+    """
+    try:
+        return subprocess.Popen(
+            ["/bin/sh", "-c", _REAPER_SCRIPT, "kvcache-offload-region-reaper", path, str(inode)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the foreground group does not end it first
+        )
+    except OSError as exc:
+        logger.warning("no reaper for region file %s (%s): a SIGKILL may leak it", path, exc)
+        return None
 
 
 def _proc_start_time(pid: int) -> int:
@@ -173,6 +207,7 @@ class SharedOffloadRegion:
         self._views: list[torch.Tensor] = []
         self._sockets: list[socket.socket] = []
         self._pinned_ptr: int | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
         if rank is not None:
             self._cursor = rank * self.cpu_page_size
             self._area_end = (rank + 1) * self.cpu_page_size
@@ -205,11 +240,21 @@ class SharedOffloadRegion:
         return sock
 
     def _held(self, suffix: str) -> bool:
-        sock = self._bind(suffix)
-        if sock is None:
-            return True
-        sock.close()
-        return False
+        """Whether a live process holds the name: a ``connect``, which never takes the name.
+
+        (Probing by binding it briefly made two concurrent probes see each other as the
+        holder: a racing joiner was told "too late", a racing creator became a joiner.)
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.connect(f"\0{self._sock_base}/{suffix}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError as exc:
+            raise RegionError(f"cannot probe the region's liveness socket: {exc}") from exc
+        finally:
+            sock.close()
+        return True
 
     def _open(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -275,6 +320,7 @@ class SharedOffloadRegion:
             raise RegionError(f"cannot create {self.path}: {exc}") from exc
         self._fd = fd
         self._ino = os.fstat(fd).st_ino
+        self._reaper = _start_reaper(self.path, self._ino)
         try:
             os.ftruncate(fd, self.total_size_bytes)
         except OSError as exc:
@@ -380,7 +426,15 @@ class SharedOffloadRegion:
                 expected, joined, sealed = fields[8], fields[9], fields[10]
                 if sealed or joined >= expected:
                     raise RegionError(self._late_message())
-                if self.rank is not None:
+                if self.rank is None:
+                    if mm[_SERVICE_OFFSET]:
+                        raise RegionError(
+                            f"shared region {self.name!r} is already used by another service "
+                            f"(creator pid {fields[3]}); give each service its own region "
+                            f"name (--region-name or KVCACHE_OFFLOAD_REGION_NAME)"
+                        )
+                    mm[_SERVICE_OFFSET] = 1
+                else:
                     byte, bit = _BITMAP_OFFSET + self.rank // 8, 1 << (self.rank % 8)
                     if mm[byte] & bit:
                         raise RegionError(
@@ -404,6 +458,7 @@ class SharedOffloadRegion:
             self._sockets.append(marker)
         self._unlink_if_ours()
         self.sealed = True
+        self._stop_reaper()
         logger.info("region %s is mapped by every worker; its file is unlinked", self.path)
 
     def _unlink_if_ours(self) -> None:
@@ -630,6 +685,17 @@ class SharedOffloadRegion:
             with contextlib.suppress(OSError):
                 sock.close()
         self._sockets.clear()
+        self._stop_reaper()
+
+    def _stop_reaper(self) -> None:
+        """End the reaper: it unlinks the file only if it is still ours (never a newer one)."""
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            with contextlib.suppress(OSError):
+                if reaper.stdin is not None:
+                    reaper.stdin.close()
+            with contextlib.suppress(Exception):
+                reaper.wait(timeout=5)
 
     def __enter__(self) -> SharedOffloadRegion:
         return self
@@ -637,8 +703,12 @@ class SharedOffloadRegion:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+    def __del__(self) -> None:
+        """Garbage-collected without ``cleanup()``: an unsealed file of ours goes too."""
         with contextlib.suppress(Exception):
-            if not self._closed and self._sockets:
+            if not self._closed:
+                if self.is_creator and not self.sealed:
+                    self._unlink_if_ours()
                 for sock in self._sockets:
                     sock.close()
+                self._stop_reaper()

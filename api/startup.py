@@ -1,0 +1,70 @@
+"""Starting the service: refuse impossible configurations up front, report failures in one line.
+
+:func:`preflight` runs before the server binds its port: it builds the spec and its manager
+(an unknown policy fails here) and checks that the CPU tier holds a block and fits the
+host's memory (:mod:`kvcache_offload.dataplane.memory.tier_check`). What can only fail
+while the engine starts (e.g. a shared region that another service already uses) is caught by
+:class:`OneLineStartupErrors`, which replaces the lifespan's traceback with the error's own
+one-line message; ``serve`` then exits with code 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcache_offload.config import OffloadConfig
+from kvcache_offload.control.spec_factory import OffloadingSpecFactory
+from kvcache_offload.dataplane.memory.shared_offload_region import DEFAULT_SHM_DIR
+from kvcache_offload.dataplane.memory.tier_check import check_cpu_tier
+from kvcache_offload.errors import OffloadError
+
+__all__ = ["OneLineStartupErrors", "preflight"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+def preflight(config: OffloadConfig) -> None:
+    """Raise :class:`~kvcache_offload.errors.ConfigError` (one line) for a config that fails."""
+    spec = OffloadingSpecFactory.create_spec(config)
+    try:
+        spec.get_manager()
+        num_blocks = getattr(spec, "num_blocks", None)
+        block_nbytes = getattr(spec, "kv_bytes_per_offloaded_block", None)
+        if isinstance(num_blocks, int) and isinstance(block_nbytes, int):
+            check_cpu_tier(
+                num_blocks,
+                block_nbytes,
+                int(config.cpu_bytes_to_use),
+                shm_dir=DEFAULT_SHM_DIR if config.shared_region else None,
+            )
+    finally:
+        shutdown = getattr(spec, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+class OneLineStartupErrors:
+    """ASGI wrapper: a lifespan startup that fails with an ``OffloadError`` logs one line.
+
+    The app's lifespan records the error in ``app.state.startup_error``; ``failed`` tells the
+    caller (``serve``) to exit with code 2 rather than uvicorn's 3.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.failed: OffloadError | None = None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_one_line(message: Message) -> None:
+            error = getattr(self.app.state, "startup_error", None)
+            if message.get("type") == "lifespan.startup.failed" and error is not None:
+                self.failed = error
+                message = {**message, "message": f"kvcache-offload cannot start: {error}"}
+            await send(message)
+
+        await self.app(scope, receive, send_one_line)
