@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from kvcache_offload.aio.engine_stats import collect_stats
 from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.leases import Lease, LeaseTable
+from kvcache_offload.aio.observers import AccessObservers
 from kvcache_offload.aio.poller import TransferPoller
 from kvcache_offload.aio.slot_fence import BlockCopies, SlotQuarantine
 from kvcache_offload.aio.tiering import CPU_TIER, EngineTiers
@@ -50,6 +52,12 @@ from kvcache_offload.aio.types import (
     StoreResult,
 )
 from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.capabilities import (
+    FencesSlots,
+    HasBlockMemory,
+    ReportsStats,
+    ShutsDown,
+)
 from kvcache_offload.contracts.handler import TransferResult
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
 from kvcache_offload.contracts.load_store_spec import (
@@ -132,12 +140,13 @@ class OffloadEngine:
         )
         self._copies = BlockCopies()
         self._quarantine = SlotQuarantine(config.lease_grace_s)
-        self._observers = list(access_observers)
-        self._on_lookup = self._observer_methods("on_lookup")
-        self._on_store = self._observer_methods("on_store")
-        # Shadow simulations (replay/shadow.py) size their samples from the tier's capacity.
-        for bind in self._observer_methods("bind_capacity"):
-            bind(int(getattr(self.manager, "num_blocks", 0) or 0))
+        self._observers = AccessObservers(access_observers)
+        # Shadow simulations (lab/shadow.py) size their samples from the tier's capacity.
+        if isinstance(self.manager, ReportsStats):
+            self._observers.bind_capacity(int(self.manager.stats().num_blocks))
+        self._fences: FencesSlots | None = (
+            self.manager if isinstance(self.manager, FencesSlots) else None
+        )
         self._worker: OffloadingWorker | None = None
         self._poller: TransferPoller | None = None
         if kv_caches is not None:
@@ -174,9 +183,7 @@ class OffloadEngine:
                 worker.register_handler(src_cls, dst_cls, handler)
         except BaseException:
             worker.shutdown()
-            spec_shutdown = getattr(self.spec, "shutdown", None)
-            if callable(spec_shutdown):  # release whatever the spec allocated so far
-                self._guard(spec_shutdown, "shutting the spec down after a failed start")
+            self._shutdown_spec("shutting the spec down after a failed start")
             raise
         return worker
 
@@ -200,9 +207,7 @@ class OffloadEngine:
                 data_parallel_rank=config.kv_events_data_parallel_rank,
             )
         except BaseException:
-            spec_shutdown = getattr(self.spec, "shutdown", None)
-            if callable(spec_shutdown):
-                self._guard(spec_shutdown, "shutting the spec down after a failed start")
+            self._shutdown_spec("shutting the spec down after a failed start")
             raise
 
     def _build_tiers(self) -> EngineTiers | None:
@@ -237,21 +242,9 @@ class OffloadEngine:
             tier_set, self.manager, self._get_block_memory, self.write_blocks, cfg.tier_write
         )
 
-    def _observer_methods(self, name: str) -> list[Callable[..., object]]:
-        methods = []
-        for obs in self._observers:
-            method = getattr(obs, name, None)
-            if callable(method):
-                methods.append(method)
-        return methods
-
-    @staticmethod
-    def _notify(methods: list[Callable[..., object]], *args: object) -> None:
-        for method in methods:
-            try:
-                method(*args)
-            except Exception:
-                logger.exception("access observer %r raised; ignored", method)
+    def _shutdown_spec(self, what: str) -> None:
+        if isinstance(self.spec, ShutsDown):
+            self._guard(self.spec.shutdown, what)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -348,10 +341,9 @@ class OffloadEngine:
             if self._block_memory is not None:
                 self._guard(self._block_memory.close, "closing block memory")
             self._guard(self.manager.shutdown, "shutting the manager down")
-            spec_shutdown = getattr(self.spec, "shutdown", None)
-            if callable(spec_shutdown):  # handlers, block memory, shared region (file work)
+            if isinstance(self.spec, ShutsDown):  # handlers, memory, region (file work)
                 try:
-                    await anyio.to_thread.run_sync(spec_shutdown)
+                    await anyio.to_thread.run_sync(self.spec.shutdown)
                 except Exception:
                     logger.exception("shutting the spec down failed")
 
@@ -424,8 +416,8 @@ class OffloadEngine:
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._lookup_hit_blocks += hits
-        if self._on_lookup:
-            self._notify(self._on_lookup, keys, hits)
+        if self._observers.watches_lookups:
+            self._observers.on_lookup(keys, hits)
         # With tiers, an all-CPU answer names its tier here (the cheap, common case).
         tiers: list[str | None] | None = None
         if self._tiers is not None and hits == len(states):
@@ -442,8 +434,8 @@ class OffloadEngine:
 
     def _prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput:
         self._check_open()
-        if self._on_store:
-            self._notify(self._on_store, keys)
+        if self._observers.watches_stores:
+            self._observers.on_store(keys)
         self._release_quarantined()
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
@@ -720,13 +712,13 @@ class OffloadEngine:
         a store lease's keys are dropped but its slots fenced, a load lease's blocks stay
         pinned, both until the grace period is over.
         """
-        fence = getattr(self.manager, "fence", None)
-        if not lease.keys or not callable(fence) or self._quarantine.grace_s <= 0:
+        fences = self._fences
+        if not lease.keys or fences is None or self._quarantine.grace_s <= 0:
             self._rollback_lease(lease)
             return
         try:
             if lease.kind == "store":
-                self._quarantine.fence(fence(lease.keys))
+                self._quarantine.fence(fences.fence(lease.keys))
                 self._store_failed += len(lease.keys)
                 self._publish_manager_events()
             else:
@@ -740,10 +732,8 @@ class OffloadEngine:
             try:
                 if item.pinned_keys:
                     self.manager.complete_load(item.pinned_keys, item.req_context)
-                else:
-                    release = getattr(self.manager, "release_fenced", None)
-                    if callable(release):
-                        release(item.block_ids)
+                elif self._fences is not None:
+                    self._fences.release_fenced(item.block_ids)
             except OffloadError:
                 logger.exception("releasing quarantined slots failed")
 
@@ -766,10 +756,9 @@ class OffloadEngine:
 
     def _memory(self) -> BlockMemory:
         if self._block_memory is None:
-            get = getattr(self.spec, "get_block_memory", None)
-            if get is None:
+            if not isinstance(self.spec, HasBlockMemory):
                 raise ConfigError(f"{type(self.spec).__name__} has no block memory")
-            self._block_memory = get()
+            self._block_memory = self.spec.get_block_memory()
         return self._block_memory
 
     async def _get_block_memory(self) -> BlockMemory:
@@ -869,16 +858,16 @@ class OffloadEngine:
             if not await copies.wait_idle(self.close_timeout_s):
                 raise TransferError("reset gave up waiting for in-flight block copies")
         # From here on everything is synchronous: no job, copy or lease can sneak in.
-        fence = getattr(self.manager, "fence", None)
+        fences = self._fences
         leases = self._leases.take_all()
-        if callable(fence) and self._quarantine.grace_s > 0:
+        if fences is not None and self._quarantine.grace_s > 0:
             fenced: list[int] = []
             for lease in leases:
-                fenced += fence(lease.keys)
+                fenced += fences.fence(lease.keys)
                 if lease.kind == "store":
                     self._store_failed += len(lease.keys)
             for item in self._quarantine.take_pinned():
-                fenced += fence(item.pinned_keys)
+                fenced += fences.fence(item.pinned_keys)
             self._quarantine.fence(fenced)
         else:
             for lease in leases:
@@ -891,72 +880,7 @@ class OffloadEngine:
 
     def stats(self) -> EngineStats:
         self._release_quarantined()
-        manager_stats = getattr(self.manager, "stats", None)
-        snap = manager_stats() if callable(manager_stats) else None
-        capacity = int(getattr(snap, "num_blocks", 0))
-        stats = EngineStats(
-            policy=str(getattr(snap, "policy", self.config.eviction_policy)),
-            capacity_blocks=capacity,
-            blocks_free=int(getattr(snap, "free", 0)),
-            blocks_writing=int(getattr(snap, "writing", 0)),
-            blocks_idle=int(getattr(snap, "idle", 0)),
-            blocks_reading=int(getattr(snap, "reading", 0)),
-            blocks_fenced=int(getattr(snap, "fenced", 0)),
-            block_nbytes=int(getattr(self.spec, "kv_bytes_per_offloaded_block", 0) or 0),
-            lookups=self._lookups,
-            lookup_keys=self._lookup_keys,
-            lookup_hit_blocks=self._lookup_hit_blocks,
-            store_blocks_prepared=self._store_prepared,
-            store_blocks_completed=self._store_completed,
-            store_blocks_failed=self._store_failed,
-            stores_rejected=self._stores_rejected,
-            load_blocks_completed=self._load_completed,
-            load_blocks_failed=self._load_failed,
-            evicted_blocks=self._evicted,
-            reuse_filter_skipped_blocks=int(getattr(self.manager, "stores_skipped", 0) or 0),
-            transfer_bytes=dict(self._bytes),
-            transfer_seconds=dict(self._seconds),
-            transfer_duration={
-                d: Histogram(h.bounds, list(h.counts), h.sum, h.count)
-                for d, h in self._durations.items()
-            },
-            transfers_in_flight=self._poller.in_flight if self._poller is not None else 0,
-            leases_active=len(self._leases),
-            leases_expired=dict(self._leases.expired),
-            event_subscribers=self._hub.subscribers,
-            events_published=self._hub.published,
-            events_dropped=self._hub.dropped,
-            last_event_seq=self._hub.last_seq,
-        )
-        if self._kv_events is not None:
-            stats.kv_events = self._kv_events.stats()
-        for obs in self._observers:
-            mrc = getattr(obs, "mrc_stats", None)
-            if not callable(mrc):
-                continue
-            try:
-                ratios, sampled = mrc(capacity)
-            except Exception:
-                logger.exception("mrc_stats of observer %r raised; ignored", obs)
-                continue
-            stats.mrc_hit_ratio = dict(ratios)
-            stats.mrc_sampled_keys = int(sampled)
-            break
-        if self._tiers is not None:
-            stats.tiers = self._tiers.tier_set.stats()
-            stats.tier_write_queue_depth = self._tiers.tier_set.queue_depth
-            stats.tier_promoted_blocks = self._tiers.promoted_blocks
-        for shadow_stats in self._observer_methods("shadow_stats"):
-            try:
-                shadow: Any = shadow_stats()
-            except Exception:
-                logger.exception("shadow_stats of observer %r raised; ignored", shadow_stats)
-                continue
-            stats.shadow_live_policy = str(shadow.live)
-            stats.shadow_hit_blocks = dict(shadow.hit_blocks)
-            stats.shadow_sampled_blocks = int(shadow.sampled_blocks)
-            break
-        return stats
+        return collect_stats(self)
 
     def subscribe(
         self,

@@ -1,0 +1,77 @@
+"""The engine's statistics snapshot: counters, the manager's tier, observers and tiers.
+
+Assembled here, not in the engine, so that the facade keeps to its operations; the engine's
+counters are read, never written.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcache_offload.aio.types import EngineStats, Histogram
+from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
+
+if TYPE_CHECKING:
+    from kvcache_offload.aio.engine import OffloadEngine
+
+__all__ = ["collect_stats"]
+
+
+def collect_stats(engine: OffloadEngine) -> EngineStats:
+    """One consistent snapshot (the engine runs on one loop thread: nothing moves meanwhile)."""
+    e = engine
+    manager = e.manager
+    snap = manager.stats() if isinstance(manager, ReportsStats) else None
+    capacity = int(snap.num_blocks) if snap is not None else 0
+    stats = EngineStats(
+        policy=str(snap.policy) if snap is not None else e.config.eviction_policy,
+        capacity_blocks=capacity,
+        blocks_free=int(snap.free) if snap is not None else 0,
+        blocks_writing=int(snap.writing) if snap is not None else 0,
+        blocks_idle=int(snap.idle) if snap is not None else 0,
+        blocks_reading=int(snap.reading) if snap is not None else 0,
+        blocks_fenced=int(getattr(snap, "fenced", 0)),  # managers without fences report none
+        block_nbytes=int(getattr(e.spec, "kv_bytes_per_offloaded_block", 0) or 0),
+        lookups=e._lookups,
+        lookup_keys=e._lookup_keys,
+        lookup_hit_blocks=e._lookup_hit_blocks,
+        store_blocks_prepared=e._store_prepared,
+        store_blocks_completed=e._store_completed,
+        store_blocks_failed=e._store_failed,
+        stores_rejected=e._stores_rejected,
+        load_blocks_completed=e._load_completed,
+        load_blocks_failed=e._load_failed,
+        evicted_blocks=e._evicted,
+        reuse_filter_skipped_blocks=(
+            int(manager.stores_skipped) if isinstance(manager, SkipsStores) else 0
+        ),
+        transfer_bytes=dict(e._bytes),
+        transfer_seconds=dict(e._seconds),
+        transfer_duration={
+            d: Histogram(h.bounds, list(h.counts), h.sum, h.count) for d, h in e._durations.items()
+        },
+        transfers_in_flight=e._poller.in_flight if e._poller is not None else 0,
+        leases_active=len(e._leases),
+        leases_expired=dict(e._leases.expired),
+        event_subscribers=e._hub.subscribers,
+        events_published=e._hub.published,
+        events_dropped=e._hub.dropped,
+        last_event_seq=e._hub.last_seq,
+    )
+    if e._kv_events is not None:
+        stats.kv_events = e._kv_events.stats()
+    mrc = e._observers.mrc_stats(capacity)
+    if mrc is not None:
+        ratios, sampled = mrc
+        stats.mrc_hit_ratio = dict(ratios)
+        stats.mrc_sampled_keys = int(sampled)
+    if e._tiers is not None:
+        stats.tiers = e._tiers.tier_set.stats()
+        stats.tier_write_queue_depth = e._tiers.tier_set.queue_depth
+        stats.tier_promoted_blocks = e._tiers.promoted_blocks
+    shadow = e._observers.shadow_stats()
+    if shadow is not None:
+        stats.shadow_live_policy = str(shadow.live)
+        stats.shadow_hit_blocks = dict(shadow.hit_blocks)
+        stats.shadow_sampled_blocks = int(shadow.sampled_blocks)
+    return stats
