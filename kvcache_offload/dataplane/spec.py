@@ -13,6 +13,7 @@ other processes of the same host can map. Torch is imported only here, lazily.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         self._handlers: Any = None
         self._region: SharedOffloadRegion | None = None
         self._block_memory: BlockMemory | None = None
+        self._memory_lock = threading.Lock()
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
@@ -179,6 +181,10 @@ class CPUOffloadingSpec(OffloadingSpec):
         (so uploaded blocks are loadable); else a private host buffer of
         ``kv_bytes_per_offloaded_block`` bytes per slot (a service without KV tensors).
         """
+        with self._memory_lock:  # two callers at once (e.g. the tier writer) map one region
+            return self._get_block_memory_locked()
+
+    def _get_block_memory_locked(self) -> BlockMemory:
         if self._block_memory is None:
             if self._region is not None or self.config.shared_region:
                 # Closing the block memory (the engine does on aclose) releases the region.

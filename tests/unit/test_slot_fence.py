@@ -146,3 +146,23 @@ async def test_expired_load_lease_keeps_its_block_pinned_for_the_grace_period() 
         with pytest.raises(CapacityError):
             await engine.write_blocks([key(2)], [fill(2)])
         assert await engine.read_block(key(1)) == fill(1)
+
+
+async def test_block_memory_asked_for_twice_at_once_maps_the_shared_region_once() -> None:
+    """The tier writer and the engine's start both ask for the block memory; a shared region
+    must be mapped once (a second mapping in the same process is refused as another service)."""
+    import asyncio
+
+    from kvcache_offload.aio import OffloadEngine
+    from tests._regions import region_name
+    from tests.unit._api_app import small_config
+
+    config = small_config(shared_region=True, region_name=region_name("twice"))
+    engine = OffloadEngine(config)
+    try:
+        first, second = await asyncio.gather(
+            engine._get_block_memory(), engine._get_block_memory()
+        )
+        assert first is second
+    finally:
+        await engine.aclose()
