@@ -18,13 +18,13 @@ def run(code: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ("kvcache_offload.control.manager", "kvcache_offload.control.manager"),
-        ("kvcache_offload.control.policies.lru", "kvcache_offload.control.policies.lru"),
-        ("kvcache_offload.control.reuse_filter", "kvcache_offload.control.reuse_filter"),
-        ("kvcache_offload.control.spec_factory", "kvcache_offload.control.spec_factory"),
-        ("kvcache_offload.dataplane.spec", "kvcache_offload.dataplane.spec"),
-        ("kvcache_offload.dataplane.copy.plan", "kvcache_offload.dataplane.copy.plan"),
-        ("kvcache_offload.lab.trace", "kvcache_offload.lab.trace"),
+        ("kvcache_offload.cpu.manager", "kvcache_offload.control.manager"),
+        ("kvcache_offload.cpu.policies.lru", "kvcache_offload.control.policies.lru"),
+        ("kvcache_offload.reuse_manager", "kvcache_offload.control.reuse_filter"),
+        ("kvcache_offload.factory", "kvcache_offload.control.spec_factory"),
+        ("kvcache_offload.cpu.spec", "kvcache_offload.dataplane.spec"),
+        ("kvcache_offload.cpu.copy.plan", "kvcache_offload.dataplane.copy.plan"),
+        ("kvcache_offload.replay.trace", "kvcache_offload.lab.trace"),
     ],
 )
 def test_an_old_module_path_is_the_new_module_and_warns(old: str, new: str) -> None:
@@ -47,7 +47,7 @@ def test_old_package_names_still_export_what_they_did() -> None:
         "import warnings\n"
         "warnings.simplefilter('ignore')\n"
         "from kvcache_offload.cpu import CPUOffloadingManager, CPULoadStoreSpec, layouts\n"
-        "from kvcache_offload.contracts.handler import OffloadingWorker, TransferResult\n"
+        "from kvcache_offload.worker.worker import OffloadingWorker, TransferResult\n"
         "from kvcache_offload.worker import OffloadingHandler\n"
         "from kvcache_offload.base import OffloadKey, make_offload_key, OffloadingSpec\n"
         "import kvcache_offload.control.manager as m\n"
