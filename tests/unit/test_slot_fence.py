@@ -160,9 +160,7 @@ async def test_block_memory_asked_for_twice_at_once_maps_the_shared_region_once(
     config = small_config(shared_region=True, region_name=region_name("twice"))
     engine = OffloadEngine(config)
     try:
-        first, second = await asyncio.gather(
-            engine._get_block_memory(), engine._get_block_memory()
-        )
+        first, second = await asyncio.gather(engine._get_block_memory(), engine._get_block_memory())
         assert first is second
     finally:
         await engine.aclose()
