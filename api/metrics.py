@@ -222,6 +222,11 @@ class EngineCollector(Collector):
             "Distinct keys tracked by the miss-ratio-curve sampler.",
             value=s.mrc_sampled_keys,
         )
+        yield CounterMetricFamily(
+            P + "observer_dropped_requests",
+            "Requests left out of the miss-ratio curve and shadow estimates (their CPU budget).",
+            value=s.observer_dropped_requests,
+        )
         yield from tier_families(s)
         yield from _shadow_families(s)
 

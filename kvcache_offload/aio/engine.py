@@ -122,6 +122,7 @@ class OffloadEngine:
         poll_spin_s: float = 0.02,
         poll_backoff_s: float = 0.001,
         close_timeout_s: float = 30.0,
+        observer_budget: float | None = None,
     ) -> None:
         if config is None:
             config = spec.config if spec is not None else OffloadConfig()
@@ -140,7 +141,7 @@ class OffloadEngine:
         )
         self._copies = BlockCopies()
         self._quarantine = SlotQuarantine(config.lease_grace_s)
-        self._observers = AccessObservers(access_observers)
+        self._observers = AccessObservers(access_observers, budget=observer_budget)
         # Shadow simulations (lab/shadow.py) size their samples from the tier's capacity.
         if isinstance(self.manager, ReportsStats):
             self._observers.bind_capacity(int(self.manager.stats().num_blocks))

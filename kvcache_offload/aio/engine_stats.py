@@ -60,6 +60,7 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
     )
     if e._kv_events is not None:
         stats.kv_events = e._kv_events.stats()
+    stats.observer_dropped_requests = e._observers.dropped_requests
     mrc = e._observers.mrc_stats(capacity)
     if mrc is not None:
         ratios, sampled = mrc

@@ -203,6 +203,8 @@ class EngineStats:
     mrc_hit_ratio: dict[float, float] = field(default_factory=dict)
     """Estimated block hit ratio at ``scale`` x the current capacity (miss-ratio curve)."""
     mrc_sampled_keys: int = 0
+    observer_dropped_requests: int = 0
+    """Requests left out of the estimates (MRC, shadows) to keep them within their budget."""
     kv_events: KVEventStats | None = None
     """Counters of the ZMQ KV-event publisher, None when it is off."""
     tiers: list[TierStats] = field(default_factory=list)

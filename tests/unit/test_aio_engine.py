@@ -415,3 +415,39 @@ def test_engine_runs_on_uvloop_like_under_uvicorn() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         types = runner.run(asyncio.wait_for(scenario(), 10))
     assert types == [EventType.STORED, EventType.LEASE_EXPIRED]
+
+
+class Estimator:
+    """An observer that estimates (reports a miss-ratio curve): the expensive kind."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_lookup(self, keys: Any, hits: int) -> None:
+        self.seen.append(len(keys))
+
+    def on_store(self, keys: Any) -> None:
+        pass
+
+    def mrc_stats(self, capacity_blocks: int) -> tuple[dict[float, float], int]:
+        return {1.0: 0.0}, len(self.seen)
+
+
+async def test_budgeted_estimators_run_off_the_request_path_and_catch_up_before_stats() -> None:
+    est = Estimator()
+    async with make_engine(access_observers=[est], observer_budget=0.5) as engine:
+        await engine.lookup(keys(1, 2, 3))
+        assert est.seen == []  # queued: the lookup did not wait for the estimator
+        stats = engine.stats()
+        assert est.seen == [3] and stats.mrc_sampled_keys == 1
+        assert stats.observer_dropped_requests == 0
+
+
+async def test_a_saturated_engine_sheds_estimator_work_and_counts_it() -> None:
+    est = Estimator()
+    async with make_engine(access_observers=[est], observer_budget=0.1) as engine:
+        for _ in range(5000):  # no await in between: the estimators never get the loop
+            engine.lookup_now(keys(1, 2))
+        stats = engine.stats()
+        assert stats.observer_dropped_requests > 0
+        assert len(est.seen) + stats.observer_dropped_requests == 5000
