@@ -192,7 +192,8 @@ class EventHub:
             detail=detail if detail is not None else {},
         )
         self._ring.append(event)
-        self._published[type.value] = self._published.get(type.value, 0) + 1
+        name = type.value
+        self._published[name] = self._published.get(name, 0) + 1
         for sub in self._subs:
             sub._offer(event)
         return event

@@ -103,7 +103,7 @@ class EventType(StrEnum):
     RESET = "reset"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineEvent:
     """One offloading event with its place in the engine's total order."""
 
