@@ -156,7 +156,6 @@ class OffloadEngine:
                 self._worker, spin_s=poll_spin_s, backoff_s=poll_backoff_s
             )
         self._block_memory: BlockMemory | None = None
-        self._memory_lock = asyncio.Lock()
         self._tiers: EngineTiers | None = self._build_tiers()
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
@@ -764,12 +763,9 @@ class OffloadEngine:
         return self._block_memory
 
     async def _get_block_memory(self) -> BlockMemory:
-        """The spec's block memory, created once even when several callers ask at once
-        (creating it may map the shared region, which a second mapping would refuse)."""
+        """The spec's block memory (the spec creates it once, also for callers at once)."""
         if self._block_memory is None:
-            async with self._memory_lock:
-                if self._block_memory is None:
-                    self._block_memory = await anyio.to_thread.run_sync(self._memory)
+            self._block_memory = await anyio.to_thread.run_sync(self._memory)
         return self._block_memory
 
     @property
