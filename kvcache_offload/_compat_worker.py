@@ -1,9 +1,6 @@
 """What ``kvcache_offload.worker`` exported before the renovation (deprecated path)."""
 
-import importlib
-from typing import Any
-
-from kvcache_offload._moved import new_name
+from kvcache_offload._moved import old_submodules
 from kvcache_offload.contracts.handler import (
     OffloadingHandler,
     TransferResult,
@@ -12,7 +9,7 @@ from kvcache_offload.contracts.handler import (
 )
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 
-__path__: list[str] = []  # lets kvcache_offload.contracts.handler resolve through the finder
+__path__: list[str] = []  # lets kvcache_offload.worker.worker resolve through the finder
 
 __all__ = [
     "OffloadingHandler",
@@ -23,12 +20,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Old submodules (``from kvcache_offload.worker import submodule``) through the alias table."""
-    new = new_name(f"kvcache_offload.worker.{name}")
-    if new is None or new == __name__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        return importlib.import_module(new)
-    except ModuleNotFoundError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = old_submodules("kvcache_offload.worker")

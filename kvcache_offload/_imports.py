@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def import_object(path: str) -> object:
@@ -17,3 +19,16 @@ def import_object(path: str) -> object:
         return getattr(module, attr)
     except AttributeError as exc:
         raise AttributeError(f"module {module_path!r} has no attribute {attr!r}") from exc
+
+
+def lazy_exports(package: str, table: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` (PEP 562): ``table[name]`` is the module that defines
+    ``name``, imported on first access, so importing the package imports none of them."""
+
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__

@@ -13,8 +13,9 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 __all__ = ["MOVED", "install"]
 
@@ -40,6 +41,22 @@ MOVED: dict[str, str] = {
     "kvcache_offload.worker": "kvcache_offload._compat_worker",
 }
 """Old dotted module (or package) -> its new home; submodules follow their package."""
+
+
+def old_submodules(old_package: str) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of a compat package: ``from OLD import submodule`` resolves
+    the submodule through the alias table (``from`` imports look attributes up first)."""
+
+    def __getattr__(name: str) -> Any:
+        new = new_name(f"{old_package}.{name}")
+        if new is None:
+            raise AttributeError(f"module {old_package!r} has no attribute {name!r}")
+        try:
+            return importlib.import_module(new)
+        except ModuleNotFoundError:
+            raise AttributeError(f"module {old_package!r} has no attribute {name!r}") from None
+
+    return __getattr__
 
 
 def new_name(old: str) -> str | None:

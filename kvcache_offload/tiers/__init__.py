@@ -9,9 +9,9 @@ on first use, so importing the engine never needs them when no tier is configure
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvcache_offload._imports import lazy_exports
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
 if TYPE_CHECKING:
@@ -40,9 +40,4 @@ _LAZY = {
     "tiers_from_config": "kvcache_offload.tiers.configured",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvcache_offload.tiers' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

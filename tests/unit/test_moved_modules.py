@@ -49,6 +49,8 @@ def test_old_package_names_still_export_what_they_did() -> None:
         "from kvcache_offload.cpu import CPUOffloadingManager, CPULoadStoreSpec, layouts\n"
         "from kvcache_offload.worker.worker import OffloadingWorker, TransferResult\n"
         "from kvcache_offload.worker import OffloadingHandler\n"
+        "from kvcache_offload.worker import worker\n"
+        "assert worker.OffloadingWorker is OffloadingWorker\n"
         "from kvcache_offload.base import OffloadKey, make_offload_key, OffloadingSpec\n"
         "import kvcache_offload.control.manager as m\n"
         "import kvcache_offload.contracts as c\n"

@@ -6,9 +6,9 @@ imports no policy module the configuration does not ask for.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvcache_offload._imports import lazy_exports
 from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
 from kvcache_offload.control.policies.registry import (
     available_cache_policies,
@@ -45,18 +45,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AdaptiveLRUCachePolicy": "alru",
-    "ARCCachePolicy": "arc",
-    "LRUCachePolicy": "lru",
-    "PrefixS3FIFOCachePolicy": "s3fifo",
-    "S3FIFOCachePolicy": "s3fifo",
-    "SIEVECachePolicy": "sieve",
-    "SLRUCachePolicy": "slru",
+    name: f"{__name__}.{module}"
+    for name, module in {
+        "AdaptiveLRUCachePolicy": "alru",
+        "ARCCachePolicy": "arc",
+        "LRUCachePolicy": "lru",
+        "PrefixS3FIFOCachePolicy": "s3fifo",
+        "S3FIFOCachePolicy": "s3fifo",
+        "SIEVECachePolicy": "sieve",
+        "SLRUCachePolicy": "slru",
+    }.items()
 }
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
