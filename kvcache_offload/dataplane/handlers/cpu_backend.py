@@ -44,6 +44,7 @@ from kvcache_offload.dataplane.copy.plan import (
     parse_job,
     refs_arrays,
 )
+from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
 if TYPE_CHECKING:
@@ -203,9 +204,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         self._on_complete: Callable[[], None] | None = None
         self._can_batch = can_batch and prepare is None
         self._batching = False
-        self._held: list[tuple[int, TransferPlan]] = []
-        self._held_bytes = 0
-        self._held_ids: set[int] = set()
+        self._held = HeldJobs()
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` (from the copy thread) each time a job finishes, so a poller
@@ -221,19 +220,14 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         with self._lock:
             if self._executor is None:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._pending or job_id in self._held_ids:
+            if job_id in self._pending or job_id in self._held:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
             if self._batching and (self._jobs or self._held):
                 # Copies are queued or running: hold this job for the batch. An idle thread
                 # gets the job at once, so a lone request pays no extra loop iteration.
-                self._held.append((job_id, plan))
-                self._held_ids.add(job_id)
-                self._held_bytes += plan.num_bytes
-                if self._held_bytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
-                    self._held_bytes = 0
-                    held, self._held = self._held, []
-                    self._held_ids = set()
-                    self._issue(held)
+                self._held.add(job_id, plan)
+                if self._held.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
+                    self._issue(self._held.take())
                 return True
             self._issue([(job_id, plan)])
         return True
@@ -251,15 +245,13 @@ class ThreadedOffloadingHandler(OffloadingHandler):
     def flush(self) -> None:
         if self._held:
             with self._lock:
-                held, self._held = self._held, []
-                self._held_bytes = 0
-                self._held_ids = set()
+                held = self._held.take()
                 if held and self._executor is not None:
                     self._issue(held)
 
     def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
         assert self._executor is not None
-        plan = jobs[0][1] if len(jobs) == 1 else TransferPlan.merge([p for _, p in jobs])
+        plan = HeldJobs.merged(jobs)
         token = self._prepare() if self._prepare is not None else None
         future = self._executor.submit(self._execute, plan, token)
         future.add_done_callback(self._notify)
@@ -314,7 +306,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
 
     def pending_job_ids(self) -> list[int]:
         with self._lock:
-            return [j for j, _ in self._held] + [job.job_id for job in self._jobs]
+            return [j for j, _ in self._held.jobs] + [job.job_id for job in self._jobs]
 
     def shutdown(self) -> None:
         """Cancel jobs not started, wait for the running one, drop every job. Idempotent."""

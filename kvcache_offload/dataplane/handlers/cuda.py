@@ -76,6 +76,7 @@ from kvcache_offload.dataplane.handlers.cpu_backend import (
     allocate_cpu_tensors,
     canonical_int8_views,
 )
+from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
 if TYPE_CHECKING:
@@ -316,10 +317,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._watcher: _CompletionWatcher | None = None
         self._batching = False
         self.batch_max_bytes = int(batch_max_bytes)
-        self._queued: list[tuple[int, int, TransferPlan]] = []
-        self._queued_ids: set[int] = set()
-        self._queued_dst: set[int] = set()
-        self._queued_bytes = 0
+        self._held = HeldJobs()
         self.batches = 0
         self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = {
@@ -515,19 +513,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         with self._lock:
             if self._closed:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._transfer_events or job_id in self._queued_ids:
+            if job_id in self._transfer_events or job_id in self._held:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            if self._batching and self._can_batch(plan) and (self._transfers or self._queued):
+            if self._batching and self._can_batch(plan) and (self._transfers or self._held):
                 # Copies are in flight: hold this job for the batch. On an idle link a job
                 # goes out at once, so a lone request pays no extra loop iteration.
                 dst = self._dst_blocks(plan)
-                if not dst.isdisjoint(self._queued_dst):
+                if self._held.writes_any(dst):
                     self._flush_locked()  # the later job must land after the earlier one
-                self._queued.append((job_id, plan.num_bytes, plan))
-                self._queued_ids.add(job_id)
-                self._queued_dst |= dst
-                self._queued_bytes += plan.num_bytes
-                if self._queued_bytes >= self.batch_max_bytes:
+                self._held.add(job_id, plan, dst)
+                if self._held.nbytes >= self.batch_max_bytes:
                     self._flush_locked()
                 return True
             self._flush_locked()
@@ -548,7 +543,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
 
     def flush(self) -> None:
         """Issue the held jobs now (a no-op when none is held)."""
-        if self._queued:
+        if self._held:
             with self._lock:
                 self._flush_locked()
 
@@ -565,16 +560,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         return out
 
     def _flush_locked(self) -> None:
-        queued = self._queued
-        if not queued:
-            return
-        self._queued = []
-        self._queued_ids = set()
-        self._queued_dst = set()
-        self._queued_bytes = 0
-        jobs = [(job_id, nbytes) for job_id, nbytes, _ in queued]
-        plan = queued[0][2] if len(queued) == 1 else TransferPlan.merge([p for _, _, p in queued])
-        self._issue(jobs, plan)
+        held = self._held.take()
+        if held:
+            self._issue([(job_id, plan.num_bytes) for job_id, plan in held], HeldJobs.merged(held))
 
     def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
         mechanism = self.choose_mechanism(plan)
@@ -822,7 +810,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         if self._fallback is not None:
             return self._fallback.pending_job_ids()
         with self._lock:
-            return [j for j, _, _ in self._queued] + [j for t in self._transfers for j, _ in t.jobs]
+            return [j for j, _ in self._held.jobs] + [j for t in self._transfers for j, _ in t.jobs]
 
     def shutdown(self) -> None:
         """Wait for in-flight jobs, then drop them with every pooled resource. Idempotent."""

@@ -1,0 +1,51 @@
+"""Jobs a batching handler holds until the end of the loop iteration, then issues as one copy.
+
+Both the CUDA handlers and the CPU backend batch (see ``BatchesJobs`` in the handler
+contract); this is the state they share: the held jobs in submission order, their ids (a
+resubmitted id is refused), their bytes (a batch goes out early once it is large) and,
+where one copy may write its blocks in any order, the destination blocks they write.
+"""
+
+from __future__ import annotations
+
+from kvcache_offload.dataplane.copy.plan import TransferPlan
+
+__all__ = ["HeldJobs"]
+
+
+class HeldJobs:
+    """The jobs of the batch being gathered; not thread-safe (the handler's lock guards it)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[int, TransferPlan]] = []
+        self._ids: set[int] = set()
+        self._dst: set[int] = set()
+        self.nbytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._ids
+
+    def add(self, job_id: int, plan: TransferPlan, dst_blocks: set[int] | None = None) -> None:
+        self.jobs.append((job_id, plan))
+        self._ids.add(job_id)
+        self.nbytes += plan.num_bytes
+        if dst_blocks:
+            self._dst |= dst_blocks
+
+    def writes_any(self, dst_blocks: set[int]) -> bool:
+        """Whether a held job writes one of ``dst_blocks`` (then a later job must wait)."""
+        return not self._dst.isdisjoint(dst_blocks)
+
+    def take(self) -> list[tuple[int, TransferPlan]]:
+        """The held jobs, oldest first; the batch starts over empty."""
+        jobs = self.jobs
+        self.jobs, self._ids, self._dst, self.nbytes = [], set(), set(), 0
+        return jobs
+
+    @staticmethod
+    def merged(jobs: list[tuple[int, TransferPlan]]) -> TransferPlan:
+        """One plan copying every job's fragments in submission order."""
+        return jobs[0][1] if len(jobs) == 1 else TransferPlan.merge([p for _, p in jobs])
