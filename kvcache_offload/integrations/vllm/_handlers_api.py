@@ -17,7 +17,6 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
-    PrepareStoreOutput,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult
@@ -26,6 +25,7 @@ from kvcache_offload import base as ours
 from kvcache_offload.config import KVCacheLayout
 from kvcache_offload.contracts.handler import OffloadingHandler as OurHandler
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
+from kvcache_offload.integrations.vllm._manager_bridge import ManagerBridge
 from kvcache_offload.integrations.vllm._settings import offload_config
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
 
@@ -106,47 +106,15 @@ def _rank() -> int:
     return int(get_world_group().rank_in_group)
 
 
-class _Manager(OffloadingManager):  # type: ignore[misc]
+class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     """vLLM's manager API over ours: same keys and semantics, vLLM's result classes."""
-
-    def __init__(self, manager: ours.OffloadingManager) -> None:
-        self._manager = manager
 
     def lookup(self, key: bytes, req_context: Any) -> bool | None:
         return self._manager.lookup(ours.OffloadKey(key), req_context)
 
-    def prepare_load(self, keys: Any, req_context: Any) -> LoadStoreSpec:
-        spec = self._manager.prepare_load(list(keys), req_context)
-        return CPULoadStoreSpec(_block_ids(spec))
-
-    def touch(self, keys: Any, req_context: Any) -> None:
-        self._manager.touch(list(keys), req_context)
-
-    def complete_load(self, keys: Any, req_context: Any) -> None:
-        self._manager.complete_load(list(keys), req_context)
-
-    def prepare_store(self, keys: Any, req_context: Any) -> PrepareStoreOutput | None:
-        output = self._manager.prepare_store(list(keys), req_context)
-        if output is None:
-            return None
-        return PrepareStoreOutput(
-            keys_to_store=output.keys_to_store,
-            store_spec=CPULoadStoreSpec(_block_ids(output.store_spec)),
-            evicted_keys=output.evicted_keys,
-        )
-
-    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
-        self._manager.complete_store(list(keys), req_context, success)
-
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self._manager.take_events():
             yield OffloadingEvent(keys=event.keys, medium=event.medium, removed=event.removed)
-
-    def reset_cache(self) -> None:
-        self._manager.reset_cache()
-
-    def shutdown(self) -> None:
-        self._manager.shutdown()
 
 
 class _Handler(OffloadingHandler):  # type: ignore[misc]
@@ -181,7 +149,3 @@ class _Handler(OffloadingHandler):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._backend.shutdown()
-
-
-def _block_ids(spec: ours.LoadStoreSpec) -> Any:
-    return spec.block_ids  # type: ignore[attr-defined]

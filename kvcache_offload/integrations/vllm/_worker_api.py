@@ -14,18 +14,15 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
-    LoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
-    PrepareStoreOutput,
     RequestOffloadingContext,
     TransferResult,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvcache_offload import base as ours
 from kvcache_offload.config import KVCacheLayout
@@ -33,6 +30,7 @@ from kvcache_offload.contracts.handler import OffloadingHandler
 from kvcache_offload.contracts.handler import TransferResult as OurResult
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
+from kvcache_offload.integrations.vllm._manager_bridge import ManagerBridge
 from kvcache_offload.integrations.vllm._settings import offload_config
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
 
@@ -94,37 +92,11 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self.backend.shutdown()
 
 
-class _Manager(OffloadingManager):  # type: ignore[misc]
+class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     """vLLM's manager API over ours: same keys and semantics, vLLM's result classes."""
-
-    def __init__(self, manager: ours.OffloadingManager) -> None:
-        self._manager = manager
 
     def lookup(self, key: bytes, req_context: Any) -> Any:
         return _LOOKUP[self._manager.lookup(ours.OffloadKey(key), req_context)]
-
-    def prepare_load(self, keys: Any, req_context: Any) -> LoadStoreSpec:
-        spec = self._manager.prepare_load(list(keys), req_context)
-        return CPULoadStoreSpec(_block_ids(spec))
-
-    def touch(self, keys: Any, req_context: Any) -> None:
-        self._manager.touch(list(keys), req_context)
-
-    def complete_load(self, keys: Any, req_context: Any) -> None:
-        self._manager.complete_load(list(keys), req_context)
-
-    def prepare_store(self, keys: Any, req_context: Any) -> PrepareStoreOutput | None:
-        output = self._manager.prepare_store(list(keys), req_context)
-        if output is None:
-            return None
-        return PrepareStoreOutput(
-            keys_to_store=output.keys_to_store,
-            store_spec=CPULoadStoreSpec(_block_ids(output.store_spec)),
-            evicted_keys=output.evicted_keys,
-        )
-
-    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
-        self._manager.complete_store(list(keys), req_context, success)
 
     def on_new_request(self, req_context: Any) -> Any:
         return RequestOffloadingContext()
@@ -134,12 +106,6 @@ class _Manager(OffloadingManager):  # type: ignore[misc]
             yield OffloadingEvent(
                 keys=event.keys, medium=Medium(event.medium), removed=event.removed
             )
-
-    def reset_cache(self) -> None:
-        self._manager.reset_cache()
-
-    def shutdown(self) -> None:
-        self._manager.shutdown()
 
 
 class _Worker(OffloadingWorker):  # type: ignore[misc]
@@ -178,7 +144,3 @@ def _result(result: OurResult) -> Any:
         transfer_size=result.transfer_size,
         transfer_time=result.transfer_time,
     )
-
-
-def _block_ids(spec: ours.LoadStoreSpec) -> Any:
-    return spec.block_ids  # type: ignore[attr-defined]
