@@ -65,10 +65,12 @@ class TransferPoller:
         spin_s: float = 0.02,
         backoff_s: float = 0.001,
         backstop_s: float = 0.01,
+        completion_spin_s: float = 0.0003,
         batch: bool = True,
     ) -> None:
         self.worker = worker
         self.spin_s = spin_s
+        self.completion_spin_s = completion_spin_s
         self.backoff_s = backoff_s
         self.backstop_s = backstop_s
         self._jobs: dict[int, _Job] = {}
@@ -160,8 +162,13 @@ class TransferPoller:
                 await self._waker.wait()
                 continue
             if self.pushed:
-                self.poll_once()
-                if self._jobs:
+                if self.poll_once():
+                    await asyncio.sleep(0)  # let the resumed coroutines run first
+                elif time.perf_counter() - self._last_activity < self.completion_spin_s:
+                    # A job submitted or finished moments ago: the next end is likely close,
+                    # and one loop iteration is far cheaper than the watcher's wake-up.
+                    await asyncio.sleep(0)
+                else:
                     await self._waker.wait(self.backstop_s)
             elif self.poll_once():
                 await asyncio.sleep(0)  # let the resumed coroutines run before polling again

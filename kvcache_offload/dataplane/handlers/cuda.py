@@ -127,6 +127,8 @@ class _TableSlot:
         self.host: torch.Tensor | None = None
         self.host_np: np.ndarray | None = None
         self.dev: torch.Tensor | None = None
+        self.host_ptr = 0
+        self.dev_ptr = 0
 
     def ensure(self, entries: int, need_device: bool) -> np.ndarray:
         if entries > self.capacity:
@@ -134,10 +136,12 @@ class _TableSlot:
             cap = 1 << (cap - 1).bit_length()
             self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
             self.host_np = self.host.numpy()
+            self.host_ptr = self.host.data_ptr()
             self.dev = None
             self.capacity = cap
         if need_device and self.dev is None:
             self.dev = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            self.dev_ptr = self.dev.data_ptr()
         assert self.host_np is not None
         return self.host_np
 
@@ -626,45 +630,52 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 sp.pop() if sp else torch.cuda.Event(),
                 sp.pop() if sp else torch.cuda.Event(),
             )
+        # Every call below names its stream explicitly: no stream context to enter and leave
+        # per job, and the table upload is one runtime call instead of a dispatched copy_.
+        runtime = self._runtime
+        handle = stream.cuda_stream
         with torch.cuda.device(self.device):
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(stream):
-                if k_entries and slot is not None:
-                    assert slot.host is not None and slot.dev is not None
-                    slot.dev[:k_entries].copy_(slot.host[:k_entries], non_blocking=True)
-                if self.gpu_to_cpu:
-                    stream.wait_stream(compute)
-                if self._transfers:
-                    stream.wait_event(self._transfers[-1].end_event)
-                start.record(stream)
-                if dma_table is not None:
-                    dma_stream = stream
-                    if side is not None and sync is not None:
-                        sync[0].record(stream)
-                        side.wait_event(sync[0])
-                        dma_stream = side
-                    assert self._runtime is not None
-                    self._runtime.memcpy_batch_async(
-                        dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
-                    )
-                if kernel_part is not None and slot is not None:
-                    assert slot.dev is not None and self._ref_table is not None
-                    launch_copy_kernel(
-                        self._ref_table,
-                        slot.dev,
-                        n_groups=len(k_groups),
-                        n_units=n_units,
-                        total_pairs=kernel_part.num_fragments,
-                        max_size=kernel_part.max_size,
-                        src_factor=self.src_geom.factor,
-                        dst_factor=self.dst_geom.factor,
-                        alignment=self._kernel_align,
-                        config=self.kernel_config,
-                    )
+            if k_entries and slot is not None:
+                assert slot.host is not None and slot.dev is not None
+                if runtime is not None:
+                    runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * k_entries, handle)
+                else:
+                    with torch.cuda.stream(stream):
+                        slot.dev[:k_entries].copy_(slot.host[:k_entries], non_blocking=True)
+            if self.gpu_to_cpu:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._transfers:
+                stream.wait_event(self._transfers[-1].end_event)
+            start.record(stream)
+            if dma_table is not None:
+                dma_stream = stream
                 if side is not None and sync is not None:
-                    sync[1].record(side)
-                    stream.wait_event(sync[1])
-                end.record(stream)
+                    sync[0].record(stream)
+                    side.wait_event(sync[0])
+                    dma_stream = side
+                assert runtime is not None
+                runtime.memcpy_batch_async(
+                    dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
+                )
+            if kernel_part is not None and slot is not None:
+                assert slot.dev is not None and self._ref_table is not None
+                launch_copy_kernel(
+                    self._ref_table,
+                    slot.dev,
+                    n_groups=len(k_groups),
+                    n_units=n_units,
+                    total_pairs=kernel_part.num_fragments,
+                    max_size=kernel_part.max_size,
+                    src_factor=self.src_geom.factor,
+                    dst_factor=self.dst_geom.factor,
+                    alignment=self._kernel_align,
+                    config=self.kernel_config,
+                    stream=handle,
+                )
+            if side is not None and sync is not None:
+                sync[1].record(side)
+                stream.wait_event(sync[1])
+            end.record(stream)
         transfer = _Transfer(jobs, stream, start, end, slot, mechanism, side, sync)
         self._transfers.append(transfer)
         for job_id, _ in jobs:
@@ -723,6 +734,16 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
         """Group rows then source and destination units; returns the number of units."""
         n_groups = len(groups)
+        if n_groups == 1:  # the common case: four scalars and two unit runs, no reductions
+            g = groups[0]
+            n_units = len(g.src_units)
+            out[0] = 0
+            out[1] = n_units
+            out[2] = self._ref_start[g.index] + g.ref_offset
+            out[3] = 0
+            out[GROUP_ROW : GROUP_ROW + n_units] = g.src_units
+            out[GROUP_ROW + n_units : GROUP_ROW + 2 * n_units] = g.dst_units
+            return n_units
         counts = np.fromiter((len(g.src_units) for g in groups), np.int64, n_groups)
         refs = np.fromiter((len(g.ref_tensors) for g in groups), np.int64, n_groups)
         n_units = int(counts.sum())
@@ -735,14 +756,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         rows[0, 3] = 0
         np.cumsum(counts[:-1], out=rows[1:, 3])
         base = GROUP_ROW * n_groups
-        if n_groups == 1:
-            out[base : base + n_units] = groups[0].src_units
-            out[base + n_units : base + 2 * n_units] = groups[0].dst_units
-        else:
-            np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
-            np.concatenate(
-                [g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units]
-            )
+        np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
+        np.concatenate([g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units])
         return n_units
 
     def get_finished(self) -> list[TransferResult]:
