@@ -37,13 +37,8 @@ from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCaches,
 )
 from kvcache_offload.dataplane.copy.host_copy import HostCopier
-from kvcache_offload.dataplane.copy.plan import (
-    PlanBuilder,
-    SideGeometry,
-    TransferPlan,
-    parse_job,
-    refs_arrays,
-)
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 

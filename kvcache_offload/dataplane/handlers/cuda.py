@@ -48,13 +48,8 @@ from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCaches,
 )
 from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
-from kvcache_offload.dataplane.copy.plan import (
-    PlanBuilder,
-    SideGeometry,
-    TransferPlan,
-    parse_job,
-    refs_arrays,
-)
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.copy.staged import (
     DEFAULT_STAGING_CONFIG,
     StagedCopier,
