@@ -196,6 +196,7 @@ def launch_copy_kernel(
         programs = min(total_work, config.ctas_per_sm * _num_sms(device))
     iters = -(-total_work // programs)
     key = (device.index or 0, block, alignment, config.num_warps)
+    scalars = (n_groups, n_units, total_work, iters, chunks, src_factor, dst_factor)
     compiled = _COMPILED.get(key) if _DIRECT else None
     if compiled is not None:
         if stream is None:
@@ -205,27 +206,14 @@ def launch_copy_kernel(
             compiled.run(
                 programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
                 hooks.launch_enter_hook, hooks.launch_exit_hook,
-                ref_table.data_ptr(), job_table.data_ptr(), n_groups, n_units, total_work,
-                iters, chunks,
-                src_factor, dst_factor, block, alignment,
+                ref_table.data_ptr(), job_table.data_ptr(), *scalars, block, alignment,
             )  # fmt: skip
             return compiled
         except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
             logger.warning("direct Triton launch failed (%s); using the JIT dispatch", exc)
             _DIRECT = False
     kernel = _uva_copy_kernel[(programs,)](
-        ref_table,
-        job_table,
-        n_groups,
-        n_units,
-        total_work,
-        iters,
-        chunks,
-        src_factor,
-        dst_factor,
-        BLOCK=block,
-        ALIGN=alignment,
-        num_warps=config.num_warps,
+        ref_table, job_table, *scalars, BLOCK=block, ALIGN=alignment, num_warps=config.num_warps
     )
     if _DIRECT and kernel is not None and hasattr(kernel, "packed_metadata"):
         _COMPILED[key] = kernel

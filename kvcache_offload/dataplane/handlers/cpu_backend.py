@@ -39,6 +39,7 @@ from kvcache_offload.contracts.kv_caches import (
 from kvcache_offload.dataplane.copy.host_copy import HostCopier
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
+from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
@@ -315,7 +316,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
             self._pending.clear()
 
 
-class CpuBackendOffloadingHandlers:
+class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
     """Store and load handlers over CPU "GPU" tensors; same constructor as the CUDA ones.
 
     ``kv_caches`` holds CPU tensors. ``cpu_tensors`` are the offloaded copies: one
@@ -368,11 +369,3 @@ class CpuBackendOffloadingHandlers:
             thread_name="kvoffload-load",
             can_batch=True,
         )
-
-    @property
-    def handlers(self) -> tuple[ThreadedOffloadingHandler, ThreadedOffloadingHandler]:
-        return self.gpu_to_cpu_handler, self.cpu_to_gpu_handler
-
-    def shutdown(self) -> None:
-        for handler in self.handlers:
-            handler.shutdown()

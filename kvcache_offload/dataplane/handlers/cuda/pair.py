@@ -19,6 +19,7 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     CompletionWait,
     Mechanism,
 )
+from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 from kvcache_offload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["CpuGpuOffloadingHandlers"]
 
 
-class CpuGpuOffloadingHandlers:
+class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
     """The store (GPU->CPU) and load (CPU->GPU) handlers over one set of CPU tensors.
 
     ``cpu_tensors`` are pinned ``torch.zeros`` (one per canonical tensor, ``(num_cpu_blocks,
@@ -79,11 +80,3 @@ class CpuGpuOffloadingHandlers:
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, False, **kwargs
         )
-
-    @property
-    def handlers(self) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
-        return self.gpu_to_cpu_handler, self.cpu_to_gpu_handler
-
-    def shutdown(self) -> None:
-        for handler in self.handlers:
-            handler.shutdown()
