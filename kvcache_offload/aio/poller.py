@@ -85,6 +85,8 @@ class TransferPoller:
         self.polls = 0
         self.pushed = worker.set_completion_callback(self.wake_threadsafe)
         """True when every handler wakes the poller itself (no spinning)."""
+        self.on_demand = self.pushed and completion_spin_s > 0 and worker.enable_watch_on_demand()
+        """True when handlers leave copies unwatched while the poller looks by itself."""
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
@@ -181,6 +183,8 @@ class TransferPoller:
                     await asyncio.sleep(0)
                 else:
                     self._spinning = False
+                    if self.on_demand:
+                        self.worker.watch_in_flight()
                     # A copy that ended while the watchers' wakes were off is seen here.
                     if not self.poll_once():
                         await self._waker.wait(self.backstop_s)

@@ -258,3 +258,60 @@ async def test_a_copy_ending_during_the_last_look_before_sleeping_is_seen() -> N
             assert (await asyncio.wait_for(fut, 5)).success  # not after the 30 s backstop
     finally:
         task.cancel()
+
+
+class WatchedOnlyWhenAsked(FakeHandler):
+    """A copy ends only once watched (``slow``), or on the first look (fast): the CUDA
+    handlers' on-demand watching, without a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__(auto=False)
+        self.callback: Callable[[], None] | None = None
+        self.on_demand = False
+        self.slow = False
+        self.watch_calls = 0
+        self.threads: list[threading.Thread] = []
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        self.on_demand = enabled
+
+    def watch_in_flight(self) -> None:
+        self.watch_calls += 1
+        pending = list(self.pending)
+
+        def watch() -> None:
+            time.sleep(0.01)
+            for job_id in pending:
+                self.release(job_id)
+            if self.callback is not None:
+                self.callback()
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def get_finished(self) -> list[TransferResult]:
+        if not self.slow:
+            self.release()
+        return super().get_finished()
+
+
+async def test_copies_are_watched_only_once_the_poller_stops_looking() -> None:
+    handler = WatchedOnlyWhenAsked()
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.0003)
+    assert handler.on_demand and poller.on_demand
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(10):  # ends on the first look: no watcher involved
+            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls == 0
+        handler.slow = True  # outlasts the window: watched, then reported by the callback
+        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls >= 1
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()

@@ -152,6 +152,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         )
         self._closed = False
         self._watcher: CompletionWatcher | None = None
+        self._watch_on_demand = False
         self._batching = False
         self.batch_max_bytes = int(batch_max_bytes)
         self._held = HeldJobs()
@@ -288,8 +289,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             transfer = self._launcher.direct(jobs, plan, mechanism, prev)
         self._transfers.append(transfer)
         self._in_flight_ids.update(job_id for job_id, _ in jobs)
-        if self._watcher is not None:
+        if self._watcher is not None and not self._watch_on_demand:
             self._watcher.watch(transfer)
+            transfer.watched = True
         self.jobs_by_mechanism[mechanism] += len(jobs)
         if len(jobs) > 1:
             self.batches += 1
@@ -343,8 +345,26 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
                 )
                 for t in self._transfers:
                     self._watcher.watch(t)
+                    t.watched = True
         if watcher is not None:
             watcher.close()
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        """Leave new copies unwatched until :meth:`watch_in_flight` (see ``WatchesOnDemand``):
+        the poller looks for a while after each submission, and a copy ending meanwhile then
+        costs no watcher wake-up, no futex and no GIL hand-off."""
+        self._watch_on_demand = enabled
+        if not enabled:
+            self.watch_in_flight()
+
+    def watch_in_flight(self) -> None:
+        with self._lock:
+            if self._watcher is None:
+                return
+            for t in self._transfers:
+                if not t.watched:
+                    self._watcher.watch(t)
+                    t.watched = True
 
     def pending_job_ids(self) -> list[int]:
         if self._fallback is not None:

@@ -65,6 +65,8 @@ class InFlightCopy:
     side_stream: torch.cuda.Stream | None = None
     sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     staged: StagedJob | None = None
+    watched: bool = False
+    """Handed to the completion watcher (on-demand watching leaves it False at first)."""
     """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
 
     def issued(self) -> bool:
