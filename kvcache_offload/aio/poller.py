@@ -8,12 +8,15 @@ nothing pinned, because the completion still runs when the copy finishes.
 
 Handlers that know when a copy ends (:class:`~kvcache_offload.contracts.handler.NotifiesCompletion`:
 the CPU backend's copy threads, the CUDA handlers' completion watcher, which sleeps in the
-driver on each job's end event) wake the task. For ``completion_spin_s`` after a submission
-or a completion the task instead keeps looking once per loop iteration (yielding to every
+driver on each job's end event) wake the task. With the CUDA handlers, for
+``completion_spin_s`` after a submission or a completion the task instead keeps looking once
+per loop iteration (yielding to every
 other coroutine in between, so it never holds the loop): a small job then completes within
 one iteration of its copy's end instead of after the watcher's wake-up (driver interrupt,
 thread switch, self-pipe write, loop wake), which on the H200 host cut a 1-block load's p50
-by about a third; the watchers' wakes are skipped meanwhile. Past that window the task only
+by about a third; the watchers are not even handed the copies meanwhile. (Not with the CPU
+backend: on two cores, a looking loop took the core its copy threads needed, and its streams
+fell from 0.78 to 0.46 of a single-thread copy.) Past that window the task only
 sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
 many jobs finished together, and the task polls again at least every ``backstop_s`` while
 jobs are in flight (a safety net that a correct handler never needs).
@@ -86,7 +89,10 @@ class TransferPoller:
         self.pushed = worker.set_completion_callback(self.wake_threadsafe)
         """True when every handler wakes the poller itself (no spinning)."""
         self.on_demand = self.pushed and completion_spin_s > 0 and worker.enable_watch_on_demand()
-        """True when handlers leave copies unwatched while the poller looks by itself."""
+        """True when the handlers leave copies unwatched while the poller looks by itself
+        (the CUDA handlers: their copies run on the GPU, so looking costs only the loop
+        thread). Only then does the poller look for ``completion_spin_s``; the CPU
+        backend's copies need the cores a looking loop would take."""
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
@@ -174,10 +180,13 @@ class TransferPoller:
                 await self._waker.wait()
                 continue
             if self.pushed:
-                self._spinning = True
+                self._spinning = self.on_demand
                 if self.poll_once():
                     await asyncio.sleep(0)  # let the resumed coroutines run first
-                elif time.perf_counter() - self._last_activity < self.completion_spin_s:
+                elif (
+                    self.on_demand
+                    and time.perf_counter() - self._last_activity < self.completion_spin_s
+                ):
                     # A job submitted or finished moments ago: the next end is likely close,
                     # and one loop iteration is far cheaper than the watcher's wake-up.
                     await asyncio.sleep(0)

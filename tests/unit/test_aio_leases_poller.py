@@ -190,6 +190,12 @@ class PushingHandler(FakeHandler):
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
 
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        pass  # completes on its own: nothing to defer
+
+    def watch_in_flight(self) -> None:
+        pass
+
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         super().transfer_async(job_id, spec)
         delay = self.delays_s[job_id % len(self.delays_s)]
@@ -239,6 +245,12 @@ class EndsDuringTheLook(FakeHandler):
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
 
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        pass  # completes on its own: nothing to defer
+
+    def watch_in_flight(self) -> None:
+        pass
+
     def get_finished(self) -> list[TransferResult]:
         out = super().get_finished()
         if not out and self.pending and self.pending[0] not in self.released:
@@ -250,7 +262,8 @@ class EndsDuringTheLook(FakeHandler):
 
 async def test_a_copy_ending_during_the_last_look_before_sleeping_is_seen() -> None:
     handler = EndsDuringTheLook()
-    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.0)
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=1e-9)
+    assert poller.on_demand
     task = asyncio.create_task(poller.run())
     try:
         for _ in range(5):
