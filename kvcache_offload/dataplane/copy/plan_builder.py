@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec, GPULoadStoreSpec
 from kvcache_offload.dataplane.copy.plan import (
     GroupPlan,
     SideGeometry,
@@ -82,6 +83,13 @@ class PlanBuilder:
                     int(np.bitwise_or.reduce(sizes)),
                 )
             )
+        # One group with refs (the common model): build() takes a loop-free path.
+        only = self._facts[0] if self.num_groups == 1 else None
+        self._single = only
+        self._single_uniform = (
+            next(iter(only.distinct_sizes)) if only and len(only.distinct_sizes) == 1 else None
+        )
+        self._single_alignment = alignment_of(only.align_bits) if only else 1
 
     def build(
         self,
@@ -104,6 +112,22 @@ class PlanBuilder:
             )
         _check_ids(src_ids, src.num_rows, "source")
         _check_ids(dst_ids, dst.num_rows, "destination")
+        single = self._single
+        if single is not None and group_sizes[0] > 0 and block_indices[0] >= 0:
+            size, start = int(group_sizes[0]), int(block_indices[0])
+            s_units, s_n = _side_units(src_ids, 0, size, start % src.factor, src.factor, "source")
+            d_units, d_n = _side_units(
+                dst_ids, 0, size, start % dst.factor, dst.factor, "destination"
+            )
+            _check_consumed(s_n, d_n, src_ids, dst_ids)
+            return TransferPlan(
+                groups=[GroupPlan(single.tensors, single.sizes, s_units, d_units, 0)],
+                num_fragments=len(single.tensors) * size,
+                num_bytes=single.bytes_per_unit * size,
+                uniform_size=self._single_uniform,
+                max_size=single.max_size,
+                alignment=self._single_alignment,
+            )
         src_off = dst_off = 0
         groups: list[GroupPlan] = []
         sizes_seen: set[int] = set()
@@ -131,11 +155,7 @@ class PlanBuilder:
             align_bits |= facts.align_bits
             num_fragments += len(facts.tensors) * size
             num_bytes += facts.bytes_per_unit * size
-        if src_off != len(src_ids) or dst_off != len(dst_ids):
-            raise TransferError(
-                f"the groups consume {src_off} source and {dst_off} destination block ids, but "
-                f"the job names {len(src_ids)} and {len(dst_ids)}"
-            )
+        _check_consumed(src_off, dst_off, src_ids, dst_ids)
         return TransferPlan(
             groups=groups,
             num_fragments=num_fragments,
@@ -143,6 +163,14 @@ class PlanBuilder:
             uniform_size=next(iter(sizes_seen)) if len(sizes_seen) == 1 else None,
             max_size=max_size,
             alignment=alignment_of(align_bits),
+        )
+
+
+def _check_consumed(src_off: int, dst_off: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    if src_off != len(src_ids) or dst_off != len(dst_ids):
+        raise TransferError(
+            f"the groups consume {src_off} source and {dst_off} destination block ids, but "
+            f"the job names {len(src_ids)} and {len(dst_ids)}"
         )
 
 
@@ -203,11 +231,6 @@ def parse_job(
     The GPU-side spec must be a :class:`GPULoadStoreSpec` and the other side a block-id spec
     of medium "CPU"; raises :class:`TransferError` otherwise.
     """
-    from kvcache_offload.contracts.load_store_spec import (
-        BlockIDsLoadStoreSpec,
-        GPULoadStoreSpec,
-    )
-
     try:
         src, dst = spec
     except (TypeError, ValueError):
