@@ -52,6 +52,20 @@ __getattr__ = lazy_exports(
 )
 
 
+_SMALL_TABLE = 16
+"""Fragments of one group up to which the pointer table is filled with Python ints."""
+
+
+@dataclass(frozen=True)
+class _RefColumns:
+    base: np.ndarray
+    stride: np.ndarray
+    sub: np.ndarray
+    base_list: list[int]
+    stride_list: list[int]
+    sub_list: list[int]
+
+
 @dataclass(frozen=True)
 class SideGeometry:
     """Where the canonical tensors of one side live (int8 tensors, so strides are bytes)."""
@@ -66,6 +80,26 @@ class SideGeometry:
     """Blocks per tensor (the smallest over the tensors)."""
     factor: int
     """Sub-blocks per row: 1 on the GPU side, ``block_size_factor`` on the CPU side."""
+
+    def of_refs(self, tensors: np.ndarray) -> _RefColumns:
+        """Base, row stride and sub-block bytes of the refs' tensors, as ``(R, 1)`` columns
+        and as Python lists (for jobs too small to amortise numpy calls).
+
+        A handler's groups pass the same ref arrays job after job, so the gathers are done
+        once per array and kept (the array is kept with them, so its id stays valid)."""
+        cache: dict[int, tuple[np.ndarray, _RefColumns]]
+        cache = self.__dict__.setdefault("_of_refs", {})
+        hit = cache.get(id(tensors))
+        if hit is not None and hit[0] is tensors:
+            return hit[1]
+        base, stride, sub = self.base[tensors], self.row_stride[tensors], self.sub_bytes[tensors]
+        cols = _RefColumns(
+            base[:, None], stride[:, None], sub[:, None], base.tolist(), stride.tolist(),
+            sub.tolist(),
+        )  # fmt: skip
+        if len(cache) < 64:
+            cache[id(tensors)] = (tensors, cols)
+        return cols
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[Any], factor: int) -> SideGeometry:
@@ -223,17 +257,30 @@ class TransferPlan:
             if r == 0 or k == 0:
                 continue
             t = g.ref_tensors
+            small = r * k <= _SMALL_TABLE
             for side, units, row in ((src, g.src_units, 0), (dst, g.dst_units, 1)):
+                refs = side.of_refs(t)
+                if small:  # a few fragments: Python ints beat a dozen tiny numpy calls
+                    f = side.factor
+                    us = [divmod(u, f) for u in units.tolist()]
+                    cols = zip(refs.base_list, refs.stride_list, refs.sub_list, strict=True)
+                    out[row, col : col + r * k] = [
+                        b + q * st + m * sb for b, st, sb in cols for q, m in us
+                    ]
+                    continue
                 block = out[row, col : col + r * k].reshape(r, k)
                 if side.factor == 1:
-                    np.multiply(units[None, :], side.row_stride[t][:, None], out=block)
+                    np.multiply(units, refs.stride, out=block)
                 else:
                     rows, subs = np.divmod(units, side.factor)
-                    np.multiply(rows[None, :], side.row_stride[t][:, None], out=block)
-                    block += subs[None, :] * side.sub_bytes[t][:, None]
-                block += side.base[t][:, None]
+                    np.multiply(rows, refs.stride, out=block)
+                    block += subs * refs.sub
+                block += refs.base
             if out.shape[0] > 2:
-                out[2, col : col + r * k].reshape(r, k)[:] = g.ref_sizes[:, None]
+                if small:
+                    out[2, col : col + r * k] = [s for s in g.ref_sizes.tolist() for _ in range(k)]
+                else:
+                    out[2, col : col + r * k].reshape(r, k)[:] = g.ref_sizes[:, None]
             col += r * k
         return out[:, :n]
 
