@@ -207,7 +207,9 @@ def _one_block_spec():
     return (GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
 
 
-def _gated_handler(gate: threading.Event, fail: bool = False) -> ThreadedOffloadingHandler:
+def _gated_handler(
+    gate: threading.Event, fail: bool = False, inline_max_bytes: int = 0
+) -> ThreadedOffloadingHandler:
     gpu = [torch.zeros((4, 64), dtype=torch.int8)]
     cpu = [torch.zeros((4, 64), dtype=torch.int8)]
     from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
@@ -226,7 +228,21 @@ def _gated_handler(gate: threading.Event, fail: bool = False) -> ThreadedOffload
         group_data_refs=[[CanonicalKVCacheRef(0, 64)]],
         gpu_to_cpu=True,
         run_plan=run,
+        inline_max_bytes=inline_max_bytes,
     )
+
+
+def test_an_inline_copy_that_raises_is_reported_as_failed_and_wait_returns():
+    gate = threading.Event()
+    gate.set()
+    h = _gated_handler(gate, fail=True, inline_max_bytes=1 << 20)
+    try:
+        assert h.transfer_async(1, _one_block_spec())
+        h.wait({1})  # an inline job is already done: nothing to wait for
+        [result] = h.get_finished()
+        assert (result.job_id, result.success) == (1, False)
+    finally:
+        h.shutdown()
 
 
 def test_a_copy_that_raises_is_reported_as_failed_in_order():

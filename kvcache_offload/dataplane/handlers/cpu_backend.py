@@ -154,11 +154,36 @@ def allocate_cpu_tensors(
     return out
 
 
+class _Finished:
+    """The outcome of a copy done inline: a finished future without the lock and condition
+    a ``concurrent.futures.Future`` allocates."""
+
+    __slots__ = ("_error", "_seconds")
+
+    def __init__(self, seconds: float, error: BaseException | None = None) -> None:
+        self._seconds = seconds
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> float:
+        if self._error is not None:
+            raise self._error
+        return self._seconds
+
+
 @dataclass
 class _Job:
     job_id: int
     num_bytes: int
-    future: Future[float]
+    future: Future[float] | _Finished
 
 
 class ThreadedOffloadingHandler(OffloadingHandler):
@@ -240,15 +265,14 @@ class ThreadedOffloadingHandler(OffloadingHandler):
     def _run_inline(self, job_id: int, plan: TransferPlan) -> None:
         """Copy now on this thread (the copy thread is idle, so order is kept); the job is
         reported by the next ``get_finished`` like any other, after the completion callback."""
-        future: Future[float] = Future()
         try:
-            future.set_result(self._execute(plan, None))
+            outcome = _Finished(self._execute(plan, None))
         except Exception as exc:
-            future.set_exception(exc)
-        job = _Job(job_id, plan.num_bytes, future)
+            outcome = _Finished(0.0, exc)
+        job = _Job(job_id, plan.num_bytes, outcome)
         self._jobs.append(job)
         self._pending[job_id] = job
-        self._notify(future)
+        self._notify(None)
 
     def set_batching(self, enabled: bool) -> None:
         """Hold jobs until :meth:`flush` and run those held as one copy on the thread (one
@@ -278,7 +302,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
             self._jobs.append(job)
             self._pending[job_id] = job
 
-    def _notify(self, _future: Future[float]) -> None:
+    def _notify(self, _future: Future[float] | None) -> None:
         callback = self._on_complete
         if callback is not None:
             try:
@@ -314,7 +338,11 @@ class ThreadedOffloadingHandler(OffloadingHandler):
     def wait(self, job_ids: set[int]) -> None:
         self.flush()
         with self._lock:
-            futures = [self._pending[j].future for j in job_ids if j in self._pending]
+            futures = [
+                f
+                for j in job_ids
+                if j in self._pending and isinstance(f := self._pending[j].future, Future)
+            ]
         if futures:
             wait_futures(futures)
 
