@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._mini_sim import WeightDuel
@@ -87,11 +88,29 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._main: OrderedDict[OffloadKey, int] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._tails: set[OffloadKey] = set()
+        # Store tails still on probation (a dict used as an ordered set).
+        self._tails: dict[OffloadKey, None] = {}
         self._now = 0
         self._reset_learning()
 
+    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+        return {
+            "probation": self._probation,
+            "main": self._main,
+            "ghost": self._ghost,
+            "main_ghost": self._main_ghost,
+            "tails": self._tails,
+        }
+
+    def _learned_state(self) -> dict[str, object]:
+        return {
+            "weight": self._duel.weight,
+            "demote_tails": self._demote_tails,
+            "shadow_blocks": max(self._duel.sizes()),
+        }
+
     def _reset_learning(self) -> None:
+        self._now = 0
         self._duel = WeightDuel(self.cache_capacity, self.weights)
         self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
         self._demote_tails = False
@@ -120,27 +139,11 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         stats.add_store(len(batch))
         super()._flush_batch()
         if tail in self._probation:
-            self._tails.add(tail)
+            self._tails[tail] = None
             self._demote_tails = stats.tails_are_dead(self.dead_tail_ratio)
             if self._demote_tails:
                 self._probation[tail] = _DEMOTED
                 self._probation.move_to_end(tail, last=False)
-
-    def _dequeue(self, key: OffloadKey) -> None:
-        self._tails.discard(key)
-        if key in self._probation:
-            del self._probation[key]
-        else:
-            del self._main[key]
-
-    def _clear_queues(self) -> None:
-        self._probation.clear()
-        self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
-        self._tails.clear()
-        self._now = 0
-        self._reset_learning()
 
     # -- use -----------------------------------------------------------------------------
 
@@ -174,7 +177,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 main[key] = self._now
                 tail = key in self._tails
                 if tail:
-                    self._tails.discard(key)
+                    del self._tails[key]
                 self._tail_stats.add_use(tail)
 
     # -- eviction ------------------------------------------------------------------------
@@ -187,12 +190,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key, stamp
 
-    def evict(
+    def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
         on_probation = self._candidates(self._probation, protected)
         in_main = self._candidates(self._main, protected)
         p = next(on_probation, None)
@@ -215,7 +215,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for key, on_probation_queue in selected:
             if on_probation_queue:
                 del self._probation[key]
-                tails.discard(key)
+                tails.pop(key, None)
                 ghost[key] = None
             else:
                 del self._main[key]
@@ -225,17 +225,3 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             while len(queue) > self.cache_capacity:
                 queue.popitem(last=False)
         return victims
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "probation": len(self._probation),
-            "main": len(self._main),
-            "weight": self._duel.weight,
-            "demote_tails": self._demote_tails,
-            "tails": len(self._tails),
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
-            "shadow_blocks": max(self._duel.sizes()),
-        }

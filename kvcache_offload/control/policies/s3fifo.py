@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
+from typing import Any
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
@@ -46,10 +47,26 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
-        self._small_target = float(max(1, round(cache_capacity * self.small_ratio)))
+        self._small_target = 0.0
+        self._reset_learning()
         self._ghost_limit = (
             cache_capacity if self.adaptive else max(1, cache_capacity - int(self._small_target))
         )
+
+    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+        return {
+            "small": self._small,
+            "main": self._main,
+            "ghost": self._ghost,
+            "main_ghost": self._main_ghost,
+            "freq": self._freq,
+        }
+
+    def _reset_learning(self) -> None:
+        self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
+
+    def _learned_state(self) -> dict[str, object]:
+        return {"small_target": self._small_target}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._freq[key] = 0
@@ -67,13 +84,6 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             self._main[key] = None
         else:
             self._small[key] = None
-
-    def _dequeue(self, key: OffloadKey) -> None:
-        del self._freq[key]
-        if key in self._small:
-            del self._small[key]
-        else:
-            del self._main[key]
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self._flush_batch()
@@ -177,25 +187,6 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             while len(main_ghost) > limit:
                 main_ghost.popitem(last=False)
         return victims
-
-    def _clear_queues(self) -> None:
-        self._small.clear()
-        self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
-        self._freq.clear()
-        self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "small": len(self._small),
-            "main": len(self._main),
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
-            "small_target": self._small_target,
-        }
 
 
 class PrefixS3FIFOCachePolicy(S3FIFOCachePolicy):

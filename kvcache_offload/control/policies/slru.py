@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
@@ -36,6 +37,9 @@ class SLRUCachePolicy(QueuePolicy):
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._protected_target = int(cache_capacity * self.protected_ratio)
 
+    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+        return {"probation": self._probation, "protected": self._protected, "ghost": self._ghost}
+
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         if key in self._ghost:
             del self._ghost[key]
@@ -49,12 +53,6 @@ class SLRUCachePolicy(QueuePolicy):
         while len(protected) > self._protected_target:
             key, _ = protected.popitem(last=False)
             probation[key] = None
-
-    def _dequeue(self, key: OffloadKey) -> None:
-        if key in self._probation:
-            del self._probation[key]
-        else:
-            del self._protected[key]
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self._flush_batch()
@@ -83,12 +81,9 @@ class SLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key
 
-    def evict(
+    def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
         from_probation: list[OffloadKey] = []
         for key in self._candidates(self._probation, protected):
             from_probation.append(key)
@@ -115,17 +110,3 @@ class SLRUCachePolicy(QueuePolicy):
         while len(ghost) > self.cache_capacity:
             ghost.popitem(last=False)
         return victims
-
-    def _clear_queues(self) -> None:
-        self._probation.clear()
-        self._protected.clear()
-        self._ghost.clear()
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "probation": len(self._probation),
-            "protected": len(self._protected),
-            "ghost": len(self._ghost),
-        }
