@@ -1,4 +1,4 @@
-"""The manager and its LRU/ARC policies ship compiled (mypyc); their sources are the fallback."""
+"""The manager and its eviction policies ship compiled (mypyc); their sources are the fallback."""
 
 from __future__ import annotations
 

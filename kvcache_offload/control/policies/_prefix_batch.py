@@ -13,15 +13,22 @@ from abc import abstractmethod
 from collections.abc import Collection
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies.base import (
     BlockStatus,
     CachePolicy,
 )
 
-__all__ = ["PlannedQueuePolicy", "QueuePolicy"]
+__all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
+
+Queue = dict[OffloadKey, Any] | GhostList
+"""What a queue policy keeps keys in: ordered dicts (queues, marks) and ghost lists."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class QueuePolicy(CachePolicy):
     """Keeps ``key -> BlockStatus`` in one dict; subclasses own the queues.
 
@@ -40,7 +47,7 @@ class QueuePolicy(CachePolicy):
         self._batch: list[OffloadKey] = []
 
     @abstractmethod
-    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+    def _queues(self) -> dict[str, Queue]:
         """Every container a key can be in, by the name ``debug_state`` reports it under."""
 
     @abstractmethod
@@ -93,6 +100,11 @@ class QueuePolicy(CachePolicy):
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self._blocks.get(key)
 
+    def block_table(self) -> dict[OffloadKey, BlockStatus]:
+        # Holds exactly the stored blocks and is only ever emptied in place: the manager
+        # uses it as its lookup table instead of keeping a second copy.
+        return self._blocks
+
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self._blocks[key] = block
         if self.prefix_order:
@@ -114,6 +126,7 @@ class QueuePolicy(CachePolicy):
         return len(self._blocks)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class PlannedQueuePolicy(QueuePolicy):
     """A queue policy that first plans its victims, changing nothing, then applies the plan:
     a store that cannot get ``n`` victims leaves the queues exactly as they were."""

@@ -24,12 +24,14 @@ Two prefix-specific rules, since a lookup stops at a prefix's first miss:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
-from typing import Any
+from collections.abc import Collection, Iterator, Sequence
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._mini_sim import WeightDuel
-from kvcache_offload.control.policies._prefix_batch import QueuePolicy
+from kvcache_offload.control.policies._prefix_batch import Queue, QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["AdaptiveLRUCachePolicy"]
@@ -72,6 +74,7 @@ class _TailStats:
         return tail_rate < ratio * other_rate
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class AdaptiveLRUCachePolicy(QueuePolicy):
     """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
 
@@ -86,14 +89,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # key -> stamp: insertion time on probation, last use in main.
         self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
         self._main: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost = GhostList(cache_capacity)
+        self._main_ghost = GhostList(cache_capacity)
         # Store tails still on probation (a dict used as an ordered set).
         self._tails: dict[OffloadKey, None] = {}
         self._now = 0
         self._reset_learning()
 
-    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+    def _queues(self) -> dict[str, Queue]:
         return {
             "probation": self._probation,
             "main": self._main,
@@ -119,11 +122,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._now += 1
-        if key in self._ghost:
-            del self._ghost[key]
-            self._main[key] = self._now
-        elif key in self._main_ghost:
-            del self._main_ghost[key]
+        if self._ghost.recall(key) or self._main_ghost.recall(key):
             self._main[key] = self._now
         else:
             self._probation[key] = self._now
@@ -147,10 +146,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     # -- use -----------------------------------------------------------------------------
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, probation, main = self._blocks, self._probation, self._main
-        keys = list(keys)
         duel = self._duel
         # The miniature caches see the request's sampled keys, except stores just prepared.
         sampled = [key for key in keys if duel.sampled(key) and not _being_written(blocks, key)]
@@ -216,12 +214,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             if on_probation_queue:
                 del self._probation[key]
                 tails.pop(key, None)
-                ghost[key] = None
+                ghost.remember(key)
             else:
                 del self._main[key]
-                main_ghost[key] = None
+                main_ghost.remember(key)
             victims.append((key, blocks.pop(key)))
-        for queue in (ghost, main_ghost):
-            while len(queue) > self.cache_capacity:
-                queue.popitem(last=False)
         return victims

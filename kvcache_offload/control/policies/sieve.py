@@ -8,12 +8,13 @@ of blocks that are never read again, with no second queue to size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
 from itertools import chain
-from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
+from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy, Queue
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.control.policies.base import BlockStatus
 
@@ -22,6 +23,7 @@ __all__ = ["SIEVECachePolicy"]
 _KEEP, _CLEAR, _EVICT = range(3)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class SIEVECachePolicy(PlannedQueuePolicy):
     """SIEVE with the queue split at the hand.
 
@@ -40,16 +42,16 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         # The visited bits: a key is here while its bit is set.
         self._visited: dict[OffloadKey, None] = {}
 
-    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+    def _queues(self) -> dict[str, Queue]:
         return {"ahead": self._ahead, "behind": self._behind, "visited": self._visited}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._ahead[key] = None
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, visited = self._blocks, self._visited
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is not None and block.ref_cnt != -1:

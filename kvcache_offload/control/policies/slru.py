@@ -9,16 +9,19 @@ and a store of one of them goes straight back into the protected segment.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
-from typing import Any
+from collections.abc import Collection, Iterator, Sequence
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._prefix_batch import QueuePolicy
+from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._prefix_batch import Queue, QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["SLRUCachePolicy"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class SLRUCachePolicy(QueuePolicy):
     """SLRU with ``protected_ratio`` of the capacity for the protected segment.
 
@@ -34,15 +37,14 @@ class SLRUCachePolicy(QueuePolicy):
         super().__init__(cache_capacity)
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
         self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost = GhostList(cache_capacity)
         self._protected_target = int(cache_capacity * self.protected_ratio)
 
-    def _queues(self) -> dict[str, dict[OffloadKey, Any]]:
+    def _queues(self) -> dict[str, Queue]:
         return {"probation": self._probation, "protected": self._protected, "ghost": self._ghost}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
-        if key in self._ghost:
-            del self._ghost[key]
+        if self._ghost.recall(key):
             self._protected[key] = None
             self._demote_overflow()
         else:
@@ -54,11 +56,11 @@ class SLRUCachePolicy(QueuePolicy):
             key, _ = protected.popitem(last=False)
             probation[key] = None
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, probation, protected = self._blocks, self._probation, self._protected
         promoted = False
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = blocks.get(key)
             if block is None:
                 continue
@@ -105,8 +107,6 @@ class SLRUCachePolicy(QueuePolicy):
         ghost = self._ghost
         for key in from_protected:
             del self._protected[key]
-            ghost[key] = None
+            ghost.remember(key)
             victims.append((key, blocks.pop(key)))
-        while len(ghost) > self.cache_capacity:
-            ghost.popitem(last=False)
         return victims
