@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Collection
-from typing import Any
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -32,23 +32,28 @@ Queue = dict[OffloadKey, Any] | GhostList
 class QueuePolicy(CachePolicy):
     """Keeps ``key -> BlockStatus`` in one dict; subclasses own the queues.
 
-    Subclasses name their queues in ``_queues`` (every dict a key may sit in: queues, ghost
-    lists, per-key marks), implement ``_enqueue`` (place a new block) and ``_select`` (the
-    victims), and call ``_flush_batch`` at the start of every other operation that reads or
-    reorders their queues. Removal, clearing, the ``n <= 0`` case of eviction and
-    ``debug_state`` (the size of each named queue) are done here once for all of them.
+    Subclasses name their queues in ``queue_attributes`` (every container a key may sit
+    in: queues, ghost lists, per-key marks), implement ``_enqueue`` (place a new block) and
+    ``_select`` (the victims), and call ``_flush_batch`` at the start of every other
+    operation that reads or reorders their queues. Removal, clearing, the ``n <= 0`` case
+    of eviction and ``debug_state`` (the size of each named queue) are done here once.
     """
 
-    prefix_order: bool = False
+    prefix_order: ClassVar[bool] = False
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._batch: list[OffloadKey] = []
+        # Read once: compiled, a class attribute costs a lookup on every insert.
+        self._prefix_order = self.prefix_order
 
-    @abstractmethod
+    queue_attributes: ClassVar[tuple[str, ...]] = ()
+    """The attributes holding every container a key can be in (queues, ghost lists, marks)."""
+
     def _queues(self) -> dict[str, Queue]:
-        """Every container a key can be in, by the name ``debug_state`` reports it under."""
+        """The containers of ``queue_attributes``, named as ``debug_state`` reports them."""
+        return {name.lstrip("_"): getattr(self, name) for name in self.queue_attributes}
 
     @abstractmethod
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
@@ -107,7 +112,7 @@ class QueuePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self._blocks[key] = block
-        if self.prefix_order:
+        if self._prefix_order:
             self._batch.append(key)
         else:
             self._enqueue(key, block)

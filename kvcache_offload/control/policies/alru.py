@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._mini_sim import WeightDuel
-from kvcache_offload.control.policies._prefix_batch import Queue, QueuePolicy
+from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["AdaptiveLRUCachePolicy"]
@@ -79,9 +80,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
 
     name = "alru"
+    queue_attributes = ("_probation", "_main", "_ghost", "_main_ghost", "_tails")
     prefix_order = True
-    weights: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
-    dead_tail_ratio = 0.25
+    weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+    dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
 
     def __init__(self, cache_capacity: int) -> None:
@@ -95,15 +97,6 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._tails: dict[OffloadKey, None] = {}
         self._now = 0
         self._reset_learning()
-
-    def _queues(self) -> dict[str, Queue]:
-        return {
-            "probation": self._probation,
-            "main": self._main,
-            "ghost": self._ghost,
-            "main_ghost": self._main_ghost,
-            "tails": self._tails,
-        }
 
     def _learned_state(self) -> dict[str, object]:
         return {

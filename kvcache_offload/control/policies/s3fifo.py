@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
-from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy, Queue
+from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.control.policies.base import BlockStatus
 
@@ -36,11 +37,12 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     """
 
     name = "s3fifo"
-    small_ratio = 0.1
-    adaptive = False
+    queue_attributes = ("_small", "_main", "_ghost", "_main_ghost", "_freq")
+    small_ratio: ClassVar[float] = 0.1
+    adaptive: ClassVar[bool] = False
     """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
-    adapt_gain = 1.0
-    main_lru = False
+    adapt_gain: ClassVar[float] = 1.0
+    main_lru: ClassVar[bool] = False
     """Order the main queue by ``touch`` (exact LRU) instead of FIFO with reinsertion."""
 
     def __init__(self, cache_capacity: int) -> None:
@@ -56,15 +58,6 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         )
         self._ghost = GhostList(ghost_limit)
         self._main_ghost = GhostList(ghost_limit)
-
-    def _queues(self) -> dict[str, Queue]:
-        return {
-            "small": self._small,
-            "main": self._main,
-            "ghost": self._ghost,
-            "main_ghost": self._main_ghost,
-            "freq": self._freq,
-        }
 
     def _reset_learning(self) -> None:
         self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))

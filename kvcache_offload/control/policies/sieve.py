@@ -14,7 +14,7 @@ from itertools import chain
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy, Queue
+from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.control.policies.base import BlockStatus
 
@@ -34,6 +34,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
     """
 
     name = "sieve"
+    queue_attributes = ("_ahead", "_behind", "_visited")
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -41,9 +42,6 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         self._behind: OrderedDict[OffloadKey, None] = OrderedDict()
         # The visited bits: a key is here while its bit is set.
         self._visited: dict[OffloadKey, None] = {}
-
-    def _queues(self) -> dict[str, Queue]:
-        return {"ahead": self._ahead, "behind": self._behind, "visited": self._visited}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._ahead[key] = None

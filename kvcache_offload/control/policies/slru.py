@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
-from kvcache_offload.control.policies._prefix_batch import Queue, QueuePolicy
+from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["SLRUCachePolicy"]
@@ -31,7 +32,8 @@ class SLRUCachePolicy(QueuePolicy):
     """
 
     name = "slru"
-    protected_ratio = 0.8
+    queue_attributes = ("_probation", "_protected", "_ghost")
+    protected_ratio: ClassVar[float] = 0.8
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -39,9 +41,6 @@ class SLRUCachePolicy(QueuePolicy):
         self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost = GhostList(cache_capacity)
         self._protected_target = int(cache_capacity * self.protected_ratio)
-
-    def _queues(self) -> dict[str, Queue]:
-        return {"probation": self._probation, "protected": self._protected, "ghost": self._ghost}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         if self._ghost.recall(key):
