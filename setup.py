@@ -1,4 +1,4 @@
-"""Build hook: compile the manager and its LRU/ARC policies with mypyc when possible.
+"""Build hook: compile the manager and its eviction policies with mypyc when possible.
 
 Everything else about the package is in ``pyproject.toml``. The compiled modules are listed
 in ``kvcache_offload/_compiled.py``. The build falls back to the pure-Python package (same

@@ -1,8 +1,9 @@
 """The modules that ship compiled (mypyc), and the switch back to their Python sources.
 
-The manager and its LRU/ARC policies run once per scheduler step for every block, so they are
-compiled to C extensions with mypyc when the package is built (``setup.py``); the ``.py``
-files stay next to the extensions and are the single source. Setting
+The manager and its eviction policies (with the helpers they share) run once per scheduler
+step for every block, so they are compiled to C extensions with mypyc when the package is
+built (``setup.py``); the ``.py`` files stay next to the extensions and are the single
+source. Setting
 ``KVCACHE_OFFLOAD_PURE_PYTHON=1`` before the first import of ``kvcache_offload`` loads the
 sources instead (for debugging, line profilers, or to compare both); a build without a C
 compiler, or with ``KVCACHE_OFFLOAD_COMPILE=0``, has only the sources.
@@ -28,6 +29,14 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies.base",
     "kvcache_offload.control.policies.lru",
     "kvcache_offload.control.policies.arc",
+    "kvcache_offload.control.policies._virtual_fifo",
+    "kvcache_offload.control.policies._ghosts",
+    "kvcache_offload.control.policies._prefix_batch",
+    "kvcache_offload.control.policies._mini_sim",
+    "kvcache_offload.control.policies.alru",
+    "kvcache_offload.control.policies.s3fifo",
+    "kvcache_offload.control.policies.sieve",
+    "kvcache_offload.control.policies.slru",
     "kvcache_offload.control.manager",
 )
 """Compiled together, in one mypyc group: the manager's hot path never leaves C for them."""

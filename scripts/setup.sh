@@ -2,7 +2,7 @@
 # Create .venv and install kvcache-offload with the server, plot and dev extras.
 # torch is installed first and pinned for CPU machines (a plain "torch" requirement would pull
 # a multi-GB CUDA build); set KVCACHE_OFFLOAD_TORCH to choose another torch spec.
-# The install compiles the manager and its LRU/ARC policies with mypyc (setup.py); it is redone
+# The install compiles the manager and its eviction policies with mypyc (setup.py); it is redone
 # whenever those sources or the build files change, so the extensions never go stale.
 # KVCACHE_OFFLOAD_COMPILE=0 installs the pure-Python build.
 set -euo pipefail

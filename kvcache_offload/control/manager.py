@@ -73,6 +73,12 @@ def _check_keys(keys: Sequence[object]) -> None:
             validate_offload_key(key)
 
 
+def _state_name(block: BlockStatus | None) -> str:
+    if block is None:
+        return "absent"
+    return "being written" if block.ref_cnt < 0 else "idle" if block.ref_cnt == 0 else "being read"
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class CPUOffloadingManager(OffloadingManager):
     """vLLM's classic CPU manager: fresh slot ids ascending, then freed ids LIFO.
@@ -170,15 +176,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> CPULoadStoreSpec:
-        _check_keys(keys)
-        get = self._blocks.get
-        blocks = []
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                state = "absent" if block is None else "being written"
-                raise BlockStateError(f"cannot load key {key.hex()}: it is {state}, not ready")
-            blocks.append(block)
+        blocks = self._blocks_at_least(keys, 0, "load", "ready")
         newly_read = 0
         for block in blocks:
             if block.ref_cnt == 0:
@@ -187,6 +185,23 @@ class CPUOffloadingManager(OffloadingManager):
         self._reading += newly_read
         return CPULoadStoreSpec.from_owned_list([block.block_id for block in blocks])
 
+    def _blocks_at_least(
+        self, keys: Sequence[OffloadKey], min_ref_cnt: int, action: str, wanted: str
+    ) -> list[BlockStatus]:
+        """The blocks of ``keys``, checked before anything changes: BlockStateError unless
+        every one is present with ``ref_cnt >= min_ref_cnt`` (0: ready, 1: being read)."""
+        _check_keys(keys)
+        get = self._blocks.get
+        blocks = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt < min_ref_cnt:
+                raise BlockStateError(
+                    f"cannot {action} key {key.hex()}: it is {_state_name(block)}, not {wanted}"
+                )
+            blocks.append(block)
+        return blocks
+
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         _check_keys(keys)
         self._policy.touch(keys)
@@ -194,15 +209,9 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
-        _check_keys(keys)
-        get = self._blocks.get
-        blocks = []
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt <= 0:
-                raise BlockStateError(f"cannot complete load of key {key.hex()}: not being read")
-            blocks.append(block)
+        blocks = self._blocks_at_least(keys, 1, "complete a load of", "being read")
         if len(set(keys)) != len(keys):
+            get = self._blocks.get
             for key, count in Counter(keys).items():
                 ref_cnt = get(key).ref_cnt  # type: ignore[union-attr]
                 if count > ref_cnt:

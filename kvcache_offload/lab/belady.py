@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from kvcache_offload.lab._ratio import Ratio
 from kvcache_offload.lab.trace import (
     BLOCK_TOKENS,
     Trace,
@@ -49,14 +50,12 @@ class BeladyResult:
     tokens: int
     token_hits: int
 
-    @property
-    def block_hit_rate(self) -> float:
-        return self.block_hits / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        """Token hit rate of the MIN schedule (hits x block size, capped per request)."""
-        return self.token_hits / self.tokens if self.tokens else 0.0
+    block_hit_rate = Ratio("block_hits", "blocks", "Block hit rate of the MIN schedule.")
+    token_hit_rate = Ratio(
+        "token_hits",
+        "tokens",
+        "Token hit rate of the MIN schedule (hits x block size, capped per request).",
+    )
 
 
 def next_use_positions(accesses: list[int]) -> list[int]:

@@ -29,6 +29,7 @@ from kvcache_offload.contracts.manager import (
     OffloadingManager,
     ReqContext,
 )
+from kvcache_offload.lab._ratio import Ratio
 from kvcache_offload.lab.trace import (
     BLOCK_TOKENS,
     Trace,
@@ -46,45 +47,37 @@ _PROGRESS_EVERY = 1024
 class ReplayCounts:
     """What one replay of one trace through one manager produced."""
 
-    requests: int = 0
-    blocks: int = 0
-    block_hits: int = 0
-    tokens: int = 0
-    token_hits: int = 0
-    evictions: int = 0
-    stored_blocks: int = 0
-    rejected_stores: int = 0
-    deferred_requests: int = 0
-    manager_ops: int = 0
-    manager_time_s: float = 0.0
+    requests: int
+    blocks: int
+    """Requested blocks, every block of every request."""
+    block_hits: int
+    tokens: int
+    token_hits: int
+    """Hit blocks x block size, capped at each request's prompt length."""
+    evictions: int
+    stored_blocks: int
+    rejected_stores: int
+    """Store preparations the manager refused (no evictable block)."""
+    deferred_requests: int
+    """Requests whose lookup met a block still being written."""
+    manager_ops: int
+    manager_time_s: float
+    """Summed ``perf_counter`` windows around the manager calls."""
 
-    @property
-    def block_hit_rate(self) -> float:
-        return self.block_hits / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.token_hits / self.tokens if self.tokens else 0.0
-
-    @property
-    def ops_per_s(self) -> float:
-        return self.manager_ops / self.manager_time_s if self.manager_time_s else 0.0
-
-    @property
-    def blocks_per_s(self) -> float:
-        """Requested blocks per second of manager time."""
-        return self.blocks / self.manager_time_s if self.manager_time_s else 0.0
-
-    @property
-    def us_per_request(self) -> float:
-        return 1e6 * self.manager_time_s / self.requests if self.requests else 0.0
+    block_hit_rate = Ratio("block_hits", "blocks", "Hit blocks per requested block.")
+    token_hit_rate = Ratio("token_hits", "tokens", "Hit tokens per prompt token.")
+    ops_per_s = Ratio("manager_ops", "manager_time_s", "Manager calls per second of their time.")
+    blocks_per_s = Ratio("blocks", "manager_time_s", "Requested blocks per second of manager time.")
+    us_per_request = Ratio("manager_time_s", "requests", "Manager time per request, in us.", 1e6)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("block_hit_rate", "token_hit_rate", "ops_per_s", "blocks_per_s"):
+        for name in _RATES:
             out[name] = getattr(self, name)
-        out["us_per_request"] = self.us_per_request
         return out
+
+
+_RATES = ("block_hit_rate", "token_hit_rate", "ops_per_s", "blocks_per_s", "us_per_request")
 
 
 def replay_trace(
@@ -108,7 +101,6 @@ def replay_trace(
     clock = time.perf_counter
     ctx = ReqContext("replay")
 
-    counts = ReplayCounts()
     elapsed = 0.0
     ops = 0
     block_hits = 0
@@ -177,15 +169,16 @@ def replay_trace(
     if progress is not None and since_progress:
         progress(since_progress)
 
-    counts.requests = trace.num_requests
-    counts.blocks = trace.num_block_accesses
-    counts.tokens = trace.num_tokens
-    counts.block_hits = block_hits
-    counts.token_hits = token_hits
-    counts.evictions = evictions
-    counts.stored_blocks = stored
-    counts.rejected_stores = rejected
-    counts.deferred_requests = deferred_requests
-    counts.manager_ops = ops
-    counts.manager_time_s = elapsed
-    return counts
+    return ReplayCounts(
+        requests=trace.num_requests,
+        blocks=trace.num_block_accesses,
+        block_hits=block_hits,
+        tokens=trace.num_tokens,
+        token_hits=token_hits,
+        evictions=evictions,
+        stored_blocks=stored,
+        rejected_stores=rejected,
+        deferred_requests=deferred_requests,
+        manager_ops=ops,
+        manager_time_s=elapsed,
+    )

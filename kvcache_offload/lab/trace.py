@@ -27,11 +27,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import OffloadError
@@ -165,17 +165,9 @@ def _int_field(obj: dict[str, Any], name: str, path: str, lineno: int) -> int:
 def _mooncake(
     obj: dict[str, Any], path: str, lineno: int, cache: dict[int, OffloadKey]
 ) -> TraceRequest:
-    hash_ids = obj["hash_ids"]
-    if not isinstance(hash_ids, list):
-        raise _fail(path, lineno, f"'hash_ids' must be a list of integers, got {hash_ids!r}")
-    keys: list[OffloadKey] = []
-    for h in hash_ids:
-        key = cache.get(h) if type(h) is int else None
-        if key is None:
-            if type(h) is not int or h < 0:
-                raise _fail(path, lineno, f"'hash_ids' must hold non-negative integers, got {h!r}")
-            key = cache[h] = mooncake_key(h)
-        keys.append(key)
+    keys = _parsed_keys(
+        obj, "hash_ids", "non-negative integers", int, _hash_id_key, cache, path, lineno
+    )
     ts = obj.get("timestamp", 0)
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise _fail(path, lineno, f"'timestamp' must be a number, got {ts!r}")
@@ -188,29 +180,61 @@ def _mooncake(
     return TraceRequest(float(ts), input_length, output_length, keys)
 
 
+def _hash_id_key(h: int) -> OffloadKey:
+    if h < 0:
+        raise ValueError(f"'hash_ids' must hold non-negative integers, got {h!r}")
+    return mooncake_key(h)
+
+
+def _hex_key(text: str) -> OffloadKey:
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"'keys' must hold hex strings, got {text!r}") from None
+    if len(value) <= 4:
+        raise ValueError(f"key {text!r} is too short: a block hash plus 4 group-index bytes")
+    return OffloadKey(value)
+
+
+_Item = TypeVar("_Item", int, str)
+
+
+def _parsed_keys(
+    obj: dict[str, Any],
+    field: str,
+    kind: str,
+    item_type: type[_Item],
+    parse: Callable[[_Item], OffloadKey],
+    cache: dict[_Item, OffloadKey],
+    path: str,
+    lineno: int,
+) -> list[OffloadKey]:
+    """``obj[field]`` (a list of ``item_type``) as keys, each item parsed once per file.
+
+    ``parse`` raises ValueError naming a bad item; the exact type check keeps ``True`` from
+    passing for the integer 1 (and from finding its cached key).
+    """
+    raw = obj[field]
+    if not isinstance(raw, list):
+        raise _fail(path, lineno, f"{field!r} must be a list of {kind}, got {raw!r}")
+    keys: list[OffloadKey] = []
+    for item in raw:
+        if type(item) is not item_type:
+            raise _fail(path, lineno, f"{field!r} must hold {kind}, got {item!r}")
+        key = cache.get(item)
+        if key is None:
+            try:
+                key = cache[item] = parse(item)
+            except ValueError as exc:
+                raise _fail(path, lineno, str(exc)) from None
+        keys.append(key)
+    return keys
+
+
 def _hex_keys(
     obj: dict[str, Any], path: str, lineno: int, cache: dict[str, OffloadKey]
 ) -> list[OffloadKey]:
-    raw = obj["keys"]
-    if not isinstance(raw, list):
-        raise _fail(path, lineno, f"'keys' must be a list of hex strings, got {raw!r}")
-    keys: list[OffloadKey] = []
-    for text in raw:
-        key = cache.get(text) if type(text) is str else None
-        if key is None:
-            try:
-                value = bytes.fromhex(text)
-            except (TypeError, ValueError):
-                raise _fail(path, lineno, f"'keys' must hold hex strings, got {text!r}") from None
-            if len(value) <= 4:
-                raise _fail(
-                    path,
-                    lineno,
-                    f"key {text!r} is too short: a block hash plus 4 group-index bytes",
-                )
-            key = cache[text] = OffloadKey(value)
-        keys.append(key)
-    return keys
+    return _parsed_keys(obj, "keys", "hex strings", str, _hex_key, cache, path, lineno)
 
 
 def iter_requests(path: str | os.PathLike[str]) -> Iterator[TraceRequest]:

@@ -1,4 +1,4 @@
-"""The manager and its LRU/ARC policies ship compiled (mypyc); their sources are the fallback."""
+"""The manager and its eviction policies ship compiled (mypyc); their sources are the fallback."""
 
 from __future__ import annotations
 
@@ -132,3 +132,23 @@ def test_the_compiled_manager_and_policies_can_be_subclassed_in_python() -> None
     assert out is not None and out.evicted_keys == [b"key-0001"]
     assert m.lookup(b"key-0002") is True and m.lookups == 1
     assert CPUOffloadingManager(1, NamedARC).stats().policy == "named-arc"
+
+
+def test_python_subclasses_retune_the_compiled_policies() -> None:
+    # Tunables are class variables: compiled, an override in a Python subclass still counts.
+    from kvcache_offload.control.policies import S3FIFOCachePolicy, SLRUCachePolicy
+
+    class HalfSmall(S3FIFOCachePolicy):
+        small_ratio = 0.5
+
+    class HalfProtected(SLRUCachePolicy):
+        protected_ratio = 0.5
+
+    assert HalfSmall(10).debug_state()["small_target"] == 5.0
+    manager = CPUOffloadingManager(4, HalfProtected)
+    keys = [f"key-{i:04d}".encode() for i in range(4)]
+    manager.prepare_store(keys)
+    manager.complete_store(keys)
+    manager.touch(keys)  # all four promoted; the protected share is 2, so 2 drop back
+    state = manager.policy.debug_state()
+    assert (state["protected"], state["probation"]) == (2, 2), state

@@ -47,10 +47,19 @@ def _evicted_ids(policy: CachePolicy, n: int, protected: frozenset[OffloadKey] =
     return key_ids(k for k, _ in victims)
 
 
+def _attributes(policy: CachePolicy) -> dict[str, object]:
+    """The policy's instance attributes, whether it is compiled (mypyc: no ``__dict__``,
+    the names are in ``__mypyc_attrs__``) or not."""
+    if hasattr(policy, "__dict__") and not hasattr(type(policy), "__mypyc_attrs__"):
+        return dict(vars(policy))
+    names = {name for name in type(policy).__mypyc_attrs__ if name != "__dict__"}
+    return {name: getattr(policy, name) for name in names if hasattr(policy, name)}
+
+
 def _snapshot(policy: CachePolicy) -> str:
     """Everything the policy holds, order included, as text."""
     parts = []
-    for name, value in sorted(vars(policy).items()):
+    for name, value in sorted(_attributes(policy).items()):
         if isinstance(value, OrderedDict):
             value = list(value.items())
         elif isinstance(value, set):

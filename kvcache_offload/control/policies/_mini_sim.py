@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 
 __all__ = ["WeightDuel"]
 
@@ -37,8 +38,8 @@ class _MiniCache:
         self.capacity = capacity
         self.probation: OrderedDict[OffloadKey, int] = OrderedDict()
         self.main: OrderedDict[OffloadKey, int] = OrderedDict()
-        self.ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.ghost = GhostList(capacity)
+        self.main_ghost = GhostList(capacity)
         self.now = 0
         self.hits = 0.0
 
@@ -56,12 +57,7 @@ class _MiniCache:
             del probation[key]
             main[key] = now
             return True
-        ghost, main_ghost = self.ghost, self.main_ghost
-        if key in ghost:
-            del ghost[key]
-            main[key] = now
-        elif key in main_ghost:
-            del main_ghost[key]
+        if self.ghost.recall(key) or self.main_ghost.recall(key):
             main[key] = now
         else:
             probation[key] = now
@@ -73,14 +69,10 @@ class _MiniCache:
             >= now - next(iter(main.values()))
         ):
             victim, _ = probation.popitem(last=False)
-            ghost[victim] = None
-            if len(ghost) > self.capacity:
-                ghost.popitem(last=False)
+            self.ghost.remember(victim)
         else:
             victim, _ = main.popitem(last=False)
-            main_ghost[victim] = None
-            if len(main_ghost) > self.capacity:
-                main_ghost.popitem(last=False)
+            self.main_ghost.remember(victim)
         return False
 
     def __len__(self) -> int:

@@ -11,59 +11,108 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Collection
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies.base import (
     BlockStatus,
     CachePolicy,
 )
 
-__all__ = ["PlannedQueuePolicy", "QueuePolicy"]
+__all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
+
+Queue = dict[OffloadKey, Any] | GhostList
+"""What a queue policy keeps keys in: ordered dicts (queues, marks) and ghost lists."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class QueuePolicy(CachePolicy):
     """Keeps ``key -> BlockStatus`` in one dict; subclasses own the queues.
 
-    Subclasses implement ``_enqueue`` (place a new block), ``_dequeue`` (drop a removed
-    block from their queues) and ``_clear_queues``, and call ``_flush_batch`` at the start of
-    every operation that reads or reorders their queues.
+    Subclasses name their queues in ``queue_attributes`` (every container a key may sit
+    in: queues, ghost lists, per-key marks), implement ``_enqueue`` (place a new block) and
+    ``_select`` (the victims), and call ``_flush_batch`` at the start of every other
+    operation that reads or reorders their queues. Removal, clearing, the ``n <= 0`` case
+    of eviction and ``debug_state`` (the size of each named queue) are done here once.
     """
 
-    prefix_order: bool = False
+    prefix_order: ClassVar[bool] = False
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._batch: list[OffloadKey] = []
+        # Read once: compiled, a class attribute costs a lookup on every insert.
+        self._prefix_order = self.prefix_order
+
+    queue_attributes: ClassVar[tuple[str, ...]] = ()
+    """The attributes holding every container a key can be in (queues, ghost lists, marks)."""
+
+    def _queues(self) -> dict[str, Queue]:
+        """The containers of ``queue_attributes``, named as ``debug_state`` reports them."""
+        return {name.lstrip("_"): getattr(self, name) for name in self.queue_attributes}
 
     @abstractmethod
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         """Place a newly stored block in the policy's queues."""
 
     @abstractmethod
-    def _dequeue(self, key: OffloadKey) -> None:
-        """Take a removed block (its store failed) out of the policy's queues."""
+    def _select(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """``evict`` for ``n >= 1`` with the batch flushed."""
 
-    @abstractmethod
-    def _clear_queues(self) -> None:
-        """Empty the policy's queues and reset what it learned."""
+    def _reset_learning(self) -> None:
+        """Forget what the policy learned beyond its queues (on ``clear``); none by default."""
+
+    def _learned_state(self) -> dict[str, object]:
+        """What ``debug_state`` shows beyond the queue sizes (targets, weights)."""
+        return {}
 
     def remove(self, key: OffloadKey) -> None:
+        # A store failed: the key is live, so it sits in none of the ghost lists.
         self._flush_batch()
         del self._blocks[key]
-        self._dequeue(key)
+        for queue in self._queues().values():
+            queue.pop(key, None)
 
     def clear(self) -> None:
         self._blocks.clear()
         self._batch.clear()
-        self._clear_queues()
+        for queue in self._queues().values():
+            queue.clear()
+        self._reset_learning()
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if n <= 0:
+            return []
+        self._flush_batch()
+        return self._select(n, protected)
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        state: dict[str, object] = {"size": len(self)}
+        for name, queue in self._queues().items():
+            state[name] = len(queue)
+        state.update(self._learned_state())
+        return state
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self._blocks.get(key)
 
+    def block_table(self) -> dict[OffloadKey, BlockStatus]:
+        # Holds exactly the stored blocks and is only ever emptied in place: the manager
+        # uses it as its lookup table instead of keeping a second copy.
+        return self._blocks
+
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self._blocks[key] = block
-        if self.prefix_order:
+        if self._prefix_order:
             self._batch.append(key)
         else:
             self._enqueue(key, block)
@@ -78,23 +127,18 @@ class QueuePolicy(CachePolicy):
                     self._enqueue(key, block)
             batch.clear()
 
-    def _is_candidate(self, key: OffloadKey, protected: Collection[OffloadKey]) -> bool:
-        return self._blocks[key].ref_cnt == 0 and key not in protected
-
     def __len__(self) -> int:
         return len(self._blocks)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class PlannedQueuePolicy(QueuePolicy):
     """A queue policy that first plans its victims, changing nothing, then applies the plan:
     a store that cannot get ``n`` victims leaves the queues exactly as they were."""
 
-    def evict(
+    def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
         steps = self._plan(n, protected)
         return None if steps is None else self._apply(steps)
 

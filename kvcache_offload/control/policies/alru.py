@@ -24,9 +24,13 @@ Two prefix-specific rules, since a lookup stops at a prefix's first miss:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
@@ -71,13 +75,15 @@ class _TailStats:
         return tail_rate < ratio * other_rate
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class AdaptiveLRUCachePolicy(QueuePolicy):
     """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
 
     name = "alru"
+    queue_attributes = ("_probation", "_main", "_ghost", "_main_ghost", "_tails")
     prefix_order = True
-    weights: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
-    dead_tail_ratio = 0.25
+    weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+    dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
 
     def __init__(self, cache_capacity: int) -> None:
@@ -85,13 +91,22 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # key -> stamp: insertion time on probation, last use in main.
         self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
         self._main: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._tails: set[OffloadKey] = set()
+        self._ghost = GhostList(cache_capacity)
+        self._main_ghost = GhostList(cache_capacity)
+        # Store tails still on probation (a dict used as an ordered set).
+        self._tails: dict[OffloadKey, None] = {}
         self._now = 0
         self._reset_learning()
 
+    def _learned_state(self) -> dict[str, object]:
+        return {
+            "weight": self._duel.weight,
+            "demote_tails": self._demote_tails,
+            "shadow_blocks": max(self._duel.sizes()),
+        }
+
     def _reset_learning(self) -> None:
+        self._now = 0
         self._duel = WeightDuel(self.cache_capacity, self.weights)
         self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
         self._demote_tails = False
@@ -100,11 +115,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._now += 1
-        if key in self._ghost:
-            del self._ghost[key]
-            self._main[key] = self._now
-        elif key in self._main_ghost:
-            del self._main_ghost[key]
+        if self._ghost.recall(key) or self._main_ghost.recall(key):
             self._main[key] = self._now
         else:
             self._probation[key] = self._now
@@ -120,34 +131,17 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         stats.add_store(len(batch))
         super()._flush_batch()
         if tail in self._probation:
-            self._tails.add(tail)
+            self._tails[tail] = None
             self._demote_tails = stats.tails_are_dead(self.dead_tail_ratio)
             if self._demote_tails:
                 self._probation[tail] = _DEMOTED
                 self._probation.move_to_end(tail, last=False)
 
-    def _dequeue(self, key: OffloadKey) -> None:
-        self._tails.discard(key)
-        if key in self._probation:
-            del self._probation[key]
-        else:
-            del self._main[key]
-
-    def _clear_queues(self) -> None:
-        self._probation.clear()
-        self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
-        self._tails.clear()
-        self._now = 0
-        self._reset_learning()
-
     # -- use -----------------------------------------------------------------------------
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, probation, main = self._blocks, self._probation, self._main
-        keys = list(keys)
         duel = self._duel
         # The miniature caches see the request's sampled keys, except stores just prepared.
         sampled = [key for key in keys if duel.sampled(key) and not _being_written(blocks, key)]
@@ -174,7 +168,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 main[key] = self._now
                 tail = key in self._tails
                 if tail:
-                    self._tails.discard(key)
+                    del self._tails[key]
                 self._tail_stats.add_use(tail)
 
     # -- eviction ------------------------------------------------------------------------
@@ -187,12 +181,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key, stamp
 
-    def evict(
+    def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
         on_probation = self._candidates(self._probation, protected)
         in_main = self._candidates(self._main, protected)
         p = next(on_probation, None)
@@ -215,27 +206,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for key, on_probation_queue in selected:
             if on_probation_queue:
                 del self._probation[key]
-                tails.discard(key)
-                ghost[key] = None
+                tails.pop(key, None)
+                ghost.remember(key)
             else:
                 del self._main[key]
-                main_ghost[key] = None
+                main_ghost.remember(key)
             victims.append((key, blocks.pop(key)))
-        for queue in (ghost, main_ghost):
-            while len(queue) > self.cache_capacity:
-                queue.popitem(last=False)
         return victims
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "probation": len(self._probation),
-            "main": len(self._main),
-            "weight": self._duel.weight,
-            "demote_tails": self._demote_tails,
-            "tails": len(self._tails),
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
-            "shadow_blocks": max(self._duel.sizes()),
-        }

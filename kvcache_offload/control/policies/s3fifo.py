@@ -9,9 +9,13 @@ reinsertion while a small use counter lasts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
 from kvcache_offload.control.policies.base import BlockStatus
@@ -22,6 +26,7 @@ _MAX_FREQ = 3
 _SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class S3FIFOCachePolicy(PlannedQueuePolicy):
     """S3-FIFO driven by the manager: ``touch`` is the access, a store is not.
 
@@ -32,24 +37,33 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     """
 
     name = "s3fifo"
-    small_ratio = 0.1
-    adaptive = False
+    queue_attributes = ("_small", "_main", "_ghost", "_main_ghost", "_freq")
+    small_ratio: ClassVar[float] = 0.1
+    adaptive: ClassVar[bool] = False
     """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
-    adapt_gain = 1.0
-    main_lru = False
+    adapt_gain: ClassVar[float] = 1.0
+    main_lru: ClassVar[bool] = False
     """Order the main queue by ``touch`` (exact LRU) instead of FIFO with reinsertion."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._main_ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
-        self._small_target = float(max(1, round(cache_capacity * self.small_ratio)))
-        self._ghost_limit = (
+        self._small_target = 0.0
+        self._reset_learning()
+        # The ghosts of the small queue: as many keys as the main queue may hold.
+        ghost_limit = (
             cache_capacity if self.adaptive else max(1, cache_capacity - int(self._small_target))
         )
+        self._ghost = GhostList(ghost_limit)
+        self._main_ghost = GhostList(ghost_limit)
+
+    def _reset_learning(self) -> None:
+        self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
+
+    def _learned_state(self) -> dict[str, object]:
+        return {"small_target": self._small_target}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._freq[key] = 0
@@ -58,28 +72,21 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if self.adaptive:
                 step = self.adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
-            del ghost[key]
+            ghost.recall(key)
             self._main[key] = None
         elif key in main_ghost:
             step = self.adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
-            del main_ghost[key]
+            main_ghost.recall(key)
             self._main[key] = None
         else:
             self._small[key] = None
 
-    def _dequeue(self, key: OffloadKey) -> None:
-        del self._freq[key]
-        if key in self._small:
-            del self._small[key]
-        else:
-            del self._main[key]
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, freq, main = self._blocks, self._freq, self._main
         main_lru = self.main_lru
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is None or block.ref_cnt == -1:
@@ -163,41 +170,17 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             else:
                 if step == _SMALL_EVICT:
                     del small[key]
-                    ghost[key] = None
+                    ghost.remember(key)
                 else:
                     del main[key]
                     if main_ghost is not None:
-                        main_ghost[key] = None
+                        main_ghost.remember(key)
                 del freq[key]
                 victims.append((key, blocks.pop(key)))
-        limit = self._ghost_limit
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
-        if main_ghost is not None:
-            while len(main_ghost) > limit:
-                main_ghost.popitem(last=False)
         return victims
 
-    def _clear_queues(self) -> None:
-        self._small.clear()
-        self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
-        self._freq.clear()
-        self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
 
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "small": len(self._small),
-            "main": len(self._main),
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
-            "small_target": self._small_target,
-        }
-
-
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class PrefixS3FIFOCachePolicy(S3FIFOCachePolicy):
     """S3-FIFO tuned for prefix caches; the best shipped policy on the Mooncake traces.
 

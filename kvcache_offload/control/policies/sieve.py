@@ -8,8 +8,10 @@ of blocks that are never read again, with no second queue to size.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
 from itertools import chain
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
@@ -21,6 +23,7 @@ __all__ = ["SIEVECachePolicy"]
 _KEEP, _CLEAR, _EVICT = range(3)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class SIEVECachePolicy(PlannedQueuePolicy):
     """SIEVE with the queue split at the hand.
 
@@ -31,31 +34,26 @@ class SIEVECachePolicy(PlannedQueuePolicy):
     """
 
     name = "sieve"
+    queue_attributes = ("_ahead", "_behind", "_visited")
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._ahead: OrderedDict[OffloadKey, None] = OrderedDict()
         self._behind: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._visited: set[OffloadKey] = set()
+        # The visited bits: a key is here while its bit is set.
+        self._visited: dict[OffloadKey, None] = {}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._ahead[key] = None
 
-    def _dequeue(self, key: OffloadKey) -> None:
-        self._visited.discard(key)
-        if key in self._ahead:
-            del self._ahead[key]
-        else:
-            del self._behind[key]
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, visited = self._blocks, self._visited
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is not None and block.ref_cnt != -1:
-                visited.add(key)
+                visited[key] = None
 
     def _plan(
         self, n: int, protected: Collection[OffloadKey]
@@ -100,24 +98,10 @@ class SIEVECachePolicy(PlannedQueuePolicy):
                 self._ahead, self._behind = self._behind, self._ahead
             self._ahead.popitem(last=False)
             if step == _EVICT:
-                visited.discard(key)
+                visited.pop(key, None)
                 victims.append((key, blocks.pop(key)))
             else:
                 self._behind[key] = None
                 if step == _CLEAR:
-                    visited.discard(key)
+                    visited.pop(key, None)
         return victims
-
-    def _clear_queues(self) -> None:
-        self._ahead.clear()
-        self._behind.clear()
-        self._visited.clear()
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "ahead": len(self._ahead),
-            "behind": len(self._behind),
-            "visited": len(self._visited),
-        }

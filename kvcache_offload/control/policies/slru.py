@@ -9,15 +9,20 @@ and a store of one of them goes straight back into the protected segment.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["SLRUCachePolicy"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class SLRUCachePolicy(QueuePolicy):
     """SLRU with ``protected_ratio`` of the capacity for the protected segment.
 
@@ -27,18 +32,18 @@ class SLRUCachePolicy(QueuePolicy):
     """
 
     name = "slru"
-    protected_ratio = 0.8
+    queue_attributes = ("_probation", "_protected", "_ghost")
+    protected_ratio: ClassVar[float] = 0.8
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
         self._protected: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost = GhostList(cache_capacity)
         self._protected_target = int(cache_capacity * self.protected_ratio)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
-        if key in self._ghost:
-            del self._ghost[key]
+        if self._ghost.recall(key):
             self._protected[key] = None
             self._demote_overflow()
         else:
@@ -50,17 +55,11 @@ class SLRUCachePolicy(QueuePolicy):
             key, _ = protected.popitem(last=False)
             probation[key] = None
 
-    def _dequeue(self, key: OffloadKey) -> None:
-        if key in self._probation:
-            del self._probation[key]
-        else:
-            del self._protected[key]
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, probation, protected = self._blocks, self._probation, self._protected
         promoted = False
-        for key in reversed(list(keys)):
+        for key in reversed(keys):
             block = blocks.get(key)
             if block is None:
                 continue
@@ -83,12 +82,9 @@ class SLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key
 
-    def evict(
+    def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        self._flush_batch()
         from_probation: list[OffloadKey] = []
         for key in self._candidates(self._probation, protected):
             from_probation.append(key)
@@ -110,22 +106,6 @@ class SLRUCachePolicy(QueuePolicy):
         ghost = self._ghost
         for key in from_protected:
             del self._protected[key]
-            ghost[key] = None
+            ghost.remember(key)
             victims.append((key, blocks.pop(key)))
-        while len(ghost) > self.cache_capacity:
-            ghost.popitem(last=False)
         return victims
-
-    def _clear_queues(self) -> None:
-        self._probation.clear()
-        self._protected.clear()
-        self._ghost.clear()
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        return {
-            "size": len(self),
-            "probation": len(self._probation),
-            "protected": len(self._protected),
-            "ghost": len(self._ghost),
-        }
