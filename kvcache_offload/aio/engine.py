@@ -21,15 +21,20 @@ on expiry, :meth:`OffloadEngine.reset` and :meth:`OffloadEngine.aclose`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
-from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
+from kvcache_offload.aio.engine_base import (
+    LOAD_DIRECTION,
+    STORE_DIRECTION,
+    EngineBase,
+    EngineTotals,
+)
 from kvcache_offload.aio.engine_jobs import TransferJobs
 from kvcache_offload.aio.engine_leases import LeaseOperations
 from kvcache_offload.aio.engine_lookups import Lookups
 from kvcache_offload.aio.engine_stats import collect_stats
-from kvcache_offload.aio.event_hub import EventHub, EventSubscription
+from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.leases import LeaseTable
 from kvcache_offload.aio.observers import AccessObservers
 from kvcache_offload.aio.poller import TransferPoller
@@ -50,6 +55,21 @@ if TYPE_CHECKING:
     from kvcache_offload.kv_events.publisher import KVEventPublisher
 
 __all__ = ["OffloadEngine"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _hub_method(
+    method: Callable[Concatenate[EventHub, _P], _R],
+) -> Callable[Concatenate[EngineBase, _P], _R]:
+    """An engine method that is the event hub's: one signature, kept by the hub."""
+
+    def forward(engine: EngineBase, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return method(engine._hub, *args, **kwargs)
+
+    forward.__name__, forward.__doc__ = method.__name__, method.__doc__
+    return forward
 
 
 class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
@@ -108,17 +128,7 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._closed = False
-        # cumulative counters
-        self._lookups = 0
-        self._lookup_keys = 0
-        self._lookup_hit_blocks = 0
-        self._store_prepared = 0
-        self._store_completed = 0
-        self._store_failed = 0
-        self._stores_rejected = 0
-        self._load_completed = 0
-        self._load_failed = 0
-        self._evicted = 0
+        self._totals = EngineTotals()
         self._bytes = {STORE_DIRECTION: 0, LOAD_DIRECTION: 0}
         self._seconds = {STORE_DIRECTION: 0.0, LOAD_DIRECTION: 0.0}
         self._durations = {STORE_DIRECTION: Histogram(), LOAD_DIRECTION: Histogram()}
@@ -197,23 +207,10 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._release_quarantined()
         return collect_stats(self)
 
-    def subscribe(
-        self,
-        types: Collection[EventType | str] | None = None,
-        since_seq: int | None = None,
-        queue_size: int | None = None,
-    ) -> EventSubscription:
-        """An async iterator of events (and gap markers); ``since_seq`` resumes after it."""
-        return self._hub.subscribe(types, since_seq=since_seq, queue_size=queue_size)
-
-    def events(
-        self,
-        types: Collection[EventType | str] | None = None,
-        since_seq: int | None = None,
-        queue_size: int | None = None,
-    ) -> EventSubscription:
-        """Alias of :meth:`subscribe`."""
-        return self.subscribe(types, since_seq=since_seq, queue_size=queue_size)
+    subscribe = _hub_method(EventHub.subscribe)
+    """An async iterator of events (and gap markers); ``since_seq`` resumes after it."""
+    events = subscribe
+    """Alias of :meth:`subscribe`."""
 
     @property
     def event_hub(self) -> EventHub:

@@ -30,10 +30,21 @@ if TYPE_CHECKING:
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
     from kvcache_offload.kv_events.publisher import KVEventPublisher
 
-__all__ = ["LOAD_DIRECTION", "STORE_DIRECTION", "EngineBase"]
+__all__ = ["LOAD_DIRECTION", "STORE_DIRECTION", "EngineBase", "EngineTotals"]
 
 STORE_DIRECTION = "gpu_to_cpu"
 LOAD_DIRECTION = "cpu_to_gpu"
+
+
+class EngineTotals:
+    """The engine's cumulative block and call counts, each named as the
+    :class:`~kvcache_offload.aio.types.EngineStats` field it is reported as."""
+
+    def __init__(self) -> None:
+        self.lookups = self.lookup_keys = self.lookup_hit_blocks = 0
+        self.store_blocks_prepared = self.store_blocks_completed = self.store_blocks_failed = 0
+        self.stores_rejected = self.evicted_blocks = 0
+        self.load_blocks_completed = self.load_blocks_failed = 0
 
 
 class EngineBase:
@@ -59,17 +70,7 @@ class EngineBase:
     _runner: asyncio.Task[None] | None
     _stop: asyncio.Event | None
     _closed: bool
-    # cumulative counters (read by aio/engine_stats.py)
-    _lookups: int
-    _lookup_keys: int
-    _lookup_hit_blocks: int
-    _store_prepared: int
-    _store_completed: int
-    _store_failed: int
-    _stores_rejected: int
-    _load_completed: int
-    _load_failed: int
-    _evicted: int
+    _totals: EngineTotals
     _bytes: dict[str, int]
     _seconds: dict[str, float]
     _durations: dict[str, Histogram]

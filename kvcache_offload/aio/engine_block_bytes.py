@@ -112,6 +112,6 @@ class BlockBytes(ManagerSteps):
             finally:
                 self.manager.complete_load([key], ctx)
         self._record_copy(LOAD_DIRECTION, len(data), time.perf_counter() - start)
-        self._load_completed += 1
+        self._totals.load_blocks_completed += 1
         self._hub.publish(EventType.LOAD_COMPLETED, [key], detail={"req_id": "", "remote": True})
         return data

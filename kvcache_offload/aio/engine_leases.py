@@ -131,7 +131,7 @@ class LeaseOperations(Lifecycle):
         try:
             if lease.kind == "store":
                 self._quarantine.fence(fences.fence(lease.keys))
-                self._store_failed += len(lease.keys)
+                self._totals.store_blocks_failed += len(lease.keys)
                 self._publish_manager_events()
             else:
                 self._quarantine.pin(list(lease.keys), lease.req_context)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from types import TracebackType
 from typing import Self
 
 import anyio
@@ -33,12 +32,7 @@ class Lifecycle(BlockBytes):
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def start(self) -> None:
@@ -151,7 +145,7 @@ class Lifecycle(BlockBytes):
             for lease in leases:
                 fenced += fences.fence(lease.keys)
                 if lease.kind == "store":
-                    self._store_failed += len(lease.keys)
+                    self._totals.store_blocks_failed += len(lease.keys)
             for item in self._quarantine.take_pinned():
                 fenced += fences.fence(item.pinned_keys)
             self._quarantine.fence(fenced)

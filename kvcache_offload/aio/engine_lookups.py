@@ -85,9 +85,10 @@ class Lookups(EngineBase):
             first_writing = answers.index(None) if None in answers else n
             hits = min(first_absent, first_writing)
             pending = first_writing < first_absent
-        self._lookups += 1
-        self._lookup_keys += len(keys)
-        self._lookup_hit_blocks += hits
+        totals = self._totals
+        totals.lookups += 1
+        totals.lookup_keys += len(keys)
+        totals.lookup_hit_blocks += hits
         if self._observers.watches_lookups:
             self._observers.on_lookup(keys, hits)
         # With tiers, an all-CPU answer names its tier here (the cheap, common case).

@@ -42,16 +42,7 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
             if isinstance(e.spec, SizesOffloadedBlocks)
             else 0
         ),
-        lookups=e._lookups,
-        lookup_keys=e._lookup_keys,
-        lookup_hit_blocks=e._lookup_hit_blocks,
-        store_blocks_prepared=e._store_prepared,
-        store_blocks_completed=e._store_completed,
-        store_blocks_failed=e._store_failed,
-        stores_rejected=e._stores_rejected,
-        load_blocks_completed=e._load_completed,
-        load_blocks_failed=e._load_failed,
-        evicted_blocks=e._evicted,
+        **vars(e._totals),
         reuse_filter_skipped_blocks=(
             int(manager.stores_skipped) if isinstance(manager, SkipsStores) else 0
         ),

@@ -45,14 +45,14 @@ class ManagerSteps(EngineBase):
         self._release_quarantined()
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
-            self._stores_rejected += 1
+            self._totals.stores_rejected += 1
             self._publish_manager_events()
             raise CapacityError(
                 f"no room to store {len(keys)} keys: the CPU tier has too few free or "
                 "evictable blocks (the rest are being read or written)"
             )
-        self._store_prepared += len(out.keys_to_store)
-        self._evicted += len(out.evicted_keys)
+        self._totals.store_blocks_prepared += len(out.keys_to_store)
+        self._totals.evicted_blocks += len(out.evicted_keys)
         if self._tiers is not None:
             self._tiers.on_prepared(out.keys_to_store, out.store_spec, out.evicted_keys)
         self._publish_manager_events()
@@ -65,12 +65,12 @@ class ManagerSteps(EngineBase):
             return
         self.manager.complete_store(keys, ctx, success)
         if success:
-            self._store_completed += len(keys)
+            self._totals.store_blocks_completed += len(keys)
             self._publish_manager_events()
             if self._tiers is not None:
                 self._tiers.on_stored(keys)
             return
-        self._store_failed += len(keys)
+        self._totals.store_blocks_failed += len(keys)
         self._publish_manager_events()
         if self._tiers is not None:
             self._tiers.on_store_failed(keys)
@@ -89,12 +89,12 @@ class ManagerSteps(EngineBase):
             return
         self.manager.complete_load(keys, ctx)
         if success:
-            self._load_completed += len(keys)
+            self._totals.load_blocks_completed += len(keys)
             self._hub.publish(
                 EventType.LOAD_COMPLETED, keys, detail={"req_id": ctx.req_id, **detail}
             )
         else:
-            self._load_failed += len(keys)
+            self._totals.load_blocks_failed += len(keys)
             self._hub.publish(EventType.LOAD_FAILED, keys, detail={"req_id": ctx.req_id, **detail})
 
     def _publish_manager_events(self) -> None:
@@ -123,7 +123,7 @@ class ManagerSteps(EngineBase):
                 self.manager.complete_store(lease.keys, lease.req_context, success=False)
                 if self._tiers is not None:
                     self._tiers.on_store_failed(lease.keys)
-                self._store_failed += len(lease.keys)
+                self._totals.store_blocks_failed += len(lease.keys)
                 self._publish_manager_events()
             else:
                 self.manager.complete_load(lease.keys, lease.req_context)
