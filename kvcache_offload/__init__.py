@@ -6,87 +6,57 @@ from kvcache_offload import _moved
 
 _moved.install()  # old module paths (before the renovation) resolve with a warning
 
+from kvcache_offload import errors  # noqa: E402
 from kvcache_offload._compiled import compiled_modules  # noqa: E402
 from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config  # noqa: E402
-from kvcache_offload.contracts.kv_caches import (  # noqa: E402
+from kvcache_offload.contracts import (  # noqa: E402
+    BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
-)
-from kvcache_offload.contracts.load_store_spec import (  # noqa: E402
-    BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
-)
-from kvcache_offload.contracts.manager import (  # noqa: E402
     OffloadingEvent,
     OffloadingManager,
+    OffloadingSpec,
+    OffloadKey,
     PrepareStoreOutput,
     ReqContext,
-)
-from kvcache_offload.contracts.offload_key import (  # noqa: E402
-    OffloadKey,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
 )
-from kvcache_offload.contracts.spec import OffloadingSpec  # noqa: E402
 from kvcache_offload.control.manager import (  # noqa: E402
     CPUManagerStats,
     CPUOffloadingManager,
 )
 from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager  # noqa: E402
 from kvcache_offload.control.spec_factory import OffloadingSpecFactory  # noqa: E402
-from kvcache_offload.errors import (  # noqa: E402
-    BlockStateError,
-    CapacityError,
-    ConfigError,
-    InvalidKeyError,
-    LeaseError,
-    LeaseLimitError,
-    NoSharedRegionError,
-    OffloadError,
-    RegionError,
-    TransferError,
-    UnknownPolicyError,
-    UnknownSpecError,
-)
+from kvcache_offload.errors import *  # noqa: E402, F403  (the whole error hierarchy)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
-    "BlockStateError",
     "CPULoadStoreSpec",
     "CPUManagerStats",
     "CPUOffloadingManager",
     "CanonicalKVCacheRef",
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
-    "CapacityError",
-    "ConfigError",
     "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
-    "InvalidKeyError",
     "KVCacheLayout",
-    "LeaseError",
-    "LeaseLimitError",
     "LoadStoreSpec",
-    "NoSharedRegionError",
     "OffloadConfig",
-    "OffloadError",
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
     "OffloadingSpec",
     "OffloadingSpecFactory",
     "PrepareStoreOutput",
-    "RegionError",
     "ReqContext",
-    "TransferError",
-    "UnknownPolicyError",
-    "UnknownSpecError",
     "__version__",
     "compiled_modules",
     "get_offload_block_hash",
@@ -94,3 +64,4 @@ __all__ = [
     "load_config",
     "make_offload_key",
 ]
+__all__ += errors.__all__
