@@ -1,32 +1,16 @@
 """kvcache-offload: offload LLM KV-cache blocks from GPU memory to CPU memory and back."""
 
+# ruff: noqa: F405  (names below come from the contracts and errors packages' own __all__)
+
 # First: with KVCACHE_OFFLOAD_PURE_PYTHON=1, importing _compiled makes the imports below take
 # the Python sources of the compiled modules.
 from kvcache_offload import _moved
 
 _moved.install()  # old module paths (before the renovation) resolve with a warning
 
-from kvcache_offload import errors  # noqa: E402
 from kvcache_offload._compiled import compiled_modules  # noqa: E402
 from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config  # noqa: E402
-from kvcache_offload.contracts import (  # noqa: E402
-    BlockIDsLoadStoreSpec,
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingEvent,
-    OffloadingManager,
-    OffloadingSpec,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    make_offload_key,
-)
+from kvcache_offload.contracts import *  # noqa: E402, F403  (the names listed in __all__)
 from kvcache_offload.control.manager import (  # noqa: E402
     CPUManagerStats,
     CPUOffloadingManager,
@@ -39,24 +23,37 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
+    "BlockStateError",
     "CPULoadStoreSpec",
     "CPUManagerStats",
     "CPUOffloadingManager",
     "CanonicalKVCacheRef",
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
+    "CapacityError",
+    "ConfigError",
     "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
+    "InvalidKeyError",
     "KVCacheLayout",
+    "LeaseError",
+    "LeaseLimitError",
     "LoadStoreSpec",
+    "NoSharedRegionError",
     "OffloadConfig",
+    "OffloadError",
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
     "OffloadingSpec",
     "OffloadingSpecFactory",
     "PrepareStoreOutput",
+    "RegionError",
     "ReqContext",
+    "TierError",
+    "TransferError",
+    "UnknownPolicyError",
+    "UnknownSpecError",
     "__version__",
     "compiled_modules",
     "get_offload_block_hash",
@@ -64,4 +61,3 @@ __all__ = [
     "load_config",
     "make_offload_key",
 ]
-__all__ += errors.__all__

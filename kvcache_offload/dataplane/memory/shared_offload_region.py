@@ -33,11 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcache_offload.dataplane.memory.region_handshake import (
-    MAX_RANKS,
-    PAGE_SIZE,
-    RegionHandshake,
-)
+from kvcache_offload.dataplane.memory.region_handshake import MAX_RANKS, PAGE_SIZE, RegionHandshake
 from kvcache_offload.dataplane.memory.region_os import free_bytes, gib
 from kvcache_offload.errors import RegionError
 
