@@ -49,11 +49,7 @@ class LeaseOperations(Lifecycle):
         )
         self._ensure_started()
         return StoreLease(
-            lease_id=lease.lease_id,
-            keys_to_store=lease.keys,
-            block_ids=lease.block_ids,
-            evicted_keys=lease.evicted_keys,
-            expires_at=lease.expires_at,
+            lease.lease_id, lease.keys, lease.block_ids, lease.evicted_keys, lease.expires_at
         )
 
     async def complete_store(
