@@ -69,6 +69,7 @@ def _hub_method(
         return method(engine._hub, *args, **kwargs)
 
     forward.__name__, forward.__doc__ = method.__name__, method.__doc__
+    forward.__wrapped__ = method  # type: ignore[attr-defined]  # inspect.signature shows the hub's
     return forward
 
 
