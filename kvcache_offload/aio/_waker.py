@@ -8,6 +8,7 @@ the task is busy is remembered and makes the next ``wait`` return at once (no lo
 from __future__ import annotations
 
 import asyncio
+import threading
 
 __all__ = ["Waker"]
 
@@ -25,9 +26,11 @@ class Waker:
         self._waiter: asyncio.Future[None] | None = None
         self._woken = False
         self._wake_scheduled = False
+        self._loop_thread: int | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._loop_thread = threading.get_ident()
 
     def wake(self) -> None:
         """Wake the waiting task (call on the loop thread)."""
@@ -46,6 +49,9 @@ class Waker:
         loop = self._loop
         if loop is None or self._wake_scheduled:
             return
+        if threading.get_ident() == self._loop_thread:  # e.g. a copy done inline
+            self.wake()
+            return
         self._wake_scheduled = True
         try:
             loop.call_soon_threadsafe(self._wake_from_thread)
@@ -62,7 +68,7 @@ class Waker:
             self._woken = False
             return
         loop = asyncio.get_running_loop()
-        self._loop = loop
+        self.bind(loop)
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiter = waiter
         timer = loop.call_later(timeout, _resolve, waiter) if timeout is not None else None

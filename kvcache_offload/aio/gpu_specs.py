@@ -74,7 +74,8 @@ def gpu_spec_for_keys(
     total = len(keys) * factor
     skip = total - len(ids)
     if skip == 0:
-        return GPULoadStoreSpec(ids, _group_sizes(keys, num_groups, factor), [0] * num_groups)
+        sizes = _group_sizes(keys, num_groups, factor)
+        return GPULoadStoreSpec.checked_parts(ids, tuple(sizes), (0,) * num_groups)
     if num_groups == 1 and 0 < skip < factor:
         return GPULoadStoreSpec(ids, [len(ids)], [skip])
     raise ConfigError(

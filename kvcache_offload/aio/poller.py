@@ -8,11 +8,18 @@ nothing pinned, because the completion still runs when the copy finishes.
 
 Handlers that know when a copy ends (:class:`~kvcache_offload.contracts.handler.NotifiesCompletion`:
 the CPU backend's copy threads, the CUDA handlers' completion watcher, which sleeps in the
-driver on each job's end event) wake the task; it then only sleeps and never spins, so the
-loop thread stays free for the callers and the copy threads never wait for the GIL behind a
-polling loop. A wake costs one self-pipe write however many jobs finished together, and the
-task polls again at least every ``backstop_s`` while jobs are in flight (a safety net that a
-correct handler never needs).
+driver on each job's end event) wake the task. With the CUDA handlers, for
+``completion_spin_s`` after a submission or a completion the task instead keeps looking once
+per loop iteration (yielding to every
+other coroutine in between, so it never holds the loop): a small job then completes within
+one iteration of its copy's end instead of after the watcher's wake-up (driver interrupt,
+thread switch, self-pipe write, loop wake), which on the H200 host cut a 1-block load's p50
+by about a third; the watchers are not even handed the copies meanwhile. (Not with the CPU
+backend: on two cores, a looking loop took the core its copy threads needed, and its streams
+fell from 0.78 to 0.46 of a single-thread copy.) Past that window the task only
+sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
+many jobs finished together, and the task polls again at least every ``backstop_s`` while
+jobs are in flight (a safety net that a correct handler never needs).
 
 Handlers that batch (:class:`~kvcache_offload.contracts.handler.BatchesJobs`: the CUDA handlers'
 kernel and DMA paths, the CPU backend) hold the jobs submitted during one loop iteration while
@@ -65,10 +72,12 @@ class TransferPoller:
         spin_s: float = 0.02,
         backoff_s: float = 0.001,
         backstop_s: float = 0.01,
+        completion_spin_s: float = 0.0003,
         batch: bool = True,
     ) -> None:
         self.worker = worker
         self.spin_s = spin_s
+        self.completion_spin_s = completion_spin_s
         self.backoff_s = backoff_s
         self.backstop_s = backstop_s
         self._jobs: dict[int, _Job] = {}
@@ -79,17 +88,27 @@ class TransferPoller:
         self.polls = 0
         self.pushed = worker.set_completion_callback(self.wake_threadsafe)
         """True when every handler wakes the poller itself (no spinning)."""
+        self.on_demand = self.pushed and completion_spin_s > 0 and worker.enable_watch_on_demand()
+        """True when the handlers leave copies unwatched while the poller looks by itself
+        (the CUDA handlers: their copies run on the GPU, so looking costs only the loop
+        thread). Only then does the poller look for ``completion_spin_s``; the CPU
+        backend's copies need the cores a looking loop would take."""
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
+        self._spinning = False
 
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
 
     def wake_threadsafe(self) -> None:
-        """Ask the poller to look for finished jobs now; callable from any thread."""
-        self._waker.wake_threadsafe()
+        """Ask the poller to look for finished jobs now; callable from any thread.
+
+        A no-op while the poller turns the loop looking by itself: it clears the flag and
+        looks once more before it sleeps, so no completion goes unseen."""
+        if not self._spinning:
+            self._waker.wake_threadsafe()
 
     def submit(self, spec: TransferSpec, on_done: OnDone) -> asyncio.Future[TransferResult]:
         """Submit a job; ``on_done`` runs on the loop thread once it finished (or failed).
@@ -157,12 +176,27 @@ class TransferPoller:
         self._waker.bind(asyncio.get_running_loop())
         while True:
             if not self._jobs:
+                self._spinning = False
                 await self._waker.wait()
                 continue
             if self.pushed:
-                self.poll_once()
-                if self._jobs:
-                    await self._waker.wait(self.backstop_s)
+                self._spinning = self.on_demand
+                if self.poll_once():
+                    await asyncio.sleep(0)  # let the resumed coroutines run first
+                elif (
+                    self.on_demand
+                    and time.perf_counter() - self._last_activity < self.completion_spin_s
+                ):
+                    # A job submitted or finished moments ago: the next end is likely close,
+                    # and one loop iteration is far cheaper than the watcher's wake-up.
+                    await asyncio.sleep(0)
+                else:
+                    self._spinning = False
+                    if self.on_demand:
+                        self.worker.watch_in_flight()
+                    # A copy that ended while the watchers' wakes were off is seen here.
+                    if not self.poll_once():
+                        await self._waker.wait(self.backstop_s)
             elif self.poll_once():
                 await asyncio.sleep(0)  # let the resumed coroutines run before polling again
             elif time.perf_counter() - self._last_activity < self.spin_s:

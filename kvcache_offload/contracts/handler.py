@@ -21,6 +21,7 @@ __all__ = [
     "TransferResult",
     "TransferSpec",
     "TransferType",
+    "WatchesOnDemand",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,21 @@ class NotifiesCompletion(Protocol):
     """
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None: ...
+
+
+@runtime_checkable
+class WatchesOnDemand(Protocol):
+    """A notifying handler that can leave its copies unwatched until asked.
+
+    After ``set_watch_on_demand(True)`` the handler does not hand new copies to its
+    completion thread; the caller looks with ``get_finished`` meanwhile and calls
+    ``watch_in_flight()`` before it stops looking, after which the callback fires as usual.
+    A small copy that ends while the caller is looking then costs no thread wake-up at all.
+    """
+
+    def set_watch_on_demand(self, enabled: bool) -> None: ...
+
+    def watch_in_flight(self) -> None: ...
 
 
 @runtime_checkable

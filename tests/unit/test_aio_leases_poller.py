@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
 from kvcache_offload import CPULoadStoreSpec, GPULoadStoreSpec, ReqContext
 from kvcache_offload.aio import LeaseTable, TransferPoller
-from kvcache_offload.contracts.handler import TransferResult
+from kvcache_offload.contracts.handler import TransferResult, TransferSpec
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 from kvcache_offload.errors import ConfigError, LeaseError, TransferError
 from tests.unit._aio_fakes import FakeHandler, wait_for
@@ -172,3 +175,156 @@ async def test_open_leases_are_capped_with_a_lease_limit_error() -> None:
             await engine.prepare_store(keys(3))
         await engine.complete_store(first.lease_id)
         await engine.prepare_store(keys(3))
+
+
+class PushingHandler(FakeHandler):
+    """Releases each job from a thread after a delay and then calls the completion callback,
+    the way the CUDA handlers' watcher and the CPU backend's copy thread do."""
+
+    def __init__(self, delays_s: list[float]) -> None:
+        super().__init__(auto=False)
+        self.delays_s = delays_s
+        self.callback: Callable[[], None] | None = None
+        self.threads: list[threading.Thread] = []
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        pass  # completes on its own: nothing to defer
+
+    def watch_in_flight(self) -> None:
+        pass
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        super().transfer_async(job_id, spec)
+        delay = self.delays_s[job_id % len(self.delays_s)]
+
+        def finish() -> None:
+            time.sleep(delay)
+            self.release(job_id)
+            if self.callback is not None:
+                self.callback()
+
+        thread = threading.Thread(target=finish, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return True
+
+
+async def test_pushed_completions_around_the_spin_window_are_never_lost() -> None:
+    # Completions land before, at and after the spin window, and the backstop is far away:
+    # a completion whose wake was skipped while the poller looked by itself, and that it
+    # missed on its last look, would leave its job waiting for the 30 s backstop.
+    delays = [0.0, 0.0001, 0.0003, 0.0005, 0.001, 0.003]
+    handler = PushingHandler(delays)
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.0003)
+    assert poller.pushed
+    task = asyncio.create_task(poller.run())
+    try:
+        for round_ in range(20):
+            futures = [poller.submit(SPEC, lambda r: None) for _ in range(round_ % 4 + 1)]
+            results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+            assert all(r.success for r in results)
+            await asyncio.sleep(delays[round_ % len(delays)])  # let the poller go to sleep
+        assert poller.in_flight == 0
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()
+
+
+class EndsDuringTheLook(FakeHandler):
+    """The copy ends right after ``get_finished`` looked and saw nothing: the worst moment
+    for a skipped wake-up (deterministic, unlike a thread racing the poller)."""
+
+    def __init__(self) -> None:
+        super().__init__(auto=False)
+        self.callback: Callable[[], None] | None = None
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        pass  # completes on its own: nothing to defer
+
+    def watch_in_flight(self) -> None:
+        pass
+
+    def get_finished(self) -> list[TransferResult]:
+        out = super().get_finished()
+        if not out and self.pending and self.pending[0] not in self.released:
+            self.release()
+            if self.callback is not None:
+                self.callback()
+        return out
+
+
+async def test_a_copy_ending_during_the_last_look_before_sleeping_is_seen() -> None:
+    handler = EndsDuringTheLook()
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=1e-9)
+    assert poller.on_demand
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(5):
+            fut = poller.submit(SPEC, lambda r: None)
+            assert (await asyncio.wait_for(fut, 5)).success  # not after the 30 s backstop
+    finally:
+        task.cancel()
+
+
+class WatchedOnlyWhenAsked(FakeHandler):
+    """A copy ends only once watched (``slow``), or on the first look (fast): the CUDA
+    handlers' on-demand watching, without a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__(auto=False)
+        self.callback: Callable[[], None] | None = None
+        self.on_demand = False
+        self.slow = False
+        self.watch_calls = 0
+        self.threads: list[threading.Thread] = []
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        self.callback = callback
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        self.on_demand = enabled
+
+    def watch_in_flight(self) -> None:
+        self.watch_calls += 1
+        pending = list(self.pending)
+
+        def watch() -> None:
+            time.sleep(0.01)
+            for job_id in pending:
+                self.release(job_id)
+            if self.callback is not None:
+                self.callback()
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def get_finished(self) -> list[TransferResult]:
+        if not self.slow:
+            self.release()
+        return super().get_finished()
+
+
+async def test_copies_are_watched_only_once_the_poller_stops_looking() -> None:
+    handler = WatchedOnlyWhenAsked()
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.0003)
+    assert handler.on_demand and poller.on_demand
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(10):  # ends on the first look: no watcher involved
+            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls == 0
+        handler.slow = True  # outlasts the window: watched, then reported by the callback
+        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls >= 1
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()

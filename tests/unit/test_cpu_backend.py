@@ -13,6 +13,7 @@ from kvcache_offload.config import KVCacheLayout, OffloadConfig  # noqa: E402
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
 from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
+    HOST_INLINE_MAX_BYTES,
     CpuBackendOffloadingHandlers,
     ThreadedOffloadingHandler,
 )
@@ -47,9 +48,13 @@ def _caches(seed: int, page: int = 512, groups=None, num_gpu_blocks: int = 64):
     )
 
 
+@pytest.mark.parametrize("inline_max_bytes", [0, HOST_INLINE_MAX_BYTES])
 @pytest.mark.parametrize("factor", [1, 2, 5])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(factor, seed):
+def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(
+    factor, seed, inline_max_bytes
+):
+    # Both the copy thread (inline 0) and the inline copy of a small job on an idle handler.
     kv = _caches(seed)
     job = random_job(
         np.random.default_rng(seed),
@@ -59,7 +64,7 @@ def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(factor, se
         num_gpu_blocks=64,
         num_cpu_blocks=30,
     )
-    h = CpuBackendOffloadingHandlers(kv, factor, 30)
+    h = CpuBackendOffloadingHandlers(kv, factor, 30, inline_max_bytes=inline_max_bytes)
     try:
         store, load = round_trip(h, kv, job)
         assert (store.success, load.success) == (True, True)
@@ -444,3 +449,22 @@ def test_closing_the_specs_region_block_memory_releases_the_region(tmp_path, mon
     mem.close()  # what the engine does on aclose
     assert list(tmp_path.iterdir()) == []
     spec.shutdown()
+
+
+def test_a_small_job_on_an_idle_handler_is_reported_when_submitted():
+    kv = _caches(7)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=4096)
+    seen = threading.Event()
+    h.gpu_to_cpu_handler.set_completion_callback(seen.set)
+    try:
+        small = GPULoadStoreSpec([3], [1, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec([5])
+        assert h.gpu_to_cpu_handler.transfer_async(1, small)
+        assert seen.is_set()  # reported at once, no copy thread involved
+        [result] = h.gpu_to_cpu_handler.get_finished()
+        assert (result.job_id, result.success) == (1, True)
+        ids = list(range(40))
+        big = GPULoadStoreSpec(ids, [40, 0, 0, 0], [0, 0, 0, 0]), CPULoadStoreSpec(ids)
+        assert h.gpu_to_cpu_handler.transfer_async(2, big)  # > 4096 bytes: via the copy thread
+        assert [r.job_id for r in finish(h.gpu_to_cpu_handler, [2])] == [2]
+    finally:
+        h.shutdown()

@@ -17,12 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache_offload.dataplane.copy.plan import (  # noqa: E402
-    SideGeometry,
-    build_plan,
-    parse_job,
-    refs_arrays,
-)
+from kvcache_offload.dataplane.copy.plan import SideGeometry, refs_arrays  # noqa: E402
+from kvcache_offload.dataplane.copy.plan_builder import build_plan, parse_job  # noqa: E402
 from kvcache_offload.dataplane.copy.staged import (  # noqa: E402
     StagedCopier,
     StagedJob,

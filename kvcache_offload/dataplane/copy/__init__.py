@@ -15,9 +15,8 @@ from kvcache_offload.dataplane.copy.plan import (
     GroupPlan,
     SideGeometry,
     TransferPlan,
-    build_plan,
-    parse_job,
     refs_arrays,
 )
+from kvcache_offload.dataplane.copy.plan_builder import build_plan, parse_job
 
 __all__ = ["GroupPlan", "SideGeometry", "TransferPlan", "build_plan", "parse_job", "refs_arrays"]

@@ -37,13 +37,9 @@ from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCaches,
 )
 from kvcache_offload.dataplane.copy.host_copy import HostCopier
-from kvcache_offload.dataplane.copy.plan import (
-    PlanBuilder,
-    SideGeometry,
-    TransferPlan,
-    parse_job,
-    refs_arrays,
-)
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
+from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
@@ -62,6 +58,10 @@ logger = logging.getLogger(__name__)
 HOST_BATCH_MAX_BYTES = 4 * 1024 * 1024
 """A batch of held jobs goes to the copy thread once it holds this many bytes, so the thread
 copies one batch while the loop prepares the next."""
+HOST_INLINE_MAX_BYTES = 256 * 1024
+"""A job this small that finds the copy thread idle is copied at once on the submitting
+thread: a ``memcpy`` of 256 KiB takes ~20 us, the hand-off to the copy thread and the
+report back (two thread wake-ups and GIL hand-overs) cost several times that."""
 
 GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
@@ -181,6 +181,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         prepare: Callable[[], Any] | None = None,
         thread_name: str = "kvoffload-copy",
         can_batch: bool = False,
+        inline_max_bytes: int = 0,
     ) -> None:
         if not src_tensors or len(src_tensors) != len(dst_tensors):
             raise ConfigError(
@@ -203,6 +204,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         )
         self._on_complete: Callable[[], None] | None = None
         self._can_batch = can_batch and prepare is None
+        self._inline_max_bytes = inline_max_bytes if prepare is None else 0
         self._batching = False
         self._held = HeldJobs()
 
@@ -229,8 +231,24 @@ class ThreadedOffloadingHandler(OffloadingHandler):
                 if self._held.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
                     self._issue(self._held.take())
                 return True
-            self._issue([(job_id, plan)])
+            if not self._jobs and plan.num_bytes <= self._inline_max_bytes:
+                self._run_inline(job_id, plan)
+            else:
+                self._issue([(job_id, plan)])
         return True
+
+    def _run_inline(self, job_id: int, plan: TransferPlan) -> None:
+        """Copy now on this thread (the copy thread is idle, so order is kept); the job is
+        reported by the next ``get_finished`` like any other, after the completion callback."""
+        future: Future[float] = Future()
+        try:
+            future.set_result(self._execute(plan, None))
+        except Exception as exc:
+            future.set_exception(exc)
+        job = _Job(job_id, plan.num_bytes, future)
+        self._jobs.append(job)
+        self._pending[job_id] = job
+        self._notify(future)
 
     def set_batching(self, enabled: bool) -> None:
         """Hold jobs until :meth:`flush` and run those held as one copy on the thread (one
@@ -320,7 +338,7 @@ class ThreadedOffloadingHandler(OffloadingHandler):
             self._pending.clear()
 
 
-class CpuBackendOffloadingHandlers:
+class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
     """Store and load handlers over CPU "GPU" tensors; same constructor as the CUDA ones.
 
     ``kv_caches`` holds CPU tensors. ``cpu_tensors`` are the offloaded copies: one
@@ -336,6 +354,7 @@ class CpuBackendOffloadingHandlers:
         mmap_region: SharedOffloadRegion | None = None,
         *,
         max_staging_bytes: int = 64 * 1024 * 1024,
+        inline_max_bytes: int = HOST_INLINE_MAX_BYTES,
     ) -> None:
         self.gpu_tensors = canonical_int8_views(kv_caches)
         for i, t in enumerate(self.gpu_tensors):
@@ -361,6 +380,7 @@ class CpuBackendOffloadingHandlers:
             run_plan=lambda plan, _token: store.run(plan),
             thread_name="kvoffload-store",
             can_batch=True,
+            inline_max_bytes=inline_max_bytes,
         )
         self.cpu_to_gpu_handler = ThreadedOffloadingHandler(
             src_tensors=self.cpu_tensors,
@@ -372,12 +392,5 @@ class CpuBackendOffloadingHandlers:
             run_plan=lambda plan, _token: load.run(plan),
             thread_name="kvoffload-load",
             can_batch=True,
+            inline_max_bytes=inline_max_bytes,
         )
-
-    @property
-    def handlers(self) -> tuple[ThreadedOffloadingHandler, ThreadedOffloadingHandler]:
-        return self.gpu_to_cpu_handler, self.cpu_to_gpu_handler
-
-    def shutdown(self) -> None:
-        for handler in self.handlers:
-            handler.shutdown()

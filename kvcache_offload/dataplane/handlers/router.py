@@ -12,6 +12,7 @@ from kvcache_offload.contracts.handler import (
     TransferResult,
     TransferSpec,
     TransferType,
+    WatchesOnDemand,
 )
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
 from kvcache_offload.errors import ConfigError
@@ -28,6 +29,7 @@ class OffloadingWorker:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
         self._batching: list[BatchesJobs] = []
+        self._on_demand: list[WatchesOnDemand] = []
 
     def register_handler(
         self,
@@ -81,6 +83,19 @@ class OffloadingWorker:
             else:
                 every = False
         return every
+
+    def enable_watch_on_demand(self) -> bool:
+        """Let every handler that can leave its copies unwatched until :meth:`watch_in_flight`
+        do so; True if any can."""
+        self._on_demand = [h for h in self.handlers if isinstance(h, WatchesOnDemand)]
+        for handler in self._on_demand:
+            handler.set_watch_on_demand(True)
+        return bool(self._on_demand)
+
+    def watch_in_flight(self) -> None:
+        """Have the on-demand handlers watch every copy in flight (the caller stops looking)."""
+        for handler in self._on_demand:
+            handler.watch_in_flight()
 
     def enable_batching(self) -> bool:
         """Turn batching on in every handler that can batch; True if any can."""

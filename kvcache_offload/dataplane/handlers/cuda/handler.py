@@ -1,0 +1,415 @@
+"""One direction of GPU<->CPU copies: vLLM's single-direction handler at PCIe link speed.
+
+The handler validates each job (:mod:`~kvcache_offload.dataplane.copy.plan_builder`), picks
+its copy path (``choose_mechanism``, over the paths probed in :mod:`.paths`), holds the jobs
+submitted in one event-loop tick so they go out as one copy (batching), and tracks the
+copies in flight in submission order: each waits on the previous one's end event, so
+``get_finished`` pops from the head without blocking. :mod:`.launch` moves the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcache_offload.contracts.handler import (
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+    TransferType,
+)
+from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
+from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
+from kvcache_offload.dataplane.copy.staged import (
+    DEFAULT_STAGING_CONFIG,
+    StagingConfig,
+)
+from kvcache_offload.dataplane.copy.triton_kernel import (
+    DEFAULT_KERNEL_CONFIG,
+    KernelConfig,
+    triton_available,
+)
+from kvcache_offload.dataplane.handlers.cpu_backend import (
+    CPU_TO_GPU,
+    GPU_TO_CPU,
+    ThreadedOffloadingHandler,
+)
+from kvcache_offload.dataplane.handlers.cuda.inflight import (
+    CompletionWatcher,
+    CopyPools,
+    InFlightCopy,
+)
+from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
+from kvcache_offload.dataplane.handlers.cuda.paths import (
+    DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+    DEFAULT_HYBRID_DMA_SHARE,
+    DEFAULT_STAGED_MIN_JOB_BYTES,
+    CompletionWait,
+    Mechanism,
+    build_ref_table,
+    check_tensors,
+    make_torch_fallback,
+    probe_paths,
+    resolve_mechanism,
+)
+from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
+from kvcache_offload.errors import ConfigError, TransferError
+
+__all__ = ["DEFAULT_BATCH_MAX_BYTES", "SingleDirectionOffloadingHandler"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_MAX_BYTES = 16 * 1024 * 1024
+"""A batch is issued once it holds this many bytes, and larger jobs go alone: several
+batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
+everything would leave the link idle while the host completes it and submits the next)."""
+
+
+class SingleDirectionOffloadingHandler(OffloadingHandler):
+    """Copies jobs of one direction between GPU canonical tensors and CPU tensors."""
+
+    def __init__(
+        self,
+        gpu_tensors: Sequence[torch.Tensor],
+        cpu_tensors: Sequence[torch.Tensor],
+        block_size_factor: int,
+        kv_cache_groups_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
+        gpu_to_cpu: bool,
+        *,
+        mechanism: Mechanism = "auto",
+        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+        kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
+        max_staging_bytes: int = 256 * 1024 * 1024,
+        staging: StagingConfig = DEFAULT_STAGING_CONFIG,
+        staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        completion_wait: CompletionWait = "blocking",
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+    ) -> None:
+        factor = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
+        self.gpu_to_cpu = gpu_to_cpu
+        self.transfer_type: TransferType = GPU_TO_CPU if gpu_to_cpu else CPU_TO_GPU
+        self.device = gpu_tensors[0].device
+        self.gpu_tensors = list(gpu_tensors)
+        self.cpu_tensors = list(cpu_tensors)
+        self.block_size_factor = factor
+        src, dst = (gpu_tensors, cpu_tensors) if gpu_to_cpu else (cpu_tensors, gpu_tensors)
+        src_factor, dst_factor = (1, factor) if gpu_to_cpu else (factor, 1)
+        self.src_geom = SideGeometry.from_tensors(src, src_factor)
+        self.dst_geom = SideGeometry.from_tensors(dst, dst_factor)
+        self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
+        self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
+        self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
+        self.kernel_config = kernel_config
+        if not 0.0 <= hybrid_dma_share < 1.0:
+            raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
+        self.hybrid_dma_share = float(hybrid_dma_share)
+        self.staged_min_job_bytes = int(staged_min_job_bytes)
+        if completion_wait not in ("blocking", "spin"):
+            raise ConfigError(f"completion_wait must be blocking or spin, got {completion_wait!r}")
+        self._blocking_events = completion_wait == "blocking"
+
+        runtime = get_cuda_runtime()
+        self._runtime = runtime
+        self.kernel_ok, self.dma_ok, reasons = probe_paths(runtime, cpu_tensors)
+        self.staged_ok = self.dma_ok and triton_available()[0]
+        if not self.staged_ok:
+            reasons["staged"] = (
+                "needs triton and cudaMemcpyBatchAsync: "
+                + "; ".join(v for k, v in reasons.items() if k != "kernel")
+                if not self.dma_ok
+                else f"needs triton ({triton_available()[1]})"
+            )
+        self.mechanism = resolve_mechanism(
+            mechanism,
+            kernel_ok=self.kernel_ok,
+            dma_ok=self.dma_ok,
+            staged_ok=self.staged_ok,
+            reasons=reasons,
+            direction="store" if gpu_to_cpu else "load",
+        )
+
+        self._lock = threading.Lock()
+        self._transfers: deque[InFlightCopy] = deque()
+        self._in_flight_ids: set[int] = set()
+        self._pools = CopyPools(self.device, self._blocking_events)
+        self._launcher = CopyLauncher(
+            device=self.device,
+            gpu_to_cpu=gpu_to_cpu,
+            src_geom=self.src_geom,
+            dst_geom=self.dst_geom,
+            runtime=runtime,
+            kernel_config=kernel_config,
+            hybrid_dma_share=self.hybrid_dma_share,
+            pools=self._pools,
+        )
+        self._closed = False
+        self._watcher: CompletionWatcher | None = None
+        self._watch_on_demand = False
+        self._batching = False
+        self.batch_max_bytes = int(batch_max_bytes)
+        self._held = HeldJobs()
+        self.batches = 0
+        self.batched_jobs = 0
+        self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
+            ("kernel", "dma", "staged", "hybrid", "torch"), 0
+        )
+        if self.kernel_ok and self.mechanism in ("auto", "kernel", "hybrid"):
+            self._launcher.set_ref_table(
+                *build_ref_table(self._group_refs, self.src_geom, self.dst_geom, self.device)
+            )
+        wants_staged = self.mechanism == "staged" or (
+            self.mechanism == "auto"
+            and self.staged_ok
+            and staging.auto_min_piece_bytes is not None
+            and all(t.numel() == 0 or t.is_pinned() for t in cpu_tensors)
+        )
+        self._staged = (
+            self._launcher.start_staged(gpu_tensors, cpu_tensors, factor, self._group_refs, staging)
+            if wants_staged
+            else None
+        )
+
+        self._fallback: ThreadedOffloadingHandler | None = None
+        if self.mechanism == "torch":
+            self._fallback = make_torch_fallback(
+                src,
+                dst,
+                src_factor,
+                dst_factor,
+                kv_cache_groups_data_refs,
+                gpu_to_cpu=gpu_to_cpu,
+                device=self.device,
+                max_staging_bytes=max_staging_bytes,
+            )
+
+    # -- the handler contract ---------------------------------------------------------------
+    def plan(self, spec: TransferSpec) -> TransferPlan:
+        src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
+        return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
+
+    def choose_mechanism(self, plan: TransferPlan) -> str:
+        if self.mechanism != "auto":
+            return self.mechanism
+        if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
+            return "dma"
+        staged = self._staged
+        if (
+            staged is not None
+            and staged.config.auto_min_piece_bytes is not None
+            and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok)
+        ):
+            pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
+            if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
+                return "staged"
+        if self.dma_ok and not self.kernel_ok:
+            return "dma"
+        if self.dma_ok and self.hybrid_dma_share > 0:
+            return "hybrid"
+        return "kernel"
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        if self._fallback is not None:
+            ok = self._fallback.transfer_async(job_id, spec)
+            self.jobs_by_mechanism["torch"] += 1
+            return ok
+        plan = self.plan(spec)
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"job {job_id}: the handler is shut down")
+            if job_id in self._in_flight_ids or job_id in self._held:
+                raise TransferError(f"job {job_id} is already in flight on this handler")
+            if self._batching and self._can_batch(plan) and (self._transfers or self._held):
+                # Copies are in flight: hold this job for the batch. On an idle link a job
+                # goes out at once, so a lone request pays no extra loop iteration.
+                dst = self._dst_blocks(plan)
+                if self._held.writes_any(dst):
+                    self._flush_locked()  # the later job must land after the earlier one
+                self._held.add(job_id, plan, dst)
+                if self._held.nbytes >= self.batch_max_bytes:
+                    self._flush_locked()
+                return True
+            self._flush_locked()
+            self._issue([(job_id, plan.num_bytes)], plan)
+        return True
+
+    # -- batching: the jobs submitted in one event-loop tick share one copy ----------------
+    def set_batching(self, enabled: bool) -> None:
+        """Hold kernel and DMA jobs until :meth:`flush` (the caller promises to call it soon,
+        e.g. once per event-loop tick) and issue them as one copy. A batch is one launch and
+        one end event for all its jobs, which is what lets dozens of small concurrent jobs
+        reach the link; jobs still complete in submission order."""
+        if self._fallback is not None:
+            return
+        if not enabled:
+            self.flush()
+        self._batching = enabled
+
+    def flush(self) -> None:
+        """Issue the held jobs now (a no-op when none is held)."""
+        if self._held:
+            with self._lock:
+                self._flush_locked()
+
+    def _can_batch(self, plan: TransferPlan) -> bool:
+        mechanism = self.choose_mechanism(plan)
+        return mechanism in ("kernel", "dma") and plan.num_bytes < self.batch_max_bytes
+
+    def _dst_blocks(self, plan: TransferPlan) -> set[int]:
+        factor = self.dst_geom.factor
+        out: set[int] = set()
+        for g in plan.groups:
+            units = g.dst_units if factor == 1 else g.dst_units // factor
+            out.update(units.tolist())
+        return out
+
+    def _flush_locked(self) -> None:
+        held = self._held.take()
+        if held:
+            self._issue([(job_id, plan.num_bytes) for job_id, plan in held], HeldJobs.merged(held))
+
+    def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
+        mechanism = self.choose_mechanism(plan)
+        prev = self._transfers[-1] if self._transfers else None
+        if mechanism == "staged":
+            transfer = self._launcher.staged(jobs, plan, prev)
+        else:
+            if prev is not None and not prev.issued():
+                # The submit thread has not issued the previous (staged) job: its end
+                # event is not recorded yet, and this job must wait on it.
+                assert prev.staged is not None
+                prev.staged.issued.wait()
+            transfer = self._launcher.direct(jobs, plan, mechanism, prev)
+        self._transfers.append(transfer)
+        self._in_flight_ids.update(job_id for job_id, _ in jobs)
+        if self._watcher is not None and not self._watch_on_demand:
+            self._watcher.watch(transfer)
+            transfer.watched = True
+        self.jobs_by_mechanism[mechanism] += len(jobs)
+        if len(jobs) > 1:
+            self.batches += 1
+            self.batched_jobs += len(jobs)
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._fallback is not None:
+            return self._fallback.get_finished()
+        results = []
+        with self._lock:
+            while self._transfers and self._transfers[0].done():
+                t = self._transfers.popleft()
+                failed = t.staged is not None and t.staged.error is not None
+                seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
+                for job_id, nbytes in t.jobs:
+                    results.append(
+                        TransferResult(job_id, not failed, nbytes, seconds, self.transfer_type)
+                    )
+                self._recycle(t)
+        return results
+
+    def _recycle(self, t: InFlightCopy) -> None:
+        self._pools.recycle(t)
+        for job_id, _ in t.jobs:
+            self._in_flight_ids.discard(job_id)
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._fallback is not None:
+            self._fallback.wait(job_ids)
+            return
+        self.flush()
+        with self._lock:
+            waiting = [t for t in self._transfers if any(j in job_ids for j, _ in t.jobs)]
+        for t in waiting:
+            t.synchronize()
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` from a watcher thread once jobs finished (None: stop).
+
+        The watcher waits on each job's end event in submission order (sleeping in the
+        driver with ``completion_wait="blocking"``), so nobody has to poll ``get_finished``.
+        """
+        if self._fallback is not None:
+            self._fallback.set_completion_callback(callback)
+            return
+        with self._lock:
+            watcher, self._watcher = self._watcher, None
+            if callback is not None and not self._closed:
+                self._watcher = CompletionWatcher(
+                    callback, "kvoffload-done-" + ("store" if self.gpu_to_cpu else "load")
+                )
+                for t in self._transfers:
+                    self._watcher.watch(t)
+                    t.watched = True
+        if watcher is not None:
+            watcher.close()
+
+    def set_watch_on_demand(self, enabled: bool) -> None:
+        """Leave new copies unwatched until :meth:`watch_in_flight` (see ``WatchesOnDemand``):
+        the poller looks for a while after each submission, and a copy ending meanwhile then
+        costs no watcher wake-up, no futex and no GIL hand-off."""
+        self._watch_on_demand = enabled
+        if not enabled:
+            self.watch_in_flight()
+
+    def watch_in_flight(self) -> None:
+        with self._lock:
+            if self._watcher is None:
+                return
+            for t in self._transfers:
+                if not t.watched:
+                    self._watcher.watch(t)
+                    t.watched = True
+
+    def pending_job_ids(self) -> list[int]:
+        if self._fallback is not None:
+            return self._fallback.pending_job_ids()
+        with self._lock:
+            return [j for j, _ in self._held.jobs] + [j for t in self._transfers for j, _ in t.jobs]
+
+    def shutdown(self) -> None:
+        """Wait for in-flight jobs, then drop them with every pooled resource. Idempotent."""
+        if self._fallback is not None:
+            self._fallback.shutdown()
+        with self._lock:
+            self._flush_locked()
+            self._closed = True
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.close()
+        with self._lock:
+            if self._staged is not None:
+                self._staged.close()  # issues what is queued, then stops its thread
+            for t in self._transfers:
+                t.synchronize()
+            if self._staged is not None:
+                self._staged.release()
+            self._transfers.clear()
+            self._in_flight_ids.clear()
+            self._pools.clear()
+            self._launcher.ref_table = None
+            self.gpu_tensors = []
+            self.cpu_tensors = []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "direction": "store" if self.gpu_to_cpu else "load",
+            "mechanism": self.mechanism,
+            "kernel_available": self.kernel_ok,
+            "dma_available": self.dma_ok,
+            "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
+            "hybrid_dma_share": self.hybrid_dma_share,
+            "staged_min_job_bytes": self.staged_min_job_bytes,
+            "completion_wait": "blocking" if self._blocking_events else "spin",
+            "kernel_config": repr(self.kernel_config),
+            "staging": self._staged.describe() if self._staged is not None else None,
+            "jobs_by_mechanism": dict(self.jobs_by_mechanism),
+            "batching": self._batching,
+            "batches": self.batches,
+            "batched_jobs": self.batched_jobs,
+        }

@@ -1,0 +1,194 @@
+"""What one issued copy holds while it runs, pooled for reuse, and the thread that waits on it.
+
+A copy (one job, or one batch of jobs) owns a CUDA stream, a pair of timing events and a
+pinned job table with its device copy until its end event fires; :class:`CopyPools` hands
+them out and takes them back, so a steady stream of jobs allocates nothing.
+:class:`CompletionWatcher` sleeps in the driver on each copy's end event and tells the
+poller, so nobody has to poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache_offload.dataplane.copy.staged import StagedJob
+
+__all__ = ["CompletionWatcher", "CopyPools", "InFlightCopy", "TableSlot"]
+
+logger = logging.getLogger(__name__)
+
+
+class TableSlot:
+    """A pinned host pointer table and its device copy, owned by one job at a time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capacity = 0
+        self.host: torch.Tensor | None = None
+        self.host_np: np.ndarray | None = None
+        self.dev: torch.Tensor | None = None
+        self.host_ptr = 0
+        self.dev_ptr = 0
+
+    def ensure(self, entries: int, need_device: bool) -> np.ndarray:
+        if entries > self.capacity:
+            cap = max(entries, 3 * 4096)
+            cap = 1 << (cap - 1).bit_length()
+            self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self.host_np = self.host.numpy()
+            self.host_ptr = self.host.data_ptr()
+            self.dev = None
+            self.capacity = cap
+        if need_device and self.dev is None:
+            self.dev = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            self.dev_ptr = self.dev.data_ptr()
+        assert self.host_np is not None
+        return self.host_np
+
+
+@dataclass
+class InFlightCopy:
+    jobs: list[tuple[int, int]]
+    """``(job id, bytes)`` of every job this one copy carries (several when batched)."""
+    stream: torch.cuda.Stream | None
+    start_event: torch.cuda.Event
+    end_event: torch.cuda.Event
+    slot: TableSlot | None
+    mechanism: str
+    side_stream: torch.cuda.Stream | None = None
+    sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    staged: StagedJob | None = None
+    watched: bool = False
+    """Handed to the completion watcher (on-demand watching leaves it False at first)."""
+    """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
+
+    def issued(self) -> bool:
+        return self.staged is None or self.staged.issued.is_set()
+
+    def done(self) -> bool:
+        """Issued and its end event fired (a job that failed to issue is done at once)."""
+        if self.staged is not None:
+            if not self.staged.issued.is_set():
+                return False
+            if not self.staged.end_recorded:
+                return True
+        return bool(self.end_event.query())
+
+    def synchronize(self) -> None:
+        if self.staged is not None:
+            self.staged.issued.wait()
+            if not self.staged.end_recorded:
+                return
+        self.end_event.synchronize()
+
+
+class CompletionWatcher:
+    """One thread that waits on each job's end, in submission order, and reports it.
+
+    ``synchronize`` on a CUDA event releases the GIL, so the wait costs the event loop
+    nothing; after each wait the watcher also takes every later job that has already
+    finished, then calls ``callback()`` once for all of them.
+    """
+
+    def __init__(self, callback: Callable[[], None], name: str) -> None:
+        self._callback = callback
+        self._cond = threading.Condition()
+        self._queue: deque[InFlightCopy] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, transfer: InFlightCopy) -> None:
+        with self._cond:
+            self._queue.append(transfer)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop after the jobs already queued finished (they are still reported)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                head = self._queue.popleft()
+            try:
+                head.synchronize()
+            except Exception:
+                logger.exception("waiting for a transfer's end failed")
+            with self._cond:
+                while self._queue and self._queue[0].done():
+                    self._queue.popleft()
+            try:
+                self._callback()
+            except Exception:
+                logger.exception("completion callback raised; ignored")
+
+
+class CopyPools:
+    """Streams, events and job tables of finished copies, reused by the next ones."""
+
+    def __init__(self, device: torch.device, blocking_events: bool) -> None:
+        self.device = device
+        self.blocking_events = blocking_events
+        self.streams: list[torch.cuda.Stream] = []
+        self.side_streams: list[torch.cuda.Stream] = []
+        self.timing_events: list[torch.cuda.Event] = []
+        self.sync_events: list[torch.cuda.Event] = []
+        self.slots: list[TableSlot] = []
+
+    def stream(self) -> torch.cuda.Stream:
+        return self.streams.pop() if self.streams else torch.cuda.Stream(self.device)
+
+    def side_stream(self) -> torch.cuda.Stream:
+        return self.side_streams.pop() if self.side_streams else torch.cuda.Stream(self.device)
+
+    def slot(self) -> TableSlot:
+        return self.slots.pop() if self.slots else TableSlot(self.device)
+
+    def sync_event(self) -> torch.cuda.Event:
+        return self.sync_events.pop() if self.sync_events else torch.cuda.Event()
+
+    def timing_pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """A copy's start and end events; the watcher sleeps on the end event."""
+        pool = self.timing_events
+        if len(pool) >= 2:
+            return pool.pop(), pool.pop()
+        blocking = self.blocking_events
+        return (
+            torch.cuda.Event(enable_timing=True, blocking=blocking),
+            torch.cuda.Event(enable_timing=True, blocking=blocking),
+        )
+
+    def recycle(self, t: InFlightCopy) -> None:
+        """Take back what a finished copy held."""
+        if t.stream is not None:
+            self.streams.append(t.stream)
+        self.timing_events.extend((t.start_event, t.end_event))
+        if t.slot is not None:
+            self.slots.append(t.slot)
+        if t.side_stream is not None:
+            self.side_streams.append(t.side_stream)
+        if t.sync_events is not None:
+            self.sync_events.extend(t.sync_events)
+        if t.staged is not None and t.staged.ready_event is not None:
+            self.sync_events.append(t.staged.ready_event)
+
+    def clear(self) -> None:
+        for pool in (self.streams, self.side_streams, self.timing_events, self.sync_events):
+            pool.clear()
+        self.slots.clear()

@@ -1,0 +1,222 @@
+"""Issue one copy: the kernel, the batched DMA, both at once (hybrid) or the staged path.
+
+The handler decides which jobs go together and by which path; :class:`CopyLauncher` only
+moves the bytes. It fills the job's tables, takes a stream and events from the pools and
+enqueues the copy behind the previous one of its direction, every call on an explicit
+stream, and returns the :class:`~.inflight.InFlightCopy` that the handler then tracks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcache_offload.dataplane.copy.dma import CudaRuntime
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
+from kvcache_offload.dataplane.copy.staged import StagedCopier, StagedJob, StagingConfig
+from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW, KernelConfig, launch_copy_kernel
+from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlightCopy, TableSlot
+
+__all__ = ["CopyLauncher"]
+
+
+class CopyLauncher:
+    """The per-handler state a copy needs: tables, pools, the runtime, the staged copier."""
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        gpu_to_cpu: bool,
+        src_geom: SideGeometry,
+        dst_geom: SideGeometry,
+        runtime: CudaRuntime | None,
+        kernel_config: KernelConfig,
+        hybrid_dma_share: float,
+        pools: CopyPools,
+    ) -> None:
+        self.device = device
+        self.gpu_to_cpu = gpu_to_cpu
+        self.src_geom = src_geom
+        self.dst_geom = dst_geom
+        self.runtime = runtime
+        self.kernel_config = kernel_config
+        self.hybrid_dma_share = hybrid_dma_share
+        self.pools = pools
+        self.ref_table: torch.Tensor | None = None
+        self.ref_start = np.zeros(1, dtype=np.int64)
+        self.kernel_align = 1
+        self._staged: StagedCopier | None = None
+
+    def set_ref_table(self, table: torch.Tensor, ref_start: np.ndarray, align: int) -> None:
+        self.ref_table, self.ref_start, self.kernel_align = table, ref_start, align
+
+    def start_staged(
+        self,
+        gpu_tensors: Sequence[torch.Tensor],
+        cpu_tensors: Sequence[torch.Tensor],
+        factor: int,
+        group_refs: Sequence[tuple[np.ndarray, np.ndarray]],
+        staging: StagingConfig,
+    ) -> StagedCopier:
+        """Build the staged path's copier (its staging ring and submit thread)."""
+        assert self.runtime is not None
+        self._staged = StagedCopier(
+            gpu_tensors,
+            cpu_tensors,
+            factor,
+            group_refs,
+            self.gpu_to_cpu,
+            self.runtime,
+            config=staging,
+            kernel_config=self.kernel_config,
+        )
+        return self._staged
+
+    def direct(
+        self,
+        jobs: list[tuple[int, int]],
+        plan: TransferPlan,
+        mechanism: str,
+        prev: InFlightCopy | None,
+    ) -> InFlightCopy:
+        """Issue one kernel, DMA or hybrid copy after ``prev`` (same direction) ended."""
+        dma_part: TransferPlan | None = None
+        kernel_part: TransferPlan | None = None
+        if mechanism == "dma":
+            dma_part = plan
+        elif mechanism == "kernel":
+            kernel_part = plan
+        else:  # hybrid: some layers through the copy engines, the rest through the kernel
+            dma_part, kernel_part = plan.split_refs(self.hybrid_dma_share)
+            if not dma_part.num_fragments:
+                dma_part = None
+            if not kernel_part.num_fragments:
+                kernel_part = None
+        k_groups = kernel_part.groups if kernel_part is not None else []
+        k_entries = GROUP_ROW * len(k_groups) + 2 * sum(len(g.src_units) for g in k_groups)
+        n_dma = dma_part.num_fragments if dma_part is not None else 0
+        slot: TableSlot | None = None
+        host: np.ndarray | None = None
+        if k_entries or n_dma:
+            slot = self.pools.slot()
+            host = slot.ensure(k_entries + 3 * n_dma, need_device=bool(k_entries))
+        n_units = 0
+        if k_groups and host is not None:
+            n_units = self._fill_job_table(k_groups, host[:k_entries])
+        dma_table: np.ndarray | None = None
+        if dma_part is not None and host is not None:
+            dma_table = dma_part.fill_pointer_table(
+                self.src_geom,
+                self.dst_geom,
+                host[k_entries : k_entries + 3 * n_dma].reshape(3, n_dma),
+            )
+        stream = self.pools.stream()
+        start, end = self.pools.timing_pair()
+        side: torch.cuda.Stream | None = None
+        sync: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if dma_table is not None and kernel_part is not None:
+            side = self.pools.side_stream()
+            sync = (self.pools.sync_event(), self.pools.sync_event())
+        # Every call below names its stream explicitly: no stream context to enter and leave
+        # per job, and the table upload is one runtime call instead of a dispatched copy_.
+        runtime = self.runtime
+        handle = stream.cuda_stream
+        with torch.cuda.device(self.device):
+            if k_entries and slot is not None:
+                assert slot.host is not None and slot.dev is not None
+                if runtime is not None:
+                    runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * k_entries, handle)
+                else:
+                    with torch.cuda.stream(stream):
+                        slot.dev[:k_entries].copy_(slot.host[:k_entries], non_blocking=True)
+            if self.gpu_to_cpu:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            if prev is not None:
+                stream.wait_event(prev.end_event)
+            start.record(stream)
+            if dma_table is not None:
+                dma_stream = stream
+                if side is not None and sync is not None:
+                    sync[0].record(stream)
+                    side.wait_event(sync[0])
+                    dma_stream = side
+                assert runtime is not None
+                runtime.memcpy_batch_async(
+                    dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
+                )
+            if kernel_part is not None and slot is not None:
+                assert slot.dev is not None and self.ref_table is not None
+                launch_copy_kernel(
+                    self.ref_table,
+                    slot.dev,
+                    n_groups=len(k_groups),
+                    n_units=n_units,
+                    total_pairs=kernel_part.num_fragments,
+                    max_size=kernel_part.max_size,
+                    src_factor=self.src_geom.factor,
+                    dst_factor=self.dst_geom.factor,
+                    alignment=self.kernel_align,
+                    config=self.kernel_config,
+                    stream=handle,
+                )
+            if side is not None and sync is not None:
+                sync[1].record(side)
+                stream.wait_event(sync[1])
+            end.record(stream)
+        return InFlightCopy(jobs, stream, start, end, slot, mechanism, side, sync)
+
+    def staged(
+        self, jobs: list[tuple[int, int]], plan: TransferPlan, prev: InFlightCopy | None
+    ) -> InFlightCopy:
+        """Queue one staged copy on the staged copier's submit thread, after ``prev``."""
+        assert self._staged is not None
+        start, end = self.pools.timing_pair()
+        slot = self.pools.slot()
+        ready: torch.cuda.Event | None = None
+        if self.gpu_to_cpu:
+            ready = self.pools.sync_event()
+            with torch.cuda.device(self.device):
+                ready.record(torch.cuda.current_stream(self.device))
+        job = StagedJob(
+            plan,
+            start,
+            end,
+            slot,
+            ready_event=ready,
+            prev_end=prev.end_event if prev is not None else None,
+        )
+        self._staged.submit(job)
+        return InFlightCopy(jobs, None, start, end, slot, "staged", None, None, job)
+
+    def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
+        """Group rows then source and destination units; returns the number of units."""
+        n_groups = len(groups)
+        if n_groups == 1:  # the common case: four scalars and two unit runs, no reductions
+            g = groups[0]
+            n_units = len(g.src_units)
+            out[0] = 0
+            out[1] = n_units
+            out[2] = self.ref_start[g.index] + g.ref_offset
+            out[3] = 0
+            out[GROUP_ROW : GROUP_ROW + n_units] = g.src_units
+            out[GROUP_ROW + n_units : GROUP_ROW + 2 * n_units] = g.dst_units
+            return n_units
+        counts = np.fromiter((len(g.src_units) for g in groups), np.int64, n_groups)
+        refs = np.fromiter((len(g.ref_tensors) for g in groups), np.int64, n_groups)
+        n_units = int(counts.sum())
+        rows = out[: GROUP_ROW * n_groups].reshape(n_groups, GROUP_ROW)
+        pairs = counts * refs
+        rows[0, 0] = 0
+        np.cumsum(pairs[:-1], out=rows[1:, 0])
+        rows[:, 1] = counts
+        rows[:, 2] = [self.ref_start[g.index] + g.ref_offset for g in groups]
+        rows[0, 3] = 0
+        np.cumsum(counts[:-1], out=rows[1:, 3])
+        base = GROUP_ROW * n_groups
+        np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
+        np.concatenate([g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units])
+        return n_units

@@ -1,0 +1,82 @@
+"""Both directions over one set of CPU tensors: vLLM's ``CpuGpuOffloadingHandlers``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
+from kvcache_offload.dataplane.copy.staged import DEFAULT_STAGING_CONFIG, StagingConfig
+from kvcache_offload.dataplane.copy.triton_kernel import DEFAULT_KERNEL_CONFIG, KernelConfig
+from kvcache_offload.dataplane.handlers.cpu_backend import (
+    allocate_cpu_tensors,
+    canonical_int8_views,
+)
+from kvcache_offload.dataplane.handlers.cuda.handler import SingleDirectionOffloadingHandler
+from kvcache_offload.dataplane.handlers.cuda.paths import (
+    DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+    DEFAULT_HYBRID_DMA_SHARE,
+    DEFAULT_STAGED_MIN_JOB_BYTES,
+    CompletionWait,
+    Mechanism,
+)
+from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
+from kvcache_offload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
+
+__all__ = ["CpuGpuOffloadingHandlers"]
+
+
+class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
+    """The store (GPU->CPU) and load (CPU->GPU) handlers over one set of CPU tensors.
+
+    ``cpu_tensors`` are pinned ``torch.zeros`` (one per canonical tensor, ``(num_cpu_blocks,
+    gpu_page * block_size_factor)``) or views of ``mmap_region``, which is pinned (and mapped
+    for the UVA kernel) here if it is not already; a pinning failure only warns.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        block_size_factor: int,
+        num_cpu_blocks: int,
+        mmap_region: SharedOffloadRegion | None = None,
+        *,
+        mechanism: Mechanism = "auto",
+        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
+        kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
+        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
+        staging: StagingConfig = DEFAULT_STAGING_CONFIG,
+        staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        completion_wait: CompletionWait = "blocking",
+        pin_memory: bool = True,
+    ) -> None:
+        self.gpu_tensors = canonical_int8_views(kv_caches)
+        for i, t in enumerate(self.gpu_tensors):
+            if t.device.type != "cuda":
+                raise ConfigError(
+                    f"CUDA handlers need CUDA tensors, canonical tensor {i} is on {t.device}; "
+                    "use CpuBackendOffloadingHandlers for CPU tensors"
+                )
+        if mmap_region is not None and pin_memory and not mmap_region.is_pinned:
+            mmap_region.pin()
+        self.cpu_tensors = allocate_cpu_tensors(
+            self.gpu_tensors, block_size_factor, num_cpu_blocks, mmap_region, pin_memory
+        )
+        kwargs: dict[str, Any] = {
+            "mechanism": mechanism,
+            "dma_min_fragment_bytes": dma_min_fragment_bytes,
+            "kernel_config": kernel_config,
+            "hybrid_dma_share": hybrid_dma_share,
+            "staging": staging,
+            "staged_min_job_bytes": staged_min_job_bytes,
+            "completion_wait": completion_wait,
+        }
+        refs = kv_caches.group_data_refs
+        self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
+            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, True, **kwargs
+        )
+        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
+            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, False, **kwargs
+        )

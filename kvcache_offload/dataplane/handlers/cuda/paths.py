@@ -1,0 +1,233 @@
+"""Which copy paths a CUDA handler can use, and the tables and fallback they need.
+
+Probed once per handler: the Triton UVA kernel needs Triton and CPU tensors that are pinned
+and mapped for the GPU; the batched DMA needs ``cudaMemcpyBatchAsync`` (CUDA runtime >= 12.8);
+the staged path needs both; without any of them the handler falls back to plain torch ops
+on a worker thread. The per-job choice among the available paths is the handler's
+(``choose_mechanism``), from the thresholds below.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
+from kvcache_offload.dataplane.copy.dma import CudaRuntime
+from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
+from kvcache_offload.dataplane.copy.torch_copy import TorchCopier
+from kvcache_offload.dataplane.copy.triton_kernel import triton_available
+from kvcache_offload.dataplane.handlers.cpu_backend import ThreadedOffloadingHandler
+from kvcache_offload.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
+    "DEFAULT_HYBRID_DMA_SHARE",
+    "DEFAULT_STAGED_MIN_JOB_BYTES",
+    "CompletionWait",
+    "Mechanism",
+    "build_ref_table",
+    "check_tensors",
+    "make_torch_fallback",
+    "probe_paths",
+    "resolve_mechanism",
+]
+
+logger = logging.getLogger(__name__)
+
+Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
+
+DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
+"""``auto`` sends a job whose mean fragment is at least this large through the batched DMA,
+smaller ones through the kernel. From bench.serving on an H200 (bench/RESULTS.md): with 8 KiB
+fragments the DMA ran at 0.04-0.13 of the link against the kernel's 0.2-0.5; with 64 KiB
+fragments the kernel led every stream by 10-35% and tied single jobs within the run-to-run
+spread; with 2 MiB fragments the DMA led the streams (mixed: 0.60 against 0.44)."""
+DEFAULT_HYBRID_DMA_SHARE = 0.0
+"""Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
+DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
+"""``auto`` sends a small-fragment job through the staged path only from this size on; a
+smaller job goes through the kernel, which starts at once instead of queueing on the submit
+thread (bench.serving, docs/transfers.md)."""
+
+CompletionWait = Literal["blocking", "spin"]
+"""How the completion watcher waits on a job's end event: ``blocking`` sleeps in the
+driver (no CPU while copies run), ``spin`` busy-waits in the driver (one core per direction
+while jobs are in flight, a few microseconds sooner)."""
+
+_MECHANISMS = ("auto", "kernel", "dma", "staged", "hybrid", "torch")
+
+
+def _is_mapped(runtime: CudaRuntime | None, t: torch.Tensor) -> bool:
+    if t.numel() == 0:
+        return True
+    if runtime is not None:
+        return runtime.is_uva_mapped(t.data_ptr())
+    return bool(t.is_pinned())
+
+
+def probe_paths(
+    runtime: CudaRuntime | None, cpu_tensors: Sequence[torch.Tensor]
+) -> tuple[bool, bool, dict[str, str]]:
+    """``(kernel usable, DMA usable, reason per unusable path)``."""
+    reasons: dict[str, str] = {}
+    triton_ok, why = triton_available()
+    mapped = all(_is_mapped(runtime, t) for t in cpu_tensors)
+    kernel_ok = triton_ok and mapped
+    if not triton_ok:
+        reasons["kernel"] = why or "triton unavailable"
+    elif not mapped:
+        reasons["kernel"] = "CPU tensors are not pinned and mapped for the GPU"
+    dma_ok = runtime is not None and runtime.has_batch_memcpy
+    if not dma_ok:
+        reasons["dma"] = (
+            "cudaMemcpyBatchAsync unavailable (needs CUDA runtime >= 12.8)"
+            if runtime is not None
+            else "the CUDA runtime library could not be loaded"
+        )
+    return kernel_ok, dma_ok, reasons
+
+
+def resolve_mechanism(
+    wanted: Mechanism,
+    *,
+    kernel_ok: bool,
+    dma_ok: bool,
+    staged_ok: bool,
+    reasons: dict[str, str],
+    direction: str,
+) -> str:
+    """The configured mechanism, checked against what is available; ``auto`` without a fast
+    path becomes ``torch`` (with a warning). Raises :class:`ConfigError` naming the reason."""
+    if wanted == "kernel" and not kernel_ok:
+        raise ConfigError(f"mechanism 'kernel' is unavailable: {reasons['kernel']}")
+    if wanted == "dma" and not dma_ok:
+        raise ConfigError(f"mechanism 'dma' is unavailable: {reasons['dma']}")
+    if wanted == "staged" and not staged_ok:
+        raise ConfigError(f"mechanism 'staged' is unavailable: {reasons['staged']}")
+    if wanted == "hybrid" and not (kernel_ok and dma_ok):
+        raise ConfigError(
+            "mechanism 'hybrid' needs the kernel and the DMA: "
+            + "; ".join(f"{k}: {v}" for k, v in reasons.items())
+        )
+    if wanted not in _MECHANISMS:
+        raise ConfigError(
+            f"mechanism must be auto, kernel, dma, staged, hybrid or torch, got {wanted!r}"
+        )
+    if wanted == "auto" and not (kernel_ok or dma_ok):
+        logger.warning(
+            "GPU<->CPU %s: no fast copy path (%s); using the plain-torch fallback",
+            direction,
+            "; ".join(f"{k}: {v}" for k, v in reasons.items()),
+        )
+        return "torch"
+    return wanted
+
+
+def build_ref_table(
+    group_refs: Sequence[tuple[np.ndarray, np.ndarray]],
+    src: SideGeometry,
+    dst: SideGeometry,
+    device: torch.device,
+) -> tuple[torch.Tensor, np.ndarray, int]:
+    """The kernel's per-(group, ref) address table on the GPU, each group's first row, and
+    the largest power of two (<= 16) dividing every address and size in it.
+
+    One row per ref: both sides' base, row stride, sub-block and the size."""
+    ref_start = np.zeros(len(group_refs) + 1, dtype=np.int64)
+    rows = []
+    bits = 0
+    for g, (tensors, sizes) in enumerate(group_refs):
+        ref_start[g + 1] = ref_start[g] + len(tensors)
+        if not len(tensors):
+            continue
+        columns = [
+            src.base[tensors], src.row_stride[tensors], src.sub_bytes[tensors],
+            dst.base[tensors], dst.row_stride[tensors], dst.sub_bytes[tensors],
+            sizes,
+        ]  # fmt: skip
+        rows.append(np.stack([*columns, np.zeros_like(sizes)], axis=1))
+        for arr in columns:
+            bits |= int(np.bitwise_or.reduce(arr))
+    table = np.concatenate(rows) if rows else np.zeros((1, 8), dtype=np.int64)
+    align = 16
+    while align > 1 and bits % align:
+        align //= 2
+    return torch.from_numpy(np.ascontiguousarray(table)).to(device), ref_start, align
+
+
+def make_torch_fallback(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    src_factor: int,
+    dst_factor: int,
+    refs: Sequence[Sequence[CanonicalKVCacheRef]],
+    *,
+    gpu_to_cpu: bool,
+    device: torch.device,
+    max_staging_bytes: int,
+) -> ThreadedOffloadingHandler:
+    """The plain-torch path on a worker thread, for hosts without any fast path."""
+    copier = TorchCopier(src, dst, src_factor, dst_factor, max_staging_bytes=max_staging_bytes)
+    stream = torch.cuda.Stream(device)
+
+    def prepare() -> torch.cuda.Event | None:
+        if not gpu_to_cpu:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        return ready
+
+    def run(plan: TransferPlan, ready: torch.cuda.Event | None) -> None:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            copier.run(plan, stream)
+            stream.synchronize()
+
+    return ThreadedOffloadingHandler(
+        src_tensors=src,
+        dst_tensors=dst,
+        src_factor=src_factor,
+        dst_factor=dst_factor,
+        group_data_refs=refs,
+        gpu_to_cpu=gpu_to_cpu,
+        run_plan=run,
+        prepare=prepare,
+        thread_name="kvoffload-cuda-" + ("store" if gpu_to_cpu else "load"),
+    )
+
+
+def check_tensors(
+    gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], block_size_factor: int
+) -> int:
+    """Check the tensor pairs every path copies between; returns the block size factor."""
+    if not gpu_tensors or len(gpu_tensors) != len(cpu_tensors):
+        raise ConfigError(
+            f"need equal, non-empty tensor lists, got {len(gpu_tensors)} GPU and "
+            f"{len(cpu_tensors)} CPU tensors"
+        )
+    factor = int(block_size_factor)
+    if factor < 1:
+        raise ConfigError(f"block_size_factor must be >= 1, got {block_size_factor}")
+    for i, (g, c) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
+        if g.dtype != torch.int8 or g.dim() != 2 or g.device.type != "cuda":
+            raise ConfigError(
+                f"GPU tensor {i} must be a 2-D int8 CUDA tensor, got {g.dtype} "
+                f"{tuple(g.shape)} on {g.device}"
+            )
+        if c.dtype != torch.int8 or c.dim() != 2 or c.device.type != "cpu":
+            raise ConfigError(
+                f"CPU tensor {i} must be a 2-D int8 CPU tensor, got {c.dtype} "
+                f"{tuple(c.shape)} on {c.device}"
+            )
+        if c.shape[1] != g.shape[1] * factor:
+            raise ConfigError(
+                f"CPU tensor {i}'s page of {c.shape[1]} bytes must be {factor} x the GPU "
+                f"page of {g.shape[1]} bytes"
+            )
+    return factor
