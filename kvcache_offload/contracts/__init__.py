@@ -34,6 +34,7 @@ __all__ = [
     "TransferResult",
     "TransferSpec",
     "TransferType",
+    "WatchesOnDemand",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
