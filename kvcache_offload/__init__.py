@@ -1,5 +1,7 @@
 """kvcache-offload: offload LLM KV-cache blocks from GPU memory to CPU memory and back."""
 
+# ruff: noqa: F405  (names below come from the contracts and errors packages' own __all__)
+
 # First: with KVCACHE_OFFLOAD_PURE_PYTHON=1, importing _compiled makes the imports below take
 # the Python sources of the compiled modules.
 from kvcache_offload import _moved
@@ -8,50 +10,14 @@ _moved.install()  # old module paths (before the renovation) resolve with a warn
 
 from kvcache_offload._compiled import compiled_modules  # noqa: E402
 from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config  # noqa: E402
-from kvcache_offload.contracts.kv_caches import (  # noqa: E402
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-)
-from kvcache_offload.contracts.load_store_spec import (  # noqa: E402
-    BlockIDsLoadStoreSpec,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-)
-from kvcache_offload.contracts.manager import (  # noqa: E402
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    ReqContext,
-)
-from kvcache_offload.contracts.offload_key import (  # noqa: E402
-    OffloadKey,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    make_offload_key,
-)
-from kvcache_offload.contracts.spec import OffloadingSpec  # noqa: E402
+from kvcache_offload.contracts import *  # noqa: E402, F403  (the names listed in __all__)
 from kvcache_offload.control.manager import (  # noqa: E402
     CPUManagerStats,
     CPUOffloadingManager,
 )
 from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager  # noqa: E402
 from kvcache_offload.control.spec_factory import OffloadingSpecFactory  # noqa: E402
-from kvcache_offload.errors import (  # noqa: E402
-    BlockStateError,
-    CapacityError,
-    ConfigError,
-    InvalidKeyError,
-    LeaseError,
-    LeaseLimitError,
-    NoSharedRegionError,
-    OffloadError,
-    RegionError,
-    TransferError,
-    UnknownPolicyError,
-    UnknownSpecError,
-)
+from kvcache_offload.errors import *  # noqa: E402, F403  (the whole error hierarchy)
 
 __version__ = "0.1.0"
 
@@ -84,6 +50,7 @@ __all__ = [
     "PrepareStoreOutput",
     "RegionError",
     "ReqContext",
+    "TierError",
     "TransferError",
     "UnknownPolicyError",
     "UnknownSpecError",

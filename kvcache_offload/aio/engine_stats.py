@@ -9,7 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcache_offload.aio.types import EngineStats, Histogram
-from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
+from kvcache_offload.contracts.capabilities import (
+    CountsFencedSlots,
+    ReportsStats,
+    SizesOffloadedBlocks,
+    SkipsStores,
+)
 
 if TYPE_CHECKING:
     from kvcache_offload.aio.engine import OffloadEngine
@@ -30,18 +35,14 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
         blocks_writing=int(snap.writing) if snap is not None else 0,
         blocks_idle=int(snap.idle) if snap is not None else 0,
         blocks_reading=int(snap.reading) if snap is not None else 0,
-        blocks_fenced=int(getattr(snap, "fenced", 0)),  # managers without fences report none
-        block_nbytes=int(getattr(e.spec, "kv_bytes_per_offloaded_block", 0) or 0),
-        lookups=e._lookups,
-        lookup_keys=e._lookup_keys,
-        lookup_hit_blocks=e._lookup_hit_blocks,
-        store_blocks_prepared=e._store_prepared,
-        store_blocks_completed=e._store_completed,
-        store_blocks_failed=e._store_failed,
-        stores_rejected=e._stores_rejected,
-        load_blocks_completed=e._load_completed,
-        load_blocks_failed=e._load_failed,
-        evicted_blocks=e._evicted,
+        # managers without fences report none
+        blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
+        block_nbytes=(
+            int(e.spec.kv_bytes_per_offloaded_block or 0)
+            if isinstance(e.spec, SizesOffloadedBlocks)
+            else 0
+        ),
+        **vars(e._totals),
         reuse_filter_skipped_blocks=(
             int(manager.stores_skipped) if isinstance(manager, SkipsStores) else 0
         ),

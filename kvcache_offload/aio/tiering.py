@@ -31,10 +31,7 @@ import anyio
 
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
-from kvcache_offload.contracts.manager import (
-    OffloadingManager,
-    ReqContext,
-)
+from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.tiers.tier_set import TierSet

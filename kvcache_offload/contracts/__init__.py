@@ -4,39 +4,15 @@ Plain Python (numpy for block ids), no torch: the control plane, the data plane 
 async core all import from here, and nothing here imports them.
 """
 
-from kvcache_offload.contracts.handler import (
-    BatchesJobs,
-    NotifiesCompletion,
-    OffloadingHandler,
-    TransferResult,
-    TransferSpec,
-    TransferType,
-)
-from kvcache_offload.contracts.kv_caches import (
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-)
-from kvcache_offload.contracts.load_store_spec import (
-    BlockIDsLoadStoreSpec,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-)
-from kvcache_offload.contracts.manager import (
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    ReqContext,
-)
-from kvcache_offload.contracts.offload_key import (
-    OffloadKey,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    make_offload_key,
-    validate_offload_key,
-)
-from kvcache_offload.contracts.spec import OffloadingSpec
+# ruff: noqa: F405
+# Each contract module names its public API once, in its own ``__all__``; the package
+# re-exports those modules whole (a test keeps ``__all__`` below equal to their union).
+from kvcache_offload.contracts.handler import *  # noqa: F403
+from kvcache_offload.contracts.kv_caches import *  # noqa: F403
+from kvcache_offload.contracts.load_store_spec import *  # noqa: F403
+from kvcache_offload.contracts.manager import *  # noqa: F403
+from kvcache_offload.contracts.offload_key import *  # noqa: F403
+from kvcache_offload.contracts.spec import *  # noqa: F403
 
 __all__ = [
     "BatchesJobs",
@@ -58,6 +34,7 @@ __all__ = [
     "TransferResult",
     "TransferSpec",
     "TransferType",
+    "WatchesOnDemand",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",

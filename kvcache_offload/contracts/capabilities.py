@@ -16,6 +16,7 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 
 __all__ = [
     "CapacityObserver",
+    "CountsFencedSlots",
     "FencesSlots",
     "HasBlockMemory",
     "LookupObserver",
@@ -25,6 +26,7 @@ __all__ = [
     "ShadowReporter",
     "ShadowSnapshot",
     "ShutsDown",
+    "SizesOffloadedBlocks",
     "SkipsStores",
     "StoreObserver",
 ]
@@ -44,6 +46,13 @@ class HasBlockMemory(Protocol):
     def get_block_memory(self) -> Any: ...
 
 
+@runtime_checkable
+class SizesOffloadedBlocks(Protocol):
+    """A spec that knows the bytes of one offloaded block (``block_size_factor`` GPU blocks)."""
+
+    kv_bytes_per_offloaded_block: int
+
+
 class ManagerSnapshot(Protocol):
     """What a manager's ``stats()`` reports about its CPU tier."""
 
@@ -53,6 +62,13 @@ class ManagerSnapshot(Protocol):
     writing: int
     idle: int
     reading: int
+
+
+@runtime_checkable
+class CountsFencedSlots(Protocol):
+    """A snapshot of a manager that fences slots: how many are out of use now."""
+
+    fenced: int
 
 
 @runtime_checkable

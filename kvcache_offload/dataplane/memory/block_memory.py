@@ -111,7 +111,30 @@ class BlockMemory(ABC):
         self.close()
 
 
-class HostBlockMemory(BlockMemory):
+class _RowBlockMemory(BlockMemory):
+    """Blocks that are whole rows of one ``(num_blocks, block_nbytes)`` uint8 array."""
+
+    _rows: np.ndarray | None
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The ``(num_blocks, block_nbytes)`` uint8 array itself (no copy)."""
+        if self._rows is None:
+            raise TransferError(f"{type(self).__name__} is closed")
+        return self._rows
+
+    def read(self, block_id: int) -> bytes:
+        return self.rows[self._check_id(block_id)].tobytes()
+
+    def write(self, block_id: int, data: Buffer) -> None:
+        self.rows[self._check_id(block_id)] = self._check_data(data)
+
+    def read_many(self, block_ids: Sequence[int]) -> bytes:
+        ids = [self._check_id(b) for b in block_ids]
+        return self.rows[ids].tobytes()
+
+
+class HostBlockMemory(_RowBlockMemory):
     """A private host buffer; pages are faulted in on first touch (``np.zeros`` = calloc)."""
 
     def __init__(self, num_blocks: int, block_nbytes: int) -> None:
@@ -122,27 +145,15 @@ class HostBlockMemory(BlockMemory):
             )
         self.num_blocks = int(num_blocks)
         self.block_nbytes = int(block_nbytes)
-        self._buf: np.ndarray | None = np.zeros((self.num_blocks, self.block_nbytes), np.uint8)
+        self._rows = np.zeros((self.num_blocks, self.block_nbytes), np.uint8)
 
     @property
     def array(self) -> np.ndarray:
         """The ``(num_blocks, block_nbytes)`` uint8 buffer itself (no copy)."""
-        if self._buf is None:
-            raise TransferError("HostBlockMemory is closed")
-        return self._buf
-
-    def read(self, block_id: int) -> bytes:
-        return self.array[self._check_id(block_id)].tobytes()
-
-    def write(self, block_id: int, data: Buffer) -> None:
-        self.array[self._check_id(block_id)] = self._check_data(data)
-
-    def read_many(self, block_ids: Sequence[int]) -> bytes:
-        ids = [self._check_id(b) for b in block_ids]
-        return self.array[ids].tobytes()
+        return self.rows
 
     def close(self) -> None:
-        self._buf = None
+        self._rows = None
 
 
 def _to_numpy_2d(t: Any) -> np.ndarray:
@@ -225,7 +236,7 @@ class TensorBlockMemory(BlockMemory):
         self._tensors = None
 
 
-class RegionBlockMemory(BlockMemory):
+class RegionBlockMemory(_RowBlockMemory):
     """Whole rows of a shared region: every worker's cell of slot ``block_id``.
 
     With ``owns_region`` the region is cleaned up (unmapped, its file unlinked if still
@@ -235,25 +246,9 @@ class RegionBlockMemory(BlockMemory):
     def __init__(self, region: SharedOffloadRegion, *, owns_region: bool = False) -> None:
         self._region: SharedOffloadRegion | None = region
         self._owns_region = owns_region
-        self._rows: np.ndarray | None = region.rows_array()
+        self._rows = region.rows_array()
         self.num_blocks = int(self._rows.shape[0])
         self.block_nbytes = int(self._rows.shape[1])
-
-    @property
-    def rows(self) -> np.ndarray:
-        if self._rows is None:
-            raise TransferError("RegionBlockMemory is closed")
-        return self._rows
-
-    def read(self, block_id: int) -> bytes:
-        return self.rows[self._check_id(block_id)].tobytes()
-
-    def read_many(self, block_ids: Sequence[int]) -> bytes:
-        ids = [self._check_id(b) for b in block_ids]
-        return self.rows[ids].tobytes()
-
-    def write(self, block_id: int, data: Buffer) -> None:
-        self.rows[self._check_id(block_id)] = self._check_data(data)
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()

@@ -1,0 +1,135 @@
+"""One-shot transfer jobs: ``store`` and ``load`` between registered GPU blocks and the CPU tier.
+
+Pins never outlive an operation: a transfer's completion callback (run by the poller, not by
+the awaiting coroutine) completes the store or load even if the caller was cancelled; a
+refused or failed transfer completes the store with ``success=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
+from kvcache_offload.aio.engine_lifecycle import Lifecycle
+from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
+from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.types import LoadResult, StoreResult
+from kvcache_offload.contracts.handler import TransferResult
+from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.errors import ConfigError, TransferError
+
+__all__ = ["GpuBlocks", "TransferJobs"]
+
+GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
+
+
+class TransferJobs(Lifecycle):
+    """``store`` and ``load``: submit one job to the poller and await its result."""
+
+    def _require_poller(self) -> TransferPoller:
+        if self._poller is None:
+            raise ConfigError(
+                "no KV caches registered: pass kv_caches= to OffloadEngine to store or load "
+                "GPU blocks (sidecar clients use prepare_store/prepare_load instead)"
+            )
+        return self._poller
+
+    async def store(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: GpuBlocks,
+        req_context: ReqContext | None = None,
+    ) -> StoreResult:
+        """Offload ``keys`` from ``gpu_blocks`` (``block_size_factor`` ids per key).
+
+        Keys already offloaded are skipped. Raises :class:`CapacityError` when there is no
+        room and :class:`TransferError` when the copy failed (the store is then rolled back).
+        """
+        poller = self._require_poller()
+        ctx = req_context if req_context is not None else ReqContext()
+        keys = list(keys)
+        out = self._prepare_store(keys, ctx)
+        stored = out.keys_to_store
+        if not stored:
+            return StoreResult([], out.evicted_keys)
+        try:
+            gpu_spec = gpu_spec_for_keys(
+                keys,
+                gpu_blocks,
+                factor=self._factor,
+                num_groups=self._num_groups,
+                selected=self._positions(keys, stored),
+            )
+        except BaseException:
+            self._finish_store(stored, ctx, False, "invalid GPU block ids")
+            raise
+
+        def on_done(result: TransferResult) -> None:
+            self._record_transfer(STORE_DIRECTION, result)
+            self._finish_store(stored, ctx, result.success, "transfer failed")
+
+        self._ensure_started()
+        try:
+            future = poller.submit((gpu_spec, out.store_spec), on_done)
+        except BaseException:
+            self._finish_store(stored, ctx, False, "transfer refused")
+            raise
+        result = await future
+        if not result.success:
+            raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
+        return StoreResult(
+            stored, out.evicted_keys, result.transfer_size or 0, result.transfer_time or 0.0
+        )
+
+    @staticmethod
+    def _positions(keys: list[OffloadKey], subset: list[OffloadKey]) -> list[int]:
+        """Index in ``keys`` of each key of ``subset`` (first occurrence)."""
+        if len(subset) == len(keys) and subset == keys:
+            return list(range(len(keys)))
+        first: dict[OffloadKey, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        return [first[k] for k in subset]
+
+    async def load(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: GpuBlocks,
+        req_context: ReqContext | None = None,
+    ) -> LoadResult:
+        """Copy ready ``keys`` back into ``gpu_blocks``.
+
+        Raises :class:`BlockStateError` if a key is not ready (nothing is pinned then) and
+        :class:`TransferError` if the copy failed (the blocks are unpinned).
+        """
+        poller = self._require_poller()
+        ctx = req_context if req_context is not None else ReqContext()
+        keys = list(keys)
+        if not keys:
+            return LoadResult([])
+        if self._tiers is not None:
+            await self._tiers.promote(keys)
+        gpu_spec = gpu_spec_for_keys(
+            keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
+        )
+        self._check_open()
+        cpu_spec = self.manager.prepare_load(keys, ctx)
+
+        def on_done(result: TransferResult) -> None:
+            self._record_transfer(LOAD_DIRECTION, result)
+            self._finish_load(keys, ctx, result.success, {"job_id": result.job_id})
+
+        self._ensure_started()
+        try:
+            future = poller.submit((cpu_spec, gpu_spec), on_done)
+        except BaseException:
+            self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
+            raise
+        result = await future
+        if not result.success:
+            raise TransferError(f"loading {len(keys)} blocks failed (job {result.job_id})")
+        return LoadResult(keys, result.transfer_size or 0, result.transfer_time or 0.0)

@@ -1,0 +1,104 @@
+"""Lookups: which keys the engine holds, in vLLM's maximal-prefix sense.
+
+* ``states[i]`` is each key's state: READY (loadable), WRITING (a store is in flight) or ABSENT.
+* ``hits`` is the number of leading READY keys: what can be loaded now.
+* ``pending`` is True when a WRITING key comes before the first ABSENT key: waiting for the
+  store to finish would give a longer hit, so a scheduler should defer rather than load
+  ``hits`` keys now (vLLM's ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache_offload.aio.engine_base import EngineBase
+from kvcache_offload.aio.tiering import CPU_TIER
+from kvcache_offload.aio.types import KeyState, LookupResult
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
+
+__all__ = ["Lookups"]
+
+_READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
+_STATE_OF: dict[bool | None, KeyState] = {True: _READY, None: _WRITING, False: _ABSENT}
+_NO_CONTEXT = ReqContext()
+"""Shared by calls that pass no context (managers only read it)."""
+
+
+class Lookups(EngineBase):
+    """``lookup``, ``lookup_now`` and ``touch``."""
+
+    async def lookup(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        *,
+        prefix_only: bool = False,
+    ) -> LookupResult:
+        """Per-key states plus the ready prefix and vLLM's "retry later" flag.
+
+        With ``prefix_only`` the walk stops at the first absent key (as vLLM's does), so
+        ``states`` covers only the keys up to and including it. With secondary tiers, keys the
+        CPU tier lacks are looked up below (one batch per tier) and ``tiers`` names each key's.
+        """
+        result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
+        if self._tiers is None or result.tiers is not None:
+            return result
+        return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
+
+    def lookup_now(
+        self,
+        keys: Sequence[OffloadKey],
+        req_context: ReqContext | None = None,
+        *,
+        prefix_only: bool = False,
+    ) -> LookupResult:
+        """:meth:`lookup` without the coroutine, for callers already on the loop thread."""
+        ctx = req_context if req_context is not None else _NO_CONTEXT
+        lookup = self.manager.lookup
+        if prefix_only:
+            states: list[KeyState] = []
+            append = states.append
+            hits = -1
+            pending = False
+            for key in keys:
+                found = lookup(key, ctx)
+                if found:
+                    append(_READY)
+                    continue
+                if hits < 0:
+                    hits = len(states)
+                if found is None:
+                    append(_WRITING)
+                    pending = True
+                else:
+                    append(_ABSENT)
+                    break
+            if hits < 0:
+                hits = len(states)
+        else:
+            # Comprehensions and list.index run at C speed: this is the hot path of /v1/lookup.
+            answers = [lookup(key, ctx) for key in keys]
+            states = [_STATE_OF[found] for found in answers]
+            n = len(answers)
+            first_absent = answers.index(False) if False in answers else n
+            first_writing = answers.index(None) if None in answers else n
+            hits = min(first_absent, first_writing)
+            pending = first_writing < first_absent
+        totals = self._totals
+        totals.lookups += 1
+        totals.lookup_keys += len(keys)
+        totals.lookup_hit_blocks += hits
+        if self._observers.watches_lookups:
+            self._observers.on_lookup(keys, hits)
+        # With tiers, an all-CPU answer names its tier here (the cheap, common case).
+        tiers: list[str | None] | None = None
+        if self._tiers is not None and hits == len(states):
+            tiers = [CPU_TIER] * hits
+        return LookupResult(hits=hits, pending=pending, states=states, tiers=tiers)
+
+    async def touch(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
+    ) -> None:
+        """Mark keys recently used; the first key ends up most recently used."""
+        self.manager.touch(keys, req_context if req_context is not None else _NO_CONTEXT)
