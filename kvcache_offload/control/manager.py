@@ -21,14 +21,8 @@ from kvcache_offload.contracts.manager import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvcache_offload.contracts.offload_key import (
-    OffloadKey,
-    validate_offload_key,
-)
-from kvcache_offload.control.policies.base import (
-    BlockStatus,
-    CachePolicy,
-)
+from kvcache_offload.contracts.offload_key import OffloadKey, validate_offload_key
+from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
 from kvcache_offload.errors import BlockStateError, ConfigError
 
@@ -63,11 +57,8 @@ class CPUManagerStats:
 
 
 def _check_keys(keys: Sequence[object]) -> None:
-    """Raise InvalidKeyError for the first malformed key (a plain loop: fastest on 3.11+).
-
-    Typed ``object`` on purpose: compiled, a loop over ``OffloadKey`` items would raise a
-    bare TypeError at the first non-bytes item before this check could name it.
-    """
+    """Raise InvalidKeyError for the first malformed key. Typed ``object``: compiled, a loop
+    over ``OffloadKey`` items would raise a bare TypeError before this check named the key."""
     for key in keys:
         if type(key) is not bytes or len(key) <= 4:
             validate_offload_key(key)

@@ -36,16 +36,7 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     KernelConfig,
     triton_available,
 )
-from kvcache_offload.dataplane.handlers.cpu_backend import (
-    CPU_TO_GPU,
-    GPU_TO_CPU,
-    ThreadedOffloadingHandler,
-)
-from kvcache_offload.dataplane.handlers.cuda.inflight import (
-    CompletionWatcher,
-    CopyPools,
-    InFlightCopy,
-)
+from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
@@ -60,6 +51,11 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     resolve_mechanism,
 )
 from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
+from kvcache_offload.dataplane.handlers.threaded import (
+    CPU_TO_GPU,
+    GPU_TO_CPU,
+    ThreadedOffloadingHandler,
+)
 from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = ["DEFAULT_BATCH_MAX_BYTES", "SingleDirectionOffloadingHandler"]
@@ -151,8 +147,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             pools=self._pools,
         )
         self._closed = False
-        self._watcher: CompletionWatcher | None = None
-        self._watch_on_demand = False
+        self._watch = CopyWatch("kvoffload-done-" + ("store" if gpu_to_cpu else "load"))
         self._batching = False
         self.batch_max_bytes = int(batch_max_bytes)
         self._held = HeldJobs()
@@ -289,9 +284,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             transfer = self._launcher.direct(jobs, plan, mechanism, prev)
         self._transfers.append(transfer)
         self._in_flight_ids.update(job_id for job_id, _ in jobs)
-        if self._watcher is not None and not self._watch_on_demand:
-            self._watcher.watch(transfer)
-            transfer.watched = True
+        self._watch.issued(transfer)
         self.jobs_by_mechanism[mechanism] += len(jobs)
         if len(jobs) > 1:
             self.batches += 1
@@ -338,33 +331,21 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             self._fallback.set_completion_callback(callback)
             return
         with self._lock:
-            watcher, self._watcher = self._watcher, None
-            if callback is not None and not self._closed:
-                self._watcher = CompletionWatcher(
-                    callback, "kvoffload-done-" + ("store" if self.gpu_to_cpu else "load")
-                )
-                for t in self._transfers:
-                    self._watcher.watch(t)
-                    t.watched = True
-        if watcher is not None:
-            watcher.close()
+            old = self._watch.replace(None if self._closed else callback, self._transfers)
+        if old is not None:
+            old.close()
 
     def set_watch_on_demand(self, enabled: bool) -> None:
         """Leave new copies unwatched until :meth:`watch_in_flight` (see ``WatchesOnDemand``):
         the poller looks for a while after each submission, and a copy ending meanwhile then
         costs no watcher wake-up, no futex and no GIL hand-off."""
-        self._watch_on_demand = enabled
+        self._watch.on_demand = enabled
         if not enabled:
             self.watch_in_flight()
 
     def watch_in_flight(self) -> None:
         with self._lock:
-            if self._watcher is None:
-                return
-            for t in self._transfers:
-                if not t.watched:
-                    self._watcher.watch(t)
-                    t.watched = True
+            self._watch.watch_all(self._transfers)
 
     def pending_job_ids(self) -> list[int]:
         if self._fallback is not None:
@@ -379,7 +360,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         with self._lock:
             self._flush_locked()
             self._closed = True
-            watcher, self._watcher = self._watcher, None
+            watcher = self._watch.replace(None, ())
         if watcher is not None:
             watcher.close()
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from kvcache_offload.dataplane.copy.staged import StagedJob
 
-__all__ = ["CompletionWatcher", "CopyPools", "InFlightCopy", "TableSlot"]
+__all__ = ["CompletionWatcher", "CopyPools", "CopyWatch", "InFlightCopy", "TableSlot"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +192,40 @@ class CopyPools:
         for pool in (self.streams, self.side_streams, self.timing_events, self.sync_events):
             pool.clear()
         self.slots.clear()
+
+
+class CopyWatch:
+    """Who tells the caller that copies ended: a :class:`CompletionWatcher` fed every copy as
+    it is issued, or, on demand, only the copies in flight when the caller stops looking."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._watcher: CompletionWatcher | None = None
+        self.on_demand = False
+
+    def replace(
+        self, callback: Callable[[], None] | None, in_flight: Iterable[InFlightCopy]
+    ) -> CompletionWatcher | None:
+        """A new watcher calling ``callback`` (None: none) over the copies in flight; returns
+        the old watcher, for the caller to close outside its own lock."""
+        old, self._watcher = self._watcher, None
+        if callback is not None:
+            self._watcher = CompletionWatcher(callback, self._name)
+            for t in in_flight:
+                self._hand(t)
+        return old
+
+    def issued(self, t: InFlightCopy) -> None:
+        if self._watcher is not None and not self.on_demand:
+            self._hand(t)
+
+    def watch_all(self, in_flight: Iterable[InFlightCopy]) -> None:
+        if self._watcher is not None:
+            for t in in_flight:
+                if not t.watched:
+                    self._hand(t)
+
+    def _hand(self, t: InFlightCopy) -> None:
+        assert self._watcher is not None
+        self._watcher.watch(t)
+        t.watched = True

@@ -21,7 +21,7 @@ from kvcache_offload.dataplane.copy.dma import CudaRuntime
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.torch_copy import TorchCopier
 from kvcache_offload.dataplane.copy.triton_kernel import triton_available
-from kvcache_offload.dataplane.handlers.cpu_backend import ThreadedOffloadingHandler
+from kvcache_offload.dataplane.handlers.threaded import ThreadedOffloadingHandler
 from kvcache_offload.errors import ConfigError
 
 __all__ = [
