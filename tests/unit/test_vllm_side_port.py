@@ -205,3 +205,18 @@ def test_no_side_port_unless_asked_and_the_host_defaults_to_loopback() -> None:
     assert side_port_settings({"cpu_bytes_to_use": 1}) is None
     settings = side_port_settings({"observability_port": "9400"})
     assert settings is not None and (settings.host, settings.port) == ("127.0.0.1", 9400)
+
+
+def test_the_api_token_guards_the_side_port_as_it_guards_the_service() -> None:
+    backend = _backend(
+        {"cpu_bytes_to_use": 64 * 2048, "observability_port": 0, "api_token": "s3cret"}
+    )
+    try:
+        backend.manager()
+        url = backend.side_port.url
+        assert httpx.get(f"{url}/v1/stats", timeout=10).status_code == 401
+        authorized = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{url}/v1/stats", headers=authorized, timeout=10).status_code == 200
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200  # open, as served
+    finally:
+        backend.shutdown()
