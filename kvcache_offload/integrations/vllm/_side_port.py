@@ -105,6 +105,7 @@ class SidePort:
         except Exception:
             logger.exception("the kvcache-offload observability side port failed")
         finally:
+            self._socket.close()  # never a bound port nobody answers on
             self._ready.set()
 
     async def _serve(self) -> None:
