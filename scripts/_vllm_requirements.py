@@ -5,6 +5,7 @@
 the test-only platform plugin (vLLM's CPU platform) into SITE.
 ``_vllm_requirements.py --sdist VERSION DEST``: fetch vLLM's source tarball from PyPI (hash
 checked) and unpack the OffloadingConnector unit tests and the helpers they import into DEST.
+``_vllm_requirements.py --sdist-file VERSION PATH DEST``: the same, for the one file PATH.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def write_platform_plugin(site: Path) -> None:
     (dist / "RECORD").write_text("")
 
 
-def fetch_sdist_tests(version: str, dest: Path) -> None:
+def fetch_sdist_tests(version: str, dest: Path, paths: tuple[str, ...] = TEST_PATHS) -> None:
+    """vLLM's source tarball from PyPI (hash checked); its files under ``paths`` into ``dest``."""
     request = urllib.request.Request(
         "https://pypi.org/simple/vllm/",
         headers={"Accept": "application/vnd.pypi.simple.v1+json"},
@@ -90,7 +92,7 @@ def fetch_sdist_tests(version: str, dest: Path) -> None:
         members = []
         for member in tar.getmembers():
             rel = member.name.removeprefix(prefix)
-            if member.isfile() and rel.startswith(TEST_PATHS):
+            if member.isfile() and rel.startswith(paths):
                 member.name = rel
                 members.append(member)
         tar.extractall(dest, members=members, filter="data")
@@ -104,6 +106,9 @@ def fetch_sdist_tests(version: str, dest: Path) -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--sdist"]:
         fetch_sdist_tests(argv[1], Path(argv[2]))
+        return
+    if argv[:1] == ["--sdist-file"]:  # one file of the tarball (scripts/vllm-gpu-bundle.sh)
+        fetch_sdist_tests(argv[1], Path(argv[3]), (argv[2],))
         return
     write_platform_plugin(Path(argv[0]))
     print("\n".join(cpu_requirements()))

@@ -26,7 +26,8 @@ from kvcache_offload.config import KVCacheLayout
 from kvcache_offload.contracts.handler import OffloadingHandler as OurHandler
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
 from kvcache_offload.integrations.vllm._manager_bridge import ManagerBridge
-from kvcache_offload.integrations.vllm._settings import offload_config
+from kvcache_offload.integrations.vllm._observed_manager import LOAD_DIRECTION, STORE_DIRECTION
+from kvcache_offload.integrations.vllm._settings import offload_config, side_port_settings
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
 
 __all__ = ["KVCacheOffloadSpec"]
@@ -38,7 +39,10 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, kv_cache_config)
         events = vllm_config.kv_events_config
+        vllm_events = bool(events is not None and events.enable_kv_cache_events)
+        side_port = side_port_settings(self.extra_config)
         parallel = vllm_config.parallel_config
+        engine_id = vllm_config.kv_transfer_config.engine_id
         config = offload_config(
             self.extra_config,
             layout=_layout(self.gpu_block_size, kv_cache_config, parallel.world_size),
@@ -47,10 +51,12 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 if self.block_size_factor > 1
                 else None
             ),
-            enable_events=bool(events is not None and events.enable_kv_cache_events),
-            engine_id=vllm_config.kv_transfer_config.engine_id,
+            enable_events=vllm_events or side_port is not None,
+            engine_id=engine_id,
         )
-        self.backend = OffloadBackend(config)
+        self.backend = OffloadBackend(
+            config, side_port=side_port, vllm_events=vllm_events, engine_id=engine_id
+        )
         self.num_blocks = self.backend.num_blocks
         self._manager: _Manager | None = None
         self._handlers: tuple[_Handler, _Handler] | None = None
@@ -68,7 +74,10 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             world_size = self.vllm_config.parallel_config.world_size
             rank = _rank() if world_size > 1 else None
             store, load = self.backend.handlers(kv_caches, rank)
-            self._handlers = _Handler(store, self.backend), _Handler(load, self.backend)
+            self._handlers = (
+                _Handler(store, self.backend, STORE_DIRECTION),
+                _Handler(load, self.backend, LOAD_DIRECTION),
+            )
         yield GPULoadStoreSpec, CPULoadStoreSpec, self._handlers[0]
         yield CPULoadStoreSpec, GPULoadStoreSpec, self._handlers[1]
 
@@ -120,9 +129,10 @@ class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
 class _Handler(OffloadingHandler):  # type: ignore[misc]
     """One direction of our handlers, taking vLLM's (source, destination) job specs."""
 
-    def __init__(self, handler: OurHandler, backend: OffloadBackend) -> None:
+    def __init__(self, handler: OurHandler, backend: OffloadBackend, direction: str) -> None:
         self._handler = handler
         self._backend = backend
+        self._direction = direction
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:
         src, dst = spec
@@ -133,6 +143,8 @@ class _Handler(OffloadingHandler):  # type: ignore[misc]
         return self._handler.transfer_async(job_id, job)
 
     def get_finished(self) -> list[TransferResult]:
+        finished = self._handler.get_finished()
+        self._backend.count_finished(self._direction, finished)
         return [
             TransferResult(
                 job_id=r.job_id,
@@ -141,7 +153,7 @@ class _Handler(OffloadingHandler):  # type: ignore[misc]
                 transfer_time=r.transfer_time,
                 transfer_type=r.transfer_type,
             )
-            for r in self._handler.get_finished()
+            for r in finished
         ]
 
     def wait(self, job_ids: set[int]) -> None:

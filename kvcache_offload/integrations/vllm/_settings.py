@@ -6,6 +6,10 @@ the config (environment variables still apply below them); vLLM's are left to vL
 key is logged as ignored, never rejected. What vLLM decides is not ours to set: the KV-cache
 layout (from its ``KVCacheConfig``), the offloaded block size (from its spec) and whether events
 are emitted (vLLM drains them only when its own KV events are on).
+
+Two keys belong to the adapter itself: ``observability_port`` (off unless set; 0 picks a free
+port) and ``observability_host`` (default 127.0.0.1) start the side port
+(:func:`side_port_settings`).
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config
+from kvcache_offload.errors import ConfigError
 
-__all__ = ["offload_config"]
+__all__ = ["SidePortSettings", "offload_config", "side_port_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,11 @@ VLLM_KEYS = frozenset(
     }
 )
 """Keys vLLM's connector reads itself."""
+
+ADAPTER_KEYS = frozenset({"observability_port", "observability_host"})
+"""Keys of the adapter itself (the side port), not of :class:`OffloadConfig`."""
+
+DEFAULT_OBSERVABILITY_HOST = "127.0.0.1"
 
 DECIDED_BY_VLLM = frozenset({"layout", "enable_events", "block_size"})
 
@@ -51,7 +62,7 @@ def offload_config(
     ours: dict[str, Any] = {}
     ignored = []
     for key, value in extra_config.items():
-        if key in VLLM_KEYS:
+        if key in VLLM_KEYS or key in ADAPTER_KEYS:
             continue
         if key not in OffloadConfig.model_fields:
             ignored.append(key)
@@ -74,3 +85,34 @@ def offload_config(
         block_size=block_size,
         enable_events=enable_events,
     )
+
+
+@dataclass(frozen=True)
+class SidePortSettings:
+    """Where the observability side port listens (port 0: any free port)."""
+
+    host: str
+    port: int
+
+
+def side_port_settings(extra_config: Mapping[str, Any]) -> SidePortSettings | None:
+    """The side port asked for by ``observability_port``/``_host``, or None (the default)."""
+    port = extra_config.get("observability_port")
+    host = extra_config.get("observability_host", DEFAULT_OBSERVABILITY_HOST)
+    if port is None:
+        if "observability_host" in extra_config:
+            logger.warning("observability_host is set without observability_port; no side port")
+        return None
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(
+            f"kv_connector_extra_config['observability_port'] must be a port number "
+            f"0-65535 (0: any free port), got {port!r}"
+        )
+    if not isinstance(host, str) or not host:
+        raise ConfigError(
+            f"kv_connector_extra_config['observability_host'] must be a host name or address, "
+            f"got {host!r}"
+        )
+    return SidePortSettings(host=host, port=port)

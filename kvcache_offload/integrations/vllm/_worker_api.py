@@ -31,7 +31,8 @@ from kvcache_offload.contracts.handler import TransferResult as OurResult
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
 from kvcache_offload.integrations.vllm._manager_bridge import ManagerBridge
-from kvcache_offload.integrations.vllm._settings import offload_config
+from kvcache_offload.integrations.vllm._observed_manager import LOAD_DIRECTION, STORE_DIRECTION
+from kvcache_offload.integrations.vllm._settings import offload_config, side_port_settings
 from kvcache_offload.integrations.vllm._translate import cpu_spec, gpu_spec
 
 __all__ = ["KVCacheOffloadSpec"]
@@ -60,6 +61,8 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             bytes_per_block=config.worker_kv_bytes_per_block,
             world_size=parallel.world_size,
         )
+        side_port = side_port_settings(self.extra_config)
+        vllm_events = bool(config.enable_kv_cache_events)
         ours_config = offload_config(
             self.extra_config,
             layout=layout,
@@ -68,10 +71,12 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 if self.blocks_per_chunk > 1
                 else None
             ),
-            enable_events=bool(config.enable_kv_cache_events),
+            enable_events=vllm_events or side_port is not None,
             engine_id=config.engine_id,
         )
-        self.backend = OffloadBackend(ours_config)
+        self.backend = OffloadBackend(
+            ours_config, side_port=side_port, vllm_events=vllm_events, engine_id=config.engine_id
+        )
         self.num_chunks = self.backend.num_blocks
         self._manager: _Manager | None = None
         self._worker: _Worker | None = None
@@ -127,7 +132,10 @@ class _Worker(OffloadingWorker):  # type: ignore[misc]
         return self._load.transfer_async(job_id, (cpu_spec(src_spec), gpu_spec(dst_spec)))
 
     def get_finished(self) -> list[TransferResult]:
-        return [_result(r) for h in (self._store, self._load) for r in h.get_finished()]
+        stored, loaded = self._store.get_finished(), self._load.get_finished()
+        self._backend.count_finished(STORE_DIRECTION, stored)
+        self._backend.count_finished(LOAD_DIRECTION, loaded)
+        return [_result(r) for r in (*stored, *loaded)]
 
     def wait(self, job_ids: set[int]) -> None:
         self._store.wait(job_ids)
