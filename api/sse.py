@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from api.responses import json_bytes
 from kvcache_offload.aio.types import EngineEvent, GapMarker
 from kvcache_offload.errors import ConfigError
+
+from .responses import json_bytes
 
 __all__ = ["GAP_EVENT", "EventEncoder", "event_payload", "parse_event_id"]
 

@@ -11,12 +11,13 @@ from typing import TypeVar
 
 import anyio
 
-from api.limits import check_key_count
-from api.routes._body import validate_body
-from api.schemas import KeysRequest
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.keys import token_block_keys
+
+from ..limits import check_key_count
+from ..schemas import KeysRequest
+from ._body import validate_body
 
 __all__ = [
     "OFF_LOOP_BYTES",

@@ -1,24 +1,31 @@
-"""Value types of the async core, shared by the engine, the HTTP layer and the client."""
+"""Value types of the async core, shared by the engine, the HTTP layer and the client.
+
+They are also the HTTP API's response shapes: ``aio/wire.py`` turns them into JSON and back,
+and the OpenAPI document shows their schema, with offload keys as hex (:data:`HexKey`).
+"""
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import ConfigDict, PlainSerializer, PlainValidator, WithJsonSchema
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.tiers.base import TierStats
+from kvcache_offload.tiers.base import TIER_LATENCY_BUCKETS_S, LatencyHistogram, TierStats
 
 if TYPE_CHECKING:
     from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = [
+    "HEX_KEY_PATTERN",
     "TRANSFER_DURATION_BUCKETS_S",
     "EngineEvent",
     "EngineStats",
     "EventType",
     "GapMarker",
+    "HexKey",
     "Histogram",
     "KeyState",
     "LoadLease",
@@ -27,6 +34,40 @@ __all__ = [
     "StoreLease",
     "StoreResult",
 ]
+
+
+HEX_KEY_PATTERN = r"^(?:[0-9a-fA-F]{2}){5,132}$"
+"""An offload key on the wire: hex of the block hash bytes + the 4-byte group index."""
+
+
+def _key_from_hex(value: object) -> OffloadKey:
+    if isinstance(value, bytes):
+        return OffloadKey(value)
+    if isinstance(value, str):
+        try:
+            return OffloadKey(bytes.fromhex(value))
+        except ValueError:
+            pass
+    raise ValueError(f"an offload key is a hex string, got {str(value)[:40]!r}")
+
+
+HexKey = Annotated[
+    OffloadKey,
+    PlainValidator(_key_from_hex),
+    PlainSerializer(bytes.hex, return_type=str),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": HEX_KEY_PATTERN,
+            "description": "Offload key as hex: block hash bytes + 4-byte big-endian group index.",
+        }
+    ),
+]
+"""An :class:`OffloadKey` in Python, a hex string in JSON (requests, responses, OpenAPI)."""
+
+_WIRE = ConfigDict(use_attribute_docstrings=True)
+"""Set as ``__pydantic_config__`` on the HTTP API's response shapes: the field docstrings
+below become their descriptions in the OpenAPI document."""
 
 
 class KeyState(StrEnum):
@@ -46,21 +87,29 @@ class LookupResult:
     so a scheduler should defer the request rather than load a shorter prefix.
     """
 
+    __pydantic_config__ = _WIRE
+
     hits: int
+    """Length of the longest prefix of ready keys."""
     pending: bool
+    """A key inside the prefix is being written: retry later."""
     states: list[KeyState]
     tiers: list[str | None] | None = None
     """With secondary tiers configured: where each key in ``states`` is ("CPU", "disk",
     "redis"), None when nowhere ready. A key below the CPU tier is READY: a load promotes it."""
-    keys: list[OffloadKey] | None = None
+    keys: list[HexKey] | None = None
     """The keys looked up, when the service derived them from token ids (else None)."""
 
 
 @dataclass(frozen=True)
 class StoreResult:
-    keys_stored: list[OffloadKey]
+    """Blocks written through the manager (``PUT /v1/blocks``, ``write_blocks``)."""
+
+    __pydantic_config__ = _WIRE
+
+    keys_stored: list[HexKey]
     """Keys actually written by this call (keys already offloaded are skipped)."""
-    evicted_keys: list[OffloadKey]
+    evicted_keys: list[HexKey]
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
 
@@ -76,19 +125,25 @@ class LoadResult:
 class StoreLease:
     """A prepared store that the client completes itself (sidecar mode)."""
 
+    __pydantic_config__ = _WIRE
+
     lease_id: str
-    keys_to_store: list[OffloadKey]
+    keys_to_store: list[HexKey]
     block_ids: list[int]
     """CPU slot ids, co-indexed with ``keys_to_store``."""
-    evicted_keys: list[OffloadKey]
+    evicted_keys: list[HexKey]
     expires_at: float
     """Unix time after which the store is rolled back as failed."""
 
 
 @dataclass(frozen=True)
 class LoadLease:
+    """A prepared load: the blocks stay pinned until the client completes it or it expires."""
+
+    __pydantic_config__ = _WIRE
+
     lease_id: str
-    keys: list[OffloadKey]
+    keys: list[HexKey]
     block_ids: list[int]
     expires_at: float
 
@@ -129,28 +184,13 @@ class GapMarker:
     this run's events that are no longer kept."""
 
 
-TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-)  # fmt: skip
+TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = TIER_LATENCY_BUCKETS_S
 
 
 @dataclass
-class Histogram:
-    """Cumulative-friendly fixed-bucket histogram kept by the engine, exported as Prometheus."""
-
-    bounds: tuple[float, ...] = TRANSFER_DURATION_BUCKETS_S
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+class Histogram(LatencyHistogram):
+    """The engine's transfer-duration histogram: the tiers' fixed-bucket one, exported as
+    Prometheus (cumulative) buckets."""
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(upper bound as text, cumulative count) pairs ending with "+Inf"."""
@@ -164,6 +204,8 @@ class Histogram:
 @dataclass
 class EngineStats:
     """Everything /metrics and /v1/stats export; counters are cumulative since start."""
+
+    __pydantic_config__ = _WIRE
 
     policy: str
     capacity_blocks: int

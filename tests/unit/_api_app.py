@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import FastAPI
+from kvcache_offload_service import create_app
 
-from api import create_app
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.config import OffloadConfig, load_config
 from tests._regions import region_name

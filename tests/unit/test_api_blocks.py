@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+from kvcache_offload_service import create_app
 
-from api import create_app
 from kvcache_offload.aio import OffloadEngine
 from tests.unit._aio_fakes import BLOCK_BYTES, FakeSpec
 from tests.unit._aio_fakes import small_config as fake_config

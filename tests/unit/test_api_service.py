@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvcache_offload_service import create_app
 
-from api import create_app
 from tests.unit._api_app import BLOCK_BYTES, hex_key, served, small_config, store
 
 TOKEN = "s3cret-token"

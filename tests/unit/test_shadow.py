@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from kvcache_offload_service import create_app
+from kvcache_offload_service.observers import build_observers
 from prometheus_client.parser import text_string_to_metric_families
 
-from api import create_app
-from api.observers import build_observers
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.errors import ConfigError, UnknownPolicyError
 from kvcache_offload.lab.driver import replay_trace
