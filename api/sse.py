@@ -4,7 +4,7 @@ The epoch names this run of sequence numbers (the engine's event hub makes a new
 start), so a ``Last-Event-ID`` kept across a service restart is recognised as stale instead of
 silently skipping the new run's events up to that number (see :func:`parse_event_id`).
 
-Each event is encoded once, whatever the number of subscribers (see ``api/broadcast.py``).
+Each event is encoded once, whatever the number of SSE streams reading it (``api/broadcast.py``).
 A ``gap`` frame replaces events a subscriber missed; its ``id`` is the sequence number just
 before the next event, so a client resuming with it as ``Last-Event-ID`` continues after the
 hole. Heartbeats are SSE comments sent by sse-starlette.

@@ -10,7 +10,6 @@ event is lost while the server's ring buffer still holds it (a ``GapMarker`` say
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Sequence
-from types import TracebackType
 from typing import Any, TypedDict
 
 import anyio
@@ -18,6 +17,7 @@ import httpx
 from typing_extensions import Unpack
 
 from kvcache_offload import errors as _errors
+from kvcache_offload._closing import AsyncClosing
 from kvcache_offload.aio.types import (
     EngineEvent,
     EventType,
@@ -31,7 +31,7 @@ from kvcache_offload.aio.wire import from_wire
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import NoSharedRegionError, OffloadError
 
-__all__ = ["OffloadClient", "ServiceError", "TokenSource", "parse_event"]
+__all__ = ["CopyReport", "OffloadClient", "ServiceError", "TokenSource", "parse_event"]
 
 
 class ServiceError(OffloadError):
@@ -120,16 +120,20 @@ def _ttl(body: dict[str, Any], ttl_s: float | None) -> dict[str, Any]:
     return body
 
 
-def _copy_report(nbytes: int | None, seconds: float | None) -> dict[str, Any]:
-    report: dict[str, Any] = {}
-    if nbytes is not None:
-        report["transfer_bytes"] = nbytes
-    if seconds is not None:
-        report["transfer_seconds"] = seconds
-    return report
+class CopyReport(TypedDict, total=False):
+    """What a sidecar client's own copy moved, so the server's transfer metrics include it."""
+
+    transfer_bytes: int | None
+    transfer_seconds: float | None
 
 
-class OffloadClient:
+def _completion(lease_id: str, report: CopyReport, **fields: Any) -> dict[str, Any]:
+    body = {"lease_id": lease_id, **fields}
+    body.update((name, value) for name, value in report.items() if value is not None)
+    return body
+
+
+class OffloadClient(AsyncClosing):
     """``async with OffloadClient("http://127.0.0.1:8000") as c: await c.lookup(keys)``."""
 
     def __init__(
@@ -144,17 +148,6 @@ class OffloadClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
-
-    async def __aenter__(self) -> OffloadClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -200,17 +193,11 @@ class OffloadClient:
         return from_wire(StoreLease, await self._post("/v1/store/prepare", _ttl(body, ttl_s)))
 
     async def complete_store(
-        self,
-        lease_id: str,
-        success: bool = True,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
+        self, lease_id: str, success: bool = True, **report: Unpack[CopyReport]
     ) -> list[OffloadKey]:
         """Complete a store; report your copy's size and time to feed transfer metrics."""
-        body = {"lease_id": lease_id, "success": success}
-        body.update(_copy_report(transfer_bytes, transfer_seconds))
-        out = await self._post("/v1/store/complete", body)
-        return _keys(out["keys"])
+        body = _completion(lease_id, report, success=success)
+        return _keys((await self._post("/v1/store/complete", body))["keys"])
 
     async def prepare_load(
         self,
@@ -222,15 +209,9 @@ class OffloadClient:
         body = _keys_body(keys, source)
         return from_wire(LoadLease, await self._post("/v1/load/prepare", _ttl(body, ttl_s)))
 
-    async def complete_load(
-        self,
-        lease_id: str,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
-    ) -> None:
-        body: dict[str, Any] = {"lease_id": lease_id}
-        body.update(_copy_report(transfer_bytes, transfer_seconds))
-        await self._post("/v1/load/complete", body)
+    async def complete_load(self, lease_id: str, **report: Unpack[CopyReport]) -> None:
+        """Unpin the lease's blocks; the copy report is as in :meth:`complete_store`."""
+        await self._post("/v1/load/complete", _completion(lease_id, report))
 
     # -- block bytes -------------------------------------------------------------------------
 

@@ -26,12 +26,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
+from kvcache_offload._closing import AsyncClosing
 from kvcache_offload.aio.engine_stats import collect_stats
 from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
@@ -104,7 +104,7 @@ def _block_ids(spec: object) -> list[int]:
     raise ConfigError(f"the manager returned {type(spec).__name__}, not a block-id spec")
 
 
-class OffloadEngine:
+class OffloadEngine(AsyncClosing):
     """Async offloading engine; see the module docstring for the semantics.
 
     ``access_observers`` receive the access stream (``on_lookup(keys, hits)``,
@@ -252,14 +252,6 @@ class OffloadEngine:
     async def __aenter__(self) -> OffloadEngine:
         await self.start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Start the background tasks and, for a shared region, set the region up off-loop."""

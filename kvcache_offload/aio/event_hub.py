@@ -25,12 +25,12 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
-from types import TracebackType
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvcache_offload._closing import AsyncClosing
 from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
@@ -40,7 +40,7 @@ __all__ = ["EventCursor", "EventHub", "EventSubscription"]
 Item = EngineEvent | GapMarker
 
 
-class EventSubscription:
+class EventSubscription(AsyncClosing):
     """Async iterator of :class:`EngineEvent` and :class:`GapMarker`; closing unsubscribes."""
 
     def __init__(
@@ -127,17 +127,6 @@ class EventSubscription:
         self._hub._remove(self)
         self._send.close()
         self._recv.close()
-
-    async def __aenter__(self) -> EventSubscription:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class EventCursor:

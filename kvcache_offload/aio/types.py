@@ -65,9 +65,12 @@ HexKey = Annotated[
 ]
 """An :class:`OffloadKey` in Python, a hex string in JSON (requests, responses, OpenAPI)."""
 
-_WIRE = ConfigDict(use_attribute_docstrings=True)
-"""Set as ``__pydantic_config__`` on the HTTP API's response shapes: the field docstrings
-below become their descriptions in the OpenAPI document."""
+
+class WireShape:
+    """Base of the HTTP API's response shapes: their field docstrings become the field
+    descriptions in the OpenAPI document."""
+
+    __pydantic_config__ = ConfigDict(use_attribute_docstrings=True)
 
 
 class KeyState(StrEnum):
@@ -79,15 +82,13 @@ class KeyState(StrEnum):
 
 
 @dataclass(frozen=True)
-class LookupResult:
+class LookupResult(WireShape):
     """Outcome of a prefix lookup.
 
     ``hits`` is the length of the longest prefix of ready keys. ``pending`` is vLLM's "retry
     later": a key inside the prefix (before the first absent key) is still being written,
     so a scheduler should defer the request rather than load a shorter prefix.
     """
-
-    __pydantic_config__ = _WIRE
 
     hits: int
     """Length of the longest prefix of ready keys."""
@@ -102,10 +103,8 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
-class StoreResult:
+class StoreResult(WireShape):
     """Blocks written through the manager (``PUT /v1/blocks``, ``write_blocks``)."""
-
-    __pydantic_config__ = _WIRE
 
     keys_stored: list[HexKey]
     """Keys actually written by this call (keys already offloaded are skipped)."""
@@ -122,10 +121,8 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
-class StoreLease:
+class StoreLease(WireShape):
     """A prepared store that the client completes itself (sidecar mode)."""
-
-    __pydantic_config__ = _WIRE
 
     lease_id: str
     keys_to_store: list[HexKey]
@@ -137,15 +134,16 @@ class StoreLease:
 
 
 @dataclass(frozen=True)
-class LoadLease:
+class LoadLease(WireShape):
     """A prepared load: the blocks stay pinned until the client completes it or it expires."""
-
-    __pydantic_config__ = _WIRE
 
     lease_id: str
     keys: list[HexKey]
+    """The keys pinned for reading."""
     block_ids: list[int]
+    """CPU slot ids to read from, co-indexed with ``keys``."""
     expires_at: float
+    """Unix time after which the pins are released."""
 
 
 class EventType(StrEnum):
@@ -202,10 +200,8 @@ class Histogram(LatencyHistogram):
 
 
 @dataclass
-class EngineStats:
+class EngineStats(WireShape):
     """Everything /metrics and /v1/stats export; counters are cumulative since start."""
-
-    __pydantic_config__ = _WIRE
 
     policy: str
     capacity_blocks: int
@@ -220,15 +216,19 @@ class EngineStats:
     lookups: int = 0
     lookup_keys: int = 0
     lookup_hit_blocks: int = 0
+    """Keys found in the ready prefix of a lookup."""
     store_blocks_prepared: int = 0
     store_blocks_completed: int = 0
     store_blocks_failed: int = 0
+    """Blocks whose store did not complete and was rolled back."""
     stores_rejected: int = 0
+    """Store calls the manager refused (no room it could make)."""
     load_blocks_completed: int = 0
     load_blocks_failed: int = 0
     """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
     reuse_filter_skipped_blocks: int = 0
+    """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     """By direction: "gpu_to_cpu" (store), "cpu_to_gpu" (load)."""
     transfer_seconds: dict[str, float] = field(default_factory=dict)
@@ -238,6 +238,7 @@ class EngineStats:
     leases_expired: dict[str, int] = field(default_factory=dict)
     """By kind: "store", "load"."""
     event_subscribers: int = 0
+    """Open event subscriptions and SSE streams."""
     events_published: dict[str, int] = field(default_factory=dict)
     events_dropped: int = 0
     """Events subscribers missed because they fell behind (sum of gap sizes)."""

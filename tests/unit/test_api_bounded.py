@@ -8,9 +8,9 @@ import threading
 from typing import Any
 
 import pytest
+
 from kvcache_offload_service.limits import LARGE_BODY_BYTES, BodyLimitMiddleware
 from kvcache_offload_service.routes import _keys
-
 from tests.unit._api_app import served
 
 
@@ -78,7 +78,6 @@ async def test_large_bodies_are_admitted_a_few_at_a_time() -> None:
 
 async def test_event_streams_beyond_max_event_subscribers_answer_503() -> None:
     from kvcache_offload_service.broadcast import EventBroadcaster
-
     from tests.unit._api_app import small_config
 
     async with served(small_config(max_event_subscribers=1)) as s:

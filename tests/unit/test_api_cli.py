@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from kvcache_offload_service.cli import build_config, serve
 from typer.testing import CliRunner
+
+from kvcache_offload_service.cli import build_config, serve
 
 
 def test_flags_beat_environment_which_beats_the_file(

@@ -8,13 +8,13 @@ import json
 
 import anyio
 import pytest
-from kvcache_offload_service.broadcast import EventBroadcaster
-from kvcache_offload_service.sse import EventEncoder, parse_event_id
 
 from kvcache_offload.aio import EventHub, EventType, GapMarker, OffloadEngine
 from kvcache_offload.client import parse_event
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
+from kvcache_offload_service.broadcast import EventBroadcaster
+from kvcache_offload_service.sse import EventEncoder, parse_event_id
 from tests.unit._api_app import small_config
 
 KEY = OffloadKey(b"\x01" * 8 + b"\0\0\0\0")

@@ -26,7 +26,6 @@ with warnings.catch_warnings():
     from starlette.testclient import TestClient
 
 from kvcache_offload_service import create_app
-
 from tests.unit._api_app import hex_key, small_config
 
 KEYS = [hex_key(i) for i in range(10)]

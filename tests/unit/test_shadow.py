@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from kvcache_offload_service import create_app
-from kvcache_offload_service.observers import build_observers
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache_offload.aio import OffloadEngine
@@ -17,6 +15,8 @@ from kvcache_offload.lab.trace import (
     load_trace,
     sample_trace_path,
 )
+from kvcache_offload_service import create_app
+from kvcache_offload_service.observers import build_observers
 from tests.unit._api_app import hex_key, small_config, store
 
 POLICIES = ["arc", "alru", "s3fifo-prefix"]
