@@ -40,7 +40,8 @@ class EventBroadcaster:
     def __init__(self, hub: EventHub, encoder: EventEncoder | None = None) -> None:
         self.hub = hub
         self._encoder = encoder or EventEncoder(cache_size=2 * _MAX_CHUNK_FRAMES, epoch=hub.epoch)
-        self._ending = False
+        self._end_seq: int | None = None
+        """Set by :meth:`end_streams`: the last event streams still send."""
         self.subscribers = 0
         """SSE streams open now."""
 
@@ -50,8 +51,9 @@ class EventBroadcaster:
         return self._encoder.epoch
 
     def end_streams(self) -> None:
-        """End every stream cleanly (server shutdown): each sends what it has, then ends."""
-        self._ending = True
+        """End every stream cleanly (server shutdown): each sends the events published so
+        far, then ends."""
+        self._end_seq = self.hub.last_seq
         self.hub.wake_readers()
 
     def resume_point(self, epoch: str | None, seq: int) -> tuple[int, bool]:
@@ -81,12 +83,15 @@ class EventBroadcaster:
                     GapMarker(missed=first - 1, next_seq=first, restarted=True)
                 )
                 cursor.seq = first - 1
-            while not self._ending:
+            while True:
                 items = cursor.take(_MAX_CHUNK_FRAMES)
+                end = self._end_seq
+                if end is not None:  # shutting down: what was published before, then stop
+                    items = [i for i in items if isinstance(i, GapMarker) or i.seq <= end]
                 if items:
                     for chunk in self._chunks(items, wanted):
                         yield chunk
-                elif not await cursor.wait():
+                elif end is not None or not await cursor.wait():
                     return
         finally:
             self.subscribers -= 1

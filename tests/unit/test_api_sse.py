@@ -214,3 +214,17 @@ async def test_a_chunk_for_one_client_is_bounded_in_bytes_whatever_the_backlog()
         assert len(chunk) <= 64 * 1024 + frame
         await stream.aclose()
         broadcaster.end_streams()
+
+
+async def test_ending_the_streams_sends_what_was_published_then_stops() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine.event_hub)
+        stream = broadcaster.stream(since_seq=0)
+        for _ in range(3):
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        broadcaster.end_streams()  # server shutdown
+        engine.event_hub.publish(EventType.STORED, [KEY])  # after it: not sent
+        with anyio.fail_after(5):
+            chunks = [chunk async for chunk in stream]
+        assert [_seq(m) for c in chunks for m in _messages(c)] == [1, 2, 3]
+        assert broadcaster.subscribers == 0 and engine.stats().event_subscribers == 0
