@@ -2,8 +2,9 @@
 
 Each client holds an :class:`~kvcache_offload.aio.event_hub.EventCursor` (a position in the
 hub's ring, no queue), wakes once per burst of events and sends what is new as one chunk (a
-C-level join of frames the encoder made once for all clients). Per-event work in the
-publisher is O(1) whatever the number of clients.
+C-level join of frames the encoder made once for all clients; clients reading in step share
+the joined chunk itself). Per-event work in the publisher is O(1) whatever the number of
+clients.
 
 Memory per client is bounded: a cursor and one chunk of at most ``_MAX_CHUNK_FRAMES`` frames
 and (beyond its first frame) ``_MAX_CHUNK_BYTES`` bytes in flight; a client that stops
@@ -44,6 +45,9 @@ class EventBroadcaster:
         """Set by :meth:`end_streams`: the last event streams still send."""
         self.subscribers = 0
         """SSE streams open now."""
+        self._shared: tuple[int, int, list[bytes]] = (0, 0, [])
+        """The last batch a stream framed: (after seq, last seq, chunks). Streams reading in
+        step (the usual case) send it as it is, so per-stream work is O(1) per batch."""
 
     @property
     def epoch(self) -> str:
@@ -84,15 +88,26 @@ class EventBroadcaster:
                 )
                 cursor.seq = first - 1
             while True:
-                items = cursor.take(_MAX_CHUNK_FRAMES)
                 end = self._end_seq
+                shared = self._shared
+                if wanted is None and end is None and shared[0] == cursor.seq < shared[1]:
+                    cursor.seq = shared[1]  # another stream already framed this batch
+                    for chunk in shared[2]:
+                        yield chunk
+                    continue
+                items = cursor.take(_MAX_CHUNK_FRAMES)
                 if end is not None:  # shutting down: what was published before, then stop
                     items = [i for i in items if isinstance(i, GapMarker) or i.seq <= end]
-                if items:
-                    for chunk in self._chunks(items, wanted):
-                        yield chunk
-                elif end is not None or not await cursor.wait():
-                    return
+                if not items:
+                    if end is not None or not await cursor.wait():
+                        return
+                    continue
+                chunks = list(self._chunks(items, wanted))
+                head = items[0]
+                if wanted is None and isinstance(head, EngineEvent):
+                    self._shared = (head.seq - 1, cursor.seq, chunks)
+                for chunk in chunks:
+                    yield chunk
         finally:
             self.subscribers -= 1
             cursor.close()
@@ -101,16 +116,17 @@ class EventBroadcaster:
         self, items: list[EngineEvent | GapMarker], wanted: frozenset[EventType] | None
     ) -> Iterator[bytes]:
         """The wanted ``items`` as chunks of at most ``_MAX_CHUNK_BYTES`` beyond a first frame."""
-        frames: list[bytes] = []
-        budget = _MAX_CHUNK_BYTES
-        for item in items:
-            if wanted is not None and isinstance(item, EngineEvent) and item.type not in wanted:
-                continue
-            frame = self._encoder.encode(item)
-            if frames and len(frame) > budget:
+        if wanted is not None:
+            items = [i for i in items if isinstance(i, GapMarker) or i.type in wanted]
+        frames = self._encoder.encode_all(items)
+        if sum(map(len, frames)) <= _MAX_CHUNK_BYTES:  # the usual case: one C-level join
+            if frames:
                 yield b"".join(frames)
-                frames, budget = [], _MAX_CHUNK_BYTES
-            frames.append(frame)
+            return
+        start, budget = 0, _MAX_CHUNK_BYTES
+        for i, frame in enumerate(frames):
+            if i > start and len(frame) > budget:
+                yield b"".join(frames[start:i])
+                start, budget = i, _MAX_CHUNK_BYTES
             budget -= len(frame)
-        if frames:
-            yield b"".join(frames)
+        yield b"".join(frames[start:])

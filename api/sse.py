@@ -59,6 +59,14 @@ class EventEncoder:
         self.epoch = epoch
         self._epoch = epoch.encode()
 
+    def encode_all(self, items: list[EngineEvent | GapMarker]) -> list[bytes]:
+        """Frames of ``items``, from the cache where it has them (a leading gap marker is
+        the only kind of item without a sequence number)."""
+        get, encode = self._cache.get, self.encode
+        if items and isinstance(items[0], GapMarker):
+            return [encode(items[0]), *self.encode_all(items[1:])]
+        return [get(e.seq) or encode(e) for e in items]  # type: ignore[union-attr]
+
     def encode(self, item: EngineEvent | GapMarker) -> bytes:
         if isinstance(item, GapMarker):
             fields: dict[str, Any] = {"missed": item.missed, "next_seq": item.next_seq}

@@ -214,19 +214,25 @@ class EngineStats(WireShape):
     blocks_fenced: int = 0
     """Slots of expired or reset sidecar leases held out of use for the grace period."""
     lookups: int = 0
+    """Lookup calls."""
     lookup_keys: int = 0
+    """Keys those calls named."""
     lookup_hit_blocks: int = 0
     """Keys found in the ready prefix of a lookup."""
     store_blocks_prepared: int = 0
+    """Blocks given a CPU slot by a store (direct or a sidecar lease)."""
     store_blocks_completed: int = 0
+    """Blocks whose store completed: loadable now."""
     store_blocks_failed: int = 0
     """Blocks whose store did not complete and was rolled back."""
     stores_rejected: int = 0
     """Store calls the manager refused (no room it could make)."""
     load_blocks_completed: int = 0
+    """Blocks loaded (or read by a sidecar lease) and unpinned."""
     load_blocks_failed: int = 0
     """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
+    """Blocks the eviction policy dropped to make room."""
     reuse_filter_skipped_blocks: int = 0
     """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)

@@ -228,3 +228,22 @@ async def test_ending_the_streams_sends_what_was_published_then_stops() -> None:
             chunks = [chunk async for chunk in stream]
         assert [_seq(m) for c in chunks for m in _messages(c)] == [1, 2, 3]
         assert broadcaster.subscribers == 0 and engine.stats().event_subscribers == 0
+
+
+async def test_streams_in_step_and_out_of_step_each_get_their_own_sequence() -> None:
+    """Streams reading in step share framed batches; one that started earlier must not."""
+    async with OffloadEngine(small_config()) as engine:
+        hub = engine.event_hub
+        for _ in range(5):
+            hub.publish(EventType.STORED, [KEY])
+        broadcaster = EventBroadcaster(hub)
+        streams = [broadcaster.stream(), broadcaster.stream(), broadcaster.stream(since_seq=2)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0)
+        for _ in range(300):
+            hub.publish(EventType.STORED, [KEY])
+        for stream, first, start in zip(streams, firsts, (6, 6, 3), strict=True):
+            messages = _messages(await first)
+            messages += await _read(stream, 306 - start - len(messages))
+            assert [_seq(m) for m in messages] == list(range(start, 306))
+            await stream.aclose()
