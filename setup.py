@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +30,18 @@ def _compiled_sources() -> list[str]:
 
 
 HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
+
+SERVICE = "kvcache_offload_service"
+"""The import name of the HTTP service, whose sources stay in the api/ folder: a top-level
+package named ``api`` would collide with any other distribution installing one."""
+
+
+def _packages() -> list[str]:
+    library = find_packages(str(HERE), include=["kvcache_offload", "kvcache_offload.*"])
+    service = [
+        SERVICE + name[len("api") :] for name in find_packages(str(HERE), include=["api", "api.*"])
+    ]
+    return [*library, "kvcache_offload.data", *service]
 
 
 def _hostcopy_extension() -> Any:
@@ -107,4 +119,9 @@ class OptionalBuildExt(build_ext):
             _warn(f"compiling {ext.name} failed ({exc})")
 
 
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})
+setup(
+    packages=_packages(),
+    package_dir={SERVICE: "api"},
+    ext_modules=_ext_modules(),
+    cmdclass={"build_ext": OptionalBuildExt},
+)

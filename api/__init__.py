@@ -1,5 +1,5 @@
 """HTTP service over ``OffloadEngine``: a thin adapter, no cache logic lives here."""
 
-from api.app import create_app
+from .app import create_app
 
 __all__ = ["create_app"]

@@ -9,24 +9,27 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from api.auth import BearerAuthMiddleware, document_bearer
-from api.broadcast import EventBroadcaster
-from api.deps import EngineLike
-from api.errors import install_error_handlers
-from api.hot_path import HotPathMiddleware
-from api.limits import BodyLimitMiddleware
-from api.metrics import HttpMetricsMiddleware, build_registry
-from api.observers import build_observers, close_observers
-from api.routes import blocks, events, info, keys, leases
-from api.routes import metrics as metrics_route
-from api.schemas import ErrorBody
 from kvcache_offload.aio.types import EngineStats
 from kvcache_offload.config import OffloadConfig, load_config
 from kvcache_offload.errors import OffloadError
+
+from .auth import BearerAuthMiddleware, document_bearer
+from .broadcast import EventBroadcaster
+from .errors import install_error_handlers
+from .hot_path import HotPathMiddleware
+from .limits import BodyLimitMiddleware
+from .metrics import HttpMetricsMiddleware, build_registry
+from .observers import build_observers, close_observers
+from .routes import blocks, events, info, keys, leases
+from .routes import metrics as metrics_route
+from .schemas import ErrorBody
+
+if TYPE_CHECKING:
+    from kvcache_offload.aio.engine import OffloadEngine
 
 __all__ = ["create_app"]
 
@@ -53,12 +56,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(
-    engine_or_config: EngineLike | OffloadConfig | None = None,
+    engine_or_config: OffloadEngine | OffloadConfig | None = None,
     *,
     config: OffloadConfig | None = None,
 ) -> FastAPI:
     """The HTTP service; see the module docstring for who owns the engine."""
-    given_engine: EngineLike | None = None
+    given_engine: OffloadEngine | None = None
     if isinstance(engine_or_config, OffloadConfig):
         config = engine_or_config
     elif engine_or_config is not None:
@@ -112,15 +115,8 @@ def create_app(
     app.state.startup_error = None
 
     def stats() -> EngineStats | None:
-        engine: EngineLike | None = app.state.engine
-        if engine is None:
-            return None
-        broadcaster: EventBroadcaster | None = app.state.broadcaster
-        if broadcaster is not None and broadcaster.engine is engine:
-            return broadcaster.adjust(engine.stats())
-        return engine.stats()
-
-    app.state.stats = stats
+        engine: OffloadEngine | None = app.state.engine
+        return None if engine is None else engine.stats()
 
     registry, http_metrics = build_registry(stats)
     app.state.registry = registry
@@ -152,7 +148,7 @@ async def _stop_serving(app: FastAPI) -> None:
     broadcaster: EventBroadcaster | None = app.state.broadcaster
     app.state.broadcaster = None
     if broadcaster is not None:
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.responses import send_json_error
+from .responses import send_json_error
 
 __all__ = ["PROTECTED_PREFIX", "BearerAuthMiddleware", "document_bearer"]
 

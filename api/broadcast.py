@@ -1,37 +1,32 @@
-"""One engine subscription shared by every SSE client, through a ring of encoded frames.
+"""SSE streams read straight from the engine's event hub: its ring, its sequence numbers.
 
-With one engine subscription per client, each event costs a queue operation and a wake-up
-per client in Python: at 20,000 events/s and 50 clients that is a million operations a
-second, more than a core can do. Here a single pump task takes the engine's events, encodes
-each once and appends it to a ring; a client only keeps a cursor into the ring, wakes once
-per batch and sends everything new as one chunk (a C-level join). Per-event work is O(1);
-per-client work is O(batches).
+Each client holds an :class:`~kvcache_offload.aio.event_hub.EventCursor` (a position in the
+hub's ring, no queue), wakes once per burst of events and sends what is new as one chunk (a
+C-level join of frames the encoder made once for all clients; clients reading in step share
+the joined chunk itself). Per-event work in the publisher is O(1) whatever the number of
+clients.
 
-Memory per client is bounded: it holds a cursor and at most one chunk of
-``_MAX_CHUNK_FRAMES`` frames in flight; a client that stops reading is disconnected after
-``sse_send_timeout_s`` (sse-starlette's send timeout) and at most ``max_event_subscribers``
-clients stream at once (more get 503).
+Memory per client is bounded: a cursor and one chunk of at most ``_MAX_CHUNK_FRAMES`` frames
+and (beyond its first frame) ``_MAX_CHUNK_BYTES`` bytes in flight; a client that stops
+reading is disconnected after ``sse_send_timeout_s`` (sse-starlette's send timeout) and at
+most ``max_event_subscribers`` clients stream at once (more get 503).
 
-A client that falls behind by more than the ring (``config.event_buffer_size`` events)
-resumes at the oldest kept frame after a ``gap`` frame counting what it missed; a resume from
-``Last-Event-ID`` starts right after that id, or with a gap when it left the ring.
+A client overtaken by the ring (``config.event_buffer_size`` events) gets a ``gap`` frame
+counting what it missed, then the oldest kept event; a resume from ``Last-Event-ID`` starts
+right after that id, or with a gap when it left the ring. Ids carry the hub's epoch: an id of
+another run is stale and replays this run from its start after a ``restarted`` gap frame.
 """
 
 from __future__ import annotations
 
-import asyncio
-import bisect
-import logging
-import secrets
-from collections.abc import AsyncIterator, Collection
-from typing import Any
+from collections.abc import AsyncIterator, Collection, Iterator
 
-from api.sse import EventEncoder
-from kvcache_offload.aio.types import EngineEvent, EngineStats, EventType, GapMarker
+from kvcache_offload.aio.event_hub import EventHub
+from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
+
+from .sse import EventEncoder
 
 __all__ = ["EventBroadcaster"]
-
-logger = logging.getLogger(__name__)
 
 _MAX_CHUNK_FRAMES = 256
 _MAX_CHUNK_BYTES = 64 * 1024
@@ -41,112 +36,29 @@ buffer, not thousands of frames."""
 
 
 class EventBroadcaster:
-    """Fans the engine's event stream out to any number of SSE clients."""
+    """The SSE streams of one event hub; counts them for ``max_event_subscribers``."""
 
-    def __init__(self, engine: Any, capacity: int, encoder: EventEncoder | None = None) -> None:
-        self._engine = engine
-        self._capacity = max(1, capacity)
-        hub = getattr(engine, "event_hub", None)
-        epoch = str(getattr(hub, "epoch", "")) or secrets.token_hex(6)
-        self._encoder = encoder or EventEncoder(cache_size=1, epoch=epoch)
-        # frames[i] has sequence number seqs[i] (a gap frame: next_seq - 1); base is the
-        # absolute position of frames[0], so positions survive trimming.
-        self._frames: list[bytes] = []
-        self._seqs: list[int] = []
-        self._types: list[str] = []
-        self._base = 0
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+    def __init__(self, hub: EventHub, encoder: EventEncoder | None = None) -> None:
+        self.hub = hub
+        self._encoder = encoder or EventEncoder(cache_size=2 * _MAX_CHUNK_FRAMES, epoch=hub.epoch)
+        self._end_seq: int | None = None
+        """Set by :meth:`end_streams`: the last event streams still send."""
         self.subscribers = 0
-        self.dropped = 0
-        """Events clients missed because they fell behind or resumed too late."""
-
-    # -- pump --------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start the pump (idempotent); it subscribes from seq 0 to mirror the engine's ring."""
-        if self._task is None and not self._closed:
-            self._task = asyncio.get_running_loop().create_task(self._pump(), name="sse-pump")
-
-    async def aclose(self) -> None:
-        """Stop the pump and end every client stream."""
-        self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
-        self._notify()
-
-    def end_streams(self) -> None:
-        """End every client stream cleanly (server shutdown): each sends what it has, then
-        finishes its response; the pump stops in :meth:`aclose`."""
-        self._closed = True
-        self._notify()
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """SSE streams open now."""
+        self._shared: tuple[int, int, list[bytes]] = (0, 0, [])
+        """The last batch a stream framed: (after seq, last seq, chunks). Streams reading in
+        step (the usual case) send it as it is, so per-stream work is O(1) per batch."""
 
     @property
     def epoch(self) -> str:
-        """This run's event-id epoch: ids of another run are stale (``api/sse.py``)."""
+        """This run's event-id epoch (the hub's): ids of another run are stale."""
         return self._encoder.epoch
 
-    @property
-    def engine(self) -> Any:
-        return self._engine
-
-    def adjust(self, stats: EngineStats) -> EngineStats:
-        """Count SSE clients (not the pump) as subscribers, and what they missed as dropped."""
-        if self.running:
-            stats.event_subscribers += self.subscribers - 1
-        stats.events_dropped += self.dropped
-        return stats
-
-    async def _pump(self) -> None:
-        queue = max(self._capacity, 1024)
-        subscription = self._engine.subscribe(None, since_seq=0, queue_size=queue)
-        get_nowait = subscription.get_nowait
-        try:
-            async for item in subscription:
-                self._append(item)
-                while (more := get_nowait()) is not None:
-                    self._append(more)
-                self._notify()
-        except Exception:
-            logger.exception("the SSE event pump failed; SSE clients are disconnected")
-        finally:
-            await subscription.aclose()
-            self._closed = True
-            self._notify()
-
-    def _append(self, item: EngineEvent | GapMarker) -> None:
-        frame = self._encoder.encode(item)
-        if isinstance(item, GapMarker):
-            seq, kind = item.next_seq - 1, "gap"
-        else:
-            seq, kind = item.seq, item.type.value
-        self._frames.append(frame)
-        self._seqs.append(seq)
-        self._types.append(kind)
-        excess = len(self._frames) - 2 * self._capacity
-        if excess > 0:  # trim in halves: amortised O(1) per frame
-            cut = len(self._frames) - self._capacity
-            del self._frames[:cut], self._seqs[:cut], self._types[:cut]
-            self._base += cut
-
-    def _notify(self) -> None:
-        self._wakeup.set()
-        self._wakeup = asyncio.Event()
-
-    def _engine_last_seq(self) -> int:
-        hub = getattr(self._engine, "event_hub", None)
-        if hub is not None:
-            return int(hub.last_seq)
-        return int(self._engine.stats().last_event_seq)
-
-    # -- clients -----------------------------------------------------------------------------
+    def end_streams(self) -> None:
+        """End every stream cleanly (server shutdown): each sends the events published so
+        far, then ends."""
+        self._end_seq = self.hub.last_seq
+        self.hub.wake_readers()
 
     def resume_point(self, epoch: str | None, seq: int) -> tuple[int, bool]:
         """Where a client resuming after ``epoch``/``seq`` starts, and whether it is stale.
@@ -154,7 +66,7 @@ class EventBroadcaster:
         A stale id (another run's epoch, or a bare number this run never reached) resumes
         from the beginning of this run, after a ``gap`` frame with ``restarted``.
         """
-        if (epoch is not None and epoch != self.epoch) or seq > self._engine_last_seq():
+        if (epoch is not None and epoch != self.epoch) or seq > self.hub.last_seq:
             return 0, True
         return seq, False
 
@@ -165,51 +77,56 @@ class EventBroadcaster:
         restarted: bool = False,
     ) -> AsyncIterator[bytes]:
         """SSE chunks for one client: live events, or every event after ``since_seq``."""
-        self.start()
-        wanted = None if types is None else frozenset(t.value for t in types) | {"gap"}
-        last_seq = self._engine_last_seq() if since_seq is None else since_seq
-        if restarted:
-            first = self._seqs[0] if self._seqs else self._engine_last_seq() + 1
-            yield self._encoder.encode(
-                GapMarker(missed=first - 1 - last_seq, next_seq=first, restarted=True)
-            )
-            last_seq = first - 1
-        position = self._base + bisect.bisect_right(self._seqs, last_seq)
+        wanted = None if types is None else frozenset(types)
+        cursor = self.hub.cursor(since_seq)
         self.subscribers += 1
         try:
+            if restarted:
+                first = self.hub.oldest_seq
+                yield self._encoder.encode(
+                    GapMarker(missed=first - 1, next_seq=first, restarted=True)
+                )
+                cursor.seq = first - 1
             while True:
-                end = self._base + len(self._frames)
-                if position >= end:
-                    if self._closed:
+                end = self._end_seq
+                shared = self._shared
+                if wanted is None and end is None and shared[0] == cursor.seq < shared[1]:
+                    cursor.seq = shared[1]  # another stream already framed this batch
+                    for chunk in shared[2]:
+                        yield chunk
+                    continue
+                items = cursor.take(_MAX_CHUNK_FRAMES)
+                if end is not None:  # shutting down: what was published before, then stop
+                    items = [i for i in items if isinstance(i, GapMarker) or i.seq <= end]
+                if not items:
+                    if end is not None or not await cursor.wait():
                         return
-                    await self._wakeup.wait()
                     continue
-                start = max(position - self._base, 0)
-                seqs = self._seqs
-                if seqs[start] <= last_seq:  # frames the pump mirrored after we subscribed
-                    start = bisect.bisect_right(seqs, last_seq, lo=start)
-                    position = self._base + start
-                    continue
-                if start == 0 and seqs[0] > last_seq + 1 and self._types[0] != "gap":
-                    missed = seqs[0] - last_seq - 1  # left the ring before we could send it
-                    self.dropped += missed
-                    yield self._encoder.encode(GapMarker(missed=missed, next_seq=seqs[0]))
-                stop = min(end - self._base, start + _MAX_CHUNK_FRAMES)
-                budget = _MAX_CHUNK_BYTES  # frames vary in size: cap the bytes too
-                frames = self._frames
-                for i in range(start, stop):
-                    budget -= len(frames[i])
-                    if budget < 0 and i > start:
-                        stop = i
-                        break
-                position = self._base + stop
-                last_seq = seqs[stop - 1]
-                if wanted is None:
-                    yield b"".join(self._frames[start:stop])
-                else:
-                    kinds, frames = self._types, self._frames
-                    picked = [frames[i] for i in range(start, stop) if kinds[i] in wanted]
-                    if picked:
-                        yield b"".join(picked)
+                chunks = list(self._chunks(items, wanted))
+                head = items[0]
+                if wanted is None and isinstance(head, EngineEvent):
+                    self._shared = (head.seq - 1, cursor.seq, chunks)
+                for chunk in chunks:
+                    yield chunk
         finally:
             self.subscribers -= 1
+            cursor.close()
+
+    def _chunks(
+        self, items: list[EngineEvent | GapMarker], wanted: frozenset[EventType] | None
+    ) -> Iterator[bytes]:
+        """The wanted ``items`` as chunks of at most ``_MAX_CHUNK_BYTES`` beyond a first frame."""
+        if wanted is not None:
+            items = [i for i in items if isinstance(i, GapMarker) or i.type in wanted]
+        frames = self._encoder.encode_all(items)
+        if sum(map(len, frames)) <= _MAX_CHUNK_BYTES:  # the usual case: one C-level join
+            if frames:
+                yield b"".join(frames)
+            return
+        start, budget = 0, _MAX_CHUNK_BYTES
+        for i, frame in enumerate(frames):
+            if i > start and len(frame) > budget:
+                yield b"".join(frames[start:i])
+                start, budget = i, _MAX_CHUNK_BYTES
+            budget -= len(frame)
+        yield b"".join(frames[start:])

@@ -86,8 +86,8 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
-    from api.app import create_app
-    from api.startup import OneLineStartupErrors, preflight
+    from .app import create_app
+    from .startup import OneLineStartupErrors, preflight
 
     if log_level.lower() not in _LOG_LEVELS:
         raise typer.BadParameter(f"expected one of {_LOG_LEVELS}", param_hint="--log-level")
@@ -132,7 +132,7 @@ def _run(app: Any, config: OffloadConfig, log_level: str, access_log: bool) -> N
     import uvicorn
     from sse_starlette.sse import AppStatus
 
-    from api.serving import protocol_class
+    from .serving import protocol_class
 
     def end_event_streams() -> None:
         broadcaster = getattr(app.app.state, "broadcaster", None)

@@ -11,24 +11,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from api.deps import EngineNotReady
-from api.limits import RequestLimitError
-from api.responses import FastJSONResponse
-from kvcache_offload.errors import (
-    BlockStateError,
-    CapacityError,
-    ConfigError,
-    InvalidKeyError,
-    LeaseError,
-    LeaseLimitError,
-    NoSharedRegionError,
-    OffloadError,
-    RegionError,
-    TransferError,
-)
+from kvcache_offload import errors as lib
+
+from .limits import RequestLimitError
+from .responses import FastJSONResponse
 
 __all__ = [
     "STATUS_BY_ERROR",
+    "EngineNotReady",
     "TooManySubscribers",
     "error_response",
     "install_error_handlers",
@@ -36,27 +26,34 @@ __all__ = [
 ]
 
 
-class TooManySubscribers(OffloadError):
+class TooManySubscribers(lib.OffloadError):
     """Every event-stream slot is taken (``max_event_subscribers``): retry later."""
+
+
+class EngineNotReady(lib.OffloadError):
+    """The app's engine is not started (lifespan not run) or already closed: retry later."""
 
 
 logger = logging.getLogger(__name__)
 
-STATUS_BY_ERROR: dict[type[OffloadError], int] = {
-    ConfigError: 422,
-    InvalidKeyError: 422,
-    BlockStateError: 409,
-    CapacityError: 507,
-    LeaseError: 404,
-    TransferError: 502,
-    RegionError: 503,
-    NoSharedRegionError: 409,
-    LeaseLimitError: 429,
+STATUS_BY_ERROR: dict[type[lib.OffloadError], int] = {
+    lib.ConfigError: 422,
+    lib.InvalidKeyError: 422,
+    lib.BlockStateError: 409,
+    lib.CapacityError: 507,
+    lib.LeaseError: 404,
+    lib.LeaseExpiredError: 410,
+    lib.TransferError: 502,
+    lib.RegionError: 503,
+    lib.NoSharedRegionError: 409,
+    lib.LeaseLimitError: 429,
     TooManySubscribers: 503,
+    EngineNotReady: 503,
 }
-"""Most specific class wins (the MRO is walked); anything else under OffloadError is 400."""
+"""Most specific class wins (the MRO is walked); anything else under OffloadError is 400.
+A :class:`RequestLimitError` carries its own status (408, 413, 422, 429, 503)."""
 
-_EXPIRED_LEASE_STATUS = 410
+_RETRY_LATER = {"Retry-After": "1"}
 
 _BAD_KEY = (
     "an offload key is hex: the block hash bytes then the 4-byte big-endian group index, "
@@ -73,10 +70,10 @@ def _readable(error: Mapping[str, object]) -> str:
     return str(error.get("msg", ""))
 
 
-def status_for(exc: OffloadError) -> int:
+def status_for(exc: lib.OffloadError) -> int:
     """HTTP status of a library error; an expired lease is 410 Gone, an unknown one 404."""
-    if isinstance(exc, LeaseError) and "expired" in str(exc).lower():
-        return _EXPIRED_LEASE_STATUS
+    if isinstance(exc, RequestLimitError):
+        return exc.status
     for cls in type(exc).__mro__:
         status = STATUS_BY_ERROR.get(cls)
         if status is not None:
@@ -92,19 +89,18 @@ def _body(
 
 def error_response(exc: BaseException) -> Response | None:
     """The JSON error response for ``exc``, or None when it is not an expected error."""
-    if isinstance(exc, OffloadError):
-        return _body(type(exc).__name__, str(exc), status_for(exc))
+    if isinstance(exc, RequestLimitError):
+        name = _LIMIT_ERROR_NAMES.get(exc.status, "InvalidRequest")
+        return _body(name, exc.message, exc.status)
+    if isinstance(exc, lib.OffloadError):
+        headers = _RETRY_LATER if isinstance(exc, EngineNotReady) else None
+        return _body(type(exc).__name__, str(exc), status_for(exc), headers)
     if isinstance(exc, RequestValidationError):
         errors = [
             {"loc": list(e.get("loc", ())), "msg": _readable(e), "type": e.get("type", "")}
             for e in exc.errors()
         ]
         return _body("ValidationError", errors, 422)
-    if isinstance(exc, RequestLimitError):
-        name = _LIMIT_ERROR_NAMES.get(exc.status, "InvalidRequest")
-        return _body(name, exc.message, exc.status)
-    if isinstance(exc, EngineNotReady):
-        return _body("EngineNotReady", str(exc), 503, {"Retry-After": "1"})
     if isinstance(exc, HTTPException):
         name = "Unauthorized" if exc.status_code == 401 else "HTTPError"
         return _body(name, exc.detail, exc.status_code, exc.headers)
@@ -133,7 +129,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register every mapping on ``app``; anything unexpected is a JSON 500."""
-    for cls in (OffloadError, RequestValidationError, RequestLimitError, EngineNotReady):
+    for cls in (lib.OffloadError, RequestValidationError):
         app.add_exception_handler(cls, _handle)
     app.add_exception_handler(HTTPException, _handle)
     app.add_exception_handler(ClientDisconnect, _client_gone)

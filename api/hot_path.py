@@ -14,9 +14,9 @@ from starlette.datastructures import State
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import error_response
-from api.responses import FastJSONResponse
-from api.routes.keys import LOOKUP_PATH, lookup_answer
+from .errors import error_response
+from .responses import FastJSONResponse
+from .routes.keys import LOOKUP_PATH, lookup_answer
 
 __all__ = ["HotPathMiddleware", "HotRoute"]
 

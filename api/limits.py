@@ -18,12 +18,14 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.responses import send_json_error
+from kvcache_offload.errors import OffloadError
+
+from .responses import send_json_error
 
 __all__ = ["BodyLimitMiddleware", "RequestLimitError", "check_key_count"]
 
 
-class RequestLimitError(Exception):
+class RequestLimitError(OffloadError):
     """A request exceeds a configured limit; ``status`` is the HTTP status to answer."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -20,10 +20,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.tier_metrics import tier_families
 from kvcache_offload import __version__, compiled_modules
 from kvcache_offload.aio.types import EngineStats, EventType
 from kvcache_offload.kv_events.stats import KVEventStats
+
+from .tier_metrics import tier_families
 
 __all__ = [
     "HTTP_DURATION_BUCKETS_S",

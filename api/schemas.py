@@ -3,31 +3,32 @@
 A request names its blocks either by ``keys`` (hex offload keys: block hash + 4-byte group
 index) or by ``token_ids`` + ``block_size`` (+ ``group_idx``, ``salt``), from which the server
 derives chained keys with :mod:`kvcache_offload.keys`.
+
+Responses that carry results (lookup, leases, written blocks, stats) are the engine's own
+dataclasses in ``kvcache_offload/aio/types.py``, serialised by ``kvcache_offload/aio/wire.py``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from kvcache_offload.aio.types import KeyState
+from kvcache_offload.aio import types as _results
+from kvcache_offload.aio.types import HEX_KEY_PATTERN
 
 __all__ = [
     "MAX_LEASE_TTL_S",
-    "BlocksWritten",
     "ErrorBody",
     "HexKey",
     "KeysRequest",
     "LeaseRequest",
     "LoadCompleteRequest",
     "LoadCompleted",
-    "LoadLeaseOut",
-    "LookupOut",
     "PrepareRequest",
     "StoreCompleteRequest",
     "StoreCompleted",
-    "StoreLeaseOut",
     "Touched",
 ]
 
@@ -36,7 +37,7 @@ MAX_LEASE_TTL_S = 3600.0
 
 HexKey = Annotated[
     str,
-    StringConstraints(pattern=r"^(?:[0-9a-fA-F]{2}){5,132}$"),
+    StringConstraints(pattern=HEX_KEY_PATTERN),
     Field(description="Offload key as hex: block hash bytes + 4-byte big-endian group index."),
 ]
 TokenId = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -100,29 +101,8 @@ class LoadCompleteRequest(LeaseRequest, CopyReport):
     pass
 
 
-class LookupOut(BaseModel):
-    hits: int = Field(description="Length of the longest prefix of ready keys.")
-    pending: bool = Field(description="A key inside the prefix is being written: retry later.")
-    states: list[KeyState]
-    tiers: list[str | None] | None = Field(
-        default=None,
-        description="With secondary tiers: where each key is (CPU, disk, redis; null: nowhere).",
-    )
-    keys: list[str] | None = Field(
-        default=None, description="The derived keys, when the request gave token ids."
-    )
-
-
 class Touched(BaseModel):
     touched: int
-
-
-class StoreLeaseOut(BaseModel):
-    lease_id: str
-    keys_to_store: list[str]
-    block_ids: list[int] = Field(description="CPU slot ids, co-indexed with keys_to_store.")
-    evicted_keys: list[str]
-    expires_at: float = Field(description="Unix time after which the store is rolled back.")
 
 
 class StoreCompleted(BaseModel):
@@ -130,24 +110,31 @@ class StoreCompleted(BaseModel):
     keys: list[str] = Field(description="Keys the completion made loadable (or dropped).")
 
 
-class LoadLeaseOut(BaseModel):
-    lease_id: str
-    keys: list[str]
-    block_ids: list[int]
-    expires_at: float
-
-
 class LoadCompleted(BaseModel):
     lease_id: str
-
-
-class BlocksWritten(BaseModel):
-    keys_stored: list[str]
-    evicted_keys: list[str]
-    transfer_bytes: int
-    transfer_seconds: float
 
 
 class ErrorBody(BaseModel):
     error: str = Field(description="Error class, e.g. CapacityError or ValidationError.")
     detail: Any = Field(description="What was wrong and what was expected.")
+
+
+_MOVED = {
+    "LookupOut": "LookupResult",
+    "StoreLeaseOut": "StoreLease",
+    "LoadLeaseOut": "LoadLease",
+    "BlocksWritten": "StoreResult",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The response models that became the engine's dataclasses, under their old names."""
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{__name__}.{name} is kvcache_offload.aio.types.{new} now",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_results, new)

@@ -21,7 +21,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from api.responses import json_bytes
+from .responses import json_bytes
 
 __all__ = ["protocol_class"]
 

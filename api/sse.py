@@ -4,7 +4,7 @@ The epoch names this run of sequence numbers (the engine's event hub makes a new
 start), so a ``Last-Event-ID`` kept across a service restart is recognised as stale instead of
 silently skipping the new run's events up to that number (see :func:`parse_event_id`).
 
-Each event is encoded once, whatever the number of subscribers (see ``api/broadcast.py``).
+Each event is encoded once, whatever the number of SSE streams reading it (``api/broadcast.py``).
 A ``gap`` frame replaces events a subscriber missed; its ``id`` is the sequence number just
 before the next event, so a client resuming with it as ``Last-Event-ID`` continues after the
 hole. Heartbeats are SSE comments sent by sse-starlette.
@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from api.responses import json_bytes
 from kvcache_offload.aio.types import EngineEvent, GapMarker
 from kvcache_offload.errors import ConfigError
+
+from .responses import json_bytes
 
 __all__ = ["GAP_EVENT", "EventEncoder", "event_payload", "parse_event_id"]
 
@@ -57,6 +58,14 @@ class EventEncoder:
         self._cache_size = cache_size
         self.epoch = epoch
         self._epoch = epoch.encode()
+
+    def encode_all(self, items: list[EngineEvent | GapMarker]) -> list[bytes]:
+        """Frames of ``items``, from the cache where it has them (a leading gap marker is
+        the only kind of item without a sequence number)."""
+        get, encode = self._cache.get, self.encode
+        if items and isinstance(items[0], GapMarker):
+            return [encode(items[0]), *self.encode_all(items[1:])]
+        return [get(e.seq) or encode(e) for e in items]  # type: ignore[union-attr]
 
     def encode(self, item: EngineEvent | GapMarker) -> bytes:
         if isinstance(item, GapMarker):

@@ -37,6 +37,7 @@ __all__ = [
     "InvalidKeyError",
     "KVCacheLayout",
     "LeaseError",
+    "LeaseExpiredError",
     "LeaseLimitError",
     "LoadStoreSpec",
     "NoSharedRegionError",

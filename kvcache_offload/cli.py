@@ -20,7 +20,7 @@ def _command(obj: object, name: str) -> Callable[..., Any]:
 
 
 COMMANDS: LazyRegistry[Callable[..., Any]] = LazyRegistry("command", _command, ConfigError)
-COMMANDS.register("serve", "api.cli:serve")
+COMMANDS.register("serve", "kvcache_offload_service.cli:serve")
 COMMANDS.register("replay", "kvcache_offload.lab.cli:replay")
 
 app = typer.Typer(

@@ -10,27 +10,28 @@ event is lost while the server's ring buffer still holds it (a ``GapMarker`` say
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Sequence
-from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 import anyio
 import httpx
+from typing_extensions import Unpack
 
 from kvcache_offload import errors as _errors
+from kvcache_offload._closing import AsyncClosing
 from kvcache_offload.aio.types import (
     EngineEvent,
     EventType,
     GapMarker,
-    KeyState,
     LoadLease,
     LookupResult,
     StoreLease,
     StoreResult,
 )
+from kvcache_offload.aio.wire import from_wire
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import NoSharedRegionError, OffloadError
 
-__all__ = ["OffloadClient", "ServiceError", "parse_event"]
+__all__ = ["CopyReport", "OffloadClient", "ServiceError", "TokenSource", "parse_event"]
 
 
 class ServiceError(OffloadError):
@@ -57,23 +58,37 @@ def _raise_for(response: httpx.Response) -> None:
     raise ServiceError(response.status_code, name or "HTTPError", detail)
 
 
+class TokenSource(TypedDict, total=False):
+    """Keyword arguments naming blocks by token ids instead of keys (the service derives
+    chained keys; see docs/http-api.md), plus the request id policies may use."""
+
+    token_ids: Sequence[int] | None
+    block_size: int | None
+    group_idx: int
+    salt: str | None
+    req_id: str
+
+
 def _keys_body(
-    keys: Sequence[OffloadKey | bytes | str] | None,
-    token_ids: Sequence[int] | None,
-    block_size: int | None,
-    group_idx: int,
-    salt: str | None,
-    req_id: str,
+    keys: Sequence[OffloadKey | bytes | str] | None, source: TokenSource
 ) -> dict[str, Any]:
+    unknown = source.keys() - TokenSource.__annotations__.keys()
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
     body: dict[str, Any] = {}
     if keys is not None:
         body["keys"] = [k if isinstance(k, str) else bytes(k).hex() for k in keys]
+    token_ids = source.get("token_ids")
     if token_ids is not None:
-        body.update(token_ids=list(token_ids), block_size=block_size, group_idx=group_idx)
-        if salt is not None:
-            body["salt"] = salt
-    if req_id:
-        body["req_id"] = req_id
+        body.update(
+            token_ids=list(token_ids),
+            block_size=source.get("block_size"),
+            group_idx=source.get("group_idx", 0),
+        )
+        if source.get("salt") is not None:
+            body["salt"] = source["salt"]
+    if source.get("req_id"):
+        body["req_id"] = source["req_id"]
     return body
 
 
@@ -99,16 +114,26 @@ def parse_event(event: str, data: dict[str, Any]) -> EngineEvent | GapMarker:
     )
 
 
-def _copy_report(nbytes: int | None, seconds: float | None) -> dict[str, Any]:
-    report: dict[str, Any] = {}
-    if nbytes is not None:
-        report["transfer_bytes"] = nbytes
-    if seconds is not None:
-        report["transfer_seconds"] = seconds
-    return report
+def _ttl(body: dict[str, Any], ttl_s: float | None) -> dict[str, Any]:
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    return body
 
 
-class OffloadClient:
+class CopyReport(TypedDict, total=False):
+    """What a sidecar client's own copy moved, so the server's transfer metrics include it."""
+
+    transfer_bytes: int | None
+    transfer_seconds: float | None
+
+
+def _completion(lease_id: str, report: CopyReport, **fields: Any) -> dict[str, Any]:
+    body = {"lease_id": lease_id, **fields}
+    body.update((name, value) for name, value in report.items() if value is not None)
+    return body
+
+
+class OffloadClient(AsyncClosing):
     """``async with OffloadClient("http://127.0.0.1:8000") as c: await c.lookup(keys)``."""
 
     def __init__(
@@ -123,17 +148,6 @@ class OffloadClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
-
-    async def __aenter__(self) -> OffloadClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -153,38 +167,17 @@ class OffloadClient:
     async def lookup(
         self,
         keys: Sequence[OffloadKey | bytes | str] | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        block_size: int | None = None,
-        group_idx: int = 0,
-        salt: str | None = None,
-        req_id: str = "",
+        **source: Unpack[TokenSource],
     ) -> LookupResult:
-        out = await self._post(
-            "/v1/lookup", _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
-        )
-        derived = out.get("keys")
-        return LookupResult(
-            hits=out["hits"],
-            pending=out["pending"],
-            states=[KeyState(s) for s in out["states"]],
-            tiers=out.get("tiers"),
-            keys=_keys(derived) if derived is not None else None,
-        )
+        """The ready prefix of ``keys`` (or of the blocks of ``token_ids``)."""
+        return from_wire(LookupResult, await self._post("/v1/lookup", _keys_body(keys, source)))
 
     async def touch(
         self,
         keys: Sequence[OffloadKey | bytes | str] | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        block_size: int | None = None,
-        group_idx: int = 0,
-        salt: str | None = None,
-        req_id: str = "",
+        **source: Unpack[TokenSource],
     ) -> int:
-        out = await self._post(
-            "/v1/touch", _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
-        )
+        out = await self._post("/v1/touch", _keys_body(keys, source))
         return int(out["touched"])
 
     # -- leases ------------------------------------------------------------------------------
@@ -193,83 +186,32 @@ class OffloadClient:
         self,
         keys: Sequence[OffloadKey | bytes | str] | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        block_size: int | None = None,
-        group_idx: int = 0,
-        salt: str | None = None,
-        req_id: str = "",
         ttl_s: float | None = None,
+        **source: Unpack[TokenSource],
     ) -> StoreLease:
-        out = await self._prepare(
-            "/v1/store/prepare", keys, token_ids, block_size, group_idx, salt, req_id, ttl_s
-        )
-        return StoreLease(
-            lease_id=out["lease_id"],
-            keys_to_store=_keys(out["keys_to_store"]),
-            block_ids=list(out["block_ids"]),
-            evicted_keys=_keys(out["evicted_keys"]),
-            expires_at=out["expires_at"],
-        )
-
-    async def _prepare(
-        self,
-        path: str,
-        keys: Sequence[OffloadKey | bytes | str] | None,
-        token_ids: Sequence[int] | None,
-        block_size: int | None,
-        group_idx: int,
-        salt: str | None,
-        req_id: str,
-        ttl_s: float | None,
-    ) -> Any:
-        body = _keys_body(keys, token_ids, block_size, group_idx, salt, req_id)
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        return await self._post(path, body)
+        body = _keys_body(keys, source)
+        return from_wire(StoreLease, await self._post("/v1/store/prepare", _ttl(body, ttl_s)))
 
     async def complete_store(
-        self,
-        lease_id: str,
-        success: bool = True,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
+        self, lease_id: str, success: bool = True, **report: Unpack[CopyReport]
     ) -> list[OffloadKey]:
         """Complete a store; report your copy's size and time to feed transfer metrics."""
-        body = {"lease_id": lease_id, "success": success}
-        body.update(_copy_report(transfer_bytes, transfer_seconds))
-        out = await self._post("/v1/store/complete", body)
-        return _keys(out["keys"])
+        body = _completion(lease_id, report, success=success)
+        return _keys((await self._post("/v1/store/complete", body))["keys"])
 
     async def prepare_load(
         self,
         keys: Sequence[OffloadKey | bytes | str] | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        block_size: int | None = None,
-        group_idx: int = 0,
-        salt: str | None = None,
-        req_id: str = "",
         ttl_s: float | None = None,
+        **source: Unpack[TokenSource],
     ) -> LoadLease:
-        out = await self._prepare(
-            "/v1/load/prepare", keys, token_ids, block_size, group_idx, salt, req_id, ttl_s
-        )
-        return LoadLease(
-            lease_id=out["lease_id"],
-            keys=_keys(out["keys"]),
-            block_ids=list(out["block_ids"]),
-            expires_at=out["expires_at"],
-        )
+        body = _keys_body(keys, source)
+        return from_wire(LoadLease, await self._post("/v1/load/prepare", _ttl(body, ttl_s)))
 
-    async def complete_load(
-        self,
-        lease_id: str,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
-    ) -> None:
-        body: dict[str, Any] = {"lease_id": lease_id}
-        body.update(_copy_report(transfer_bytes, transfer_seconds))
-        await self._post("/v1/load/complete", body)
+    async def complete_load(self, lease_id: str, **report: Unpack[CopyReport]) -> None:
+        """Unpin the lease's blocks; the copy report is as in :meth:`complete_store`."""
+        await self._post("/v1/load/complete", _completion(lease_id, report))
 
     # -- block bytes -------------------------------------------------------------------------
 
@@ -284,13 +226,7 @@ class OffloadClient:
             headers={"Content-Type": "application/octet-stream"},
         )
         _raise_for(response)
-        out = response.json()
-        return StoreResult(
-            keys_stored=_keys(out["keys_stored"]),
-            evicted_keys=_keys(out["evicted_keys"]),
-            transfer_bytes=out["transfer_bytes"],
-            transfer_seconds=out["transfer_seconds"],
-        )
+        return from_wire(StoreResult, response.json())
 
     async def get_block(self, key: OffloadKey | bytes) -> bytes:
         return (await self._get(f"/v1/blocks/{bytes(key).hex()}")).content

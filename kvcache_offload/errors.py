@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "InvalidKeyError",
     "LeaseError",
+    "LeaseExpiredError",
     "LeaseLimitError",
     "NoSharedRegionError",
     "OffloadError",
@@ -69,6 +70,10 @@ class NoSharedRegionError(RegionError):
 
 class LeaseError(OffloadError):
     """A lease id is unknown, already completed or expired."""
+
+
+class LeaseExpiredError(LeaseError):
+    """The lease expired before its completion and was rolled back (HTTP 410 Gone)."""
 
 
 class TierError(OffloadError):

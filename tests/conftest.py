@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +21,22 @@ settings.load_profile("ci")
 
 
 SHM_DIR = Path("/dev/shm")
+
+
+def _service_from_this_checkout() -> None:
+    """Make ``kvcache_offload_service`` this checkout's ``api/`` folder, here and in servers
+    the tests start: an editable install made before the service got that name, or made from
+    another checkout, would otherwise import a missing or different service."""
+    alias = Path(tempfile.mkdtemp(prefix="kvcache-service-"))
+    atexit.register(shutil.rmtree, alias, True)
+    (alias / "kvcache_offload_service").symlink_to(Path(__file__).resolve().parents[1] / "api")
+    sys.path.insert(0, str(alias))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(alias), os.environ.get("PYTHONPATH", "")) if p
+    )
+
+
+_service_from_this_checkout()
 
 
 def _region_files() -> set[str]:

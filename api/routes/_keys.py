@@ -7,16 +7,20 @@ loop keeps answering other requests (and ``/healthz``) meanwhile.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from api.limits import check_key_count
-from api.routes._body import validate_body
-from api.schemas import KeysRequest
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.keys import token_block_keys
+
+from ..limits import check_key_count
+from ..schemas import KeysRequest
+from ._body import validate_body
+
+if TYPE_CHECKING:
+    from kvcache_offload.aio.engine import OffloadEngine
 
 __all__ = [
     "OFF_LOOP_BYTES",
@@ -63,11 +67,11 @@ def hex_keys(keys: list[OffloadKey]) -> list[str]:
     return [k.hex() for k in keys]
 
 
-def remember_block_tokens(engine: object, body: KeysRequest, keys: list[OffloadKey]) -> None:
+def remember_block_tokens(engine: OffloadEngine, body: KeysRequest, keys: list[OffloadKey]) -> None:
     """Hand the tokens behind token-derived keys to the KV-event publisher, when there is one.
 
     Its ``BlockStored`` events then carry the tokens routers hash (docs/kv-events.md).
     """
-    publisher = getattr(engine, "kv_events", None)
+    publisher = engine.kv_events
     if publisher is not None and body.token_ids is not None and body.block_size is not None:
         publisher.remember_tokens(keys, body.token_ids, body.block_size)

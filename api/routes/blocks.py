@@ -4,36 +4,33 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
-from api.deps import EngineLike, get_config, get_engine
-from api.limits import RequestLimitError, check_key_count
-from api.responses import FastJSONResponse
-from api.routes._keys import hex_keys
-from api.schemas import BlocksWritten, HexKey
-from kvcache_offload.config import OffloadConfig
+from kvcache_offload.aio.types import StoreResult
+from kvcache_offload.aio.wire import to_wire
 from kvcache_offload.contracts.offload_key import OffloadKey
+
+from ..deps import config_of, engine_of
+from ..limits import RequestLimitError, check_key_count
+from ..responses import FastJSONResponse
+from ..schemas import HexKey
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["blocks"])
 
-Engine = Annotated[EngineLike, Depends(get_engine)]
-Config = Annotated[OffloadConfig, Depends(get_config)]
 
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 
 
 @router.put(
     "/blocks",
-    response_model=BlocksWritten,
+    response_model=StoreResult,
     openapi_extra={"requestBody": {"required": True, "content": _BINARY}},
 )
 async def put_blocks(
     request: Request,
-    engine: Engine,
-    config: Config,
     keys: Annotated[
         list[HexKey],
         Query(
@@ -42,7 +39,8 @@ async def put_blocks(
     ],
 ) -> FastJSONResponse:
     """Store blocks from the body: exactly ``len(keys) * block_nbytes`` bytes."""
-    check_key_count(len(keys), config.max_keys_per_request)
+    check_key_count(len(keys), config_of(request).max_keys_per_request)
+    engine = engine_of(request)
     page = engine.block_nbytes
     expected = page * len(keys)
     declared = request.headers.get("content-length")
@@ -58,14 +56,7 @@ async def put_blocks(
     view = memoryview(body)
     blocks = [view[i * page : (i + 1) * page] for i in range(len(keys))]  # no second copy
     result = await engine.write_blocks([OffloadKey(bytes.fromhex(k)) for k in keys], blocks)
-    return FastJSONResponse(
-        {
-            "keys_stored": hex_keys(result.keys_stored),
-            "evicted_keys": hex_keys(result.evicted_keys),
-            "transfer_bytes": result.transfer_bytes,
-            "transfer_seconds": result.transfer_seconds,
-        }
-    )
+    return FastJSONResponse(to_wire(result))
 
 
 @router.get(
@@ -73,7 +64,7 @@ async def put_blocks(
     response_class=Response,
     responses={200: {"content": _BINARY, "description": "The block's bytes."}},
 )
-async def get_block(key: Annotated[HexKey, Path()], engine: Engine) -> Response:
+async def get_block(request: Request, key: Annotated[HexKey, Path()]) -> Response:
     """The bytes of one ready block (409 when it is absent or still being written)."""
-    data = await engine.read_block(OffloadKey(bytes.fromhex(key)))
+    data = await engine_of(request).read_block(OffloadKey(bytes.fromhex(key)))
     return Response(content=data, media_type="application/octet-stream")

@@ -7,12 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse
 
-from api.broadcast import EventBroadcaster
-from api.errors import TooManySubscribers
-from api.routes._state import config_of, engine_of
-from api.sse import parse_event_id
 from kvcache_offload.aio.types import EventType
 from kvcache_offload.errors import ConfigError
+
+from ..broadcast import EventBroadcaster
+from ..deps import config_of, engine_of
+from ..errors import TooManySubscribers
+from ..sse import parse_event_id
 
 __all__ = ["broadcaster_of", "router"]
 
@@ -32,12 +33,12 @@ def _parse_types(raw: list[str] | None) -> list[EventType] | None:
 
 
 def broadcaster_of(request: Request) -> EventBroadcaster:
-    """The app's broadcaster for its current engine (made on first use)."""
-    engine = engine_of(request)
+    """The app's broadcaster over its current engine's event hub (made on first use)."""
+    hub = engine_of(request).event_hub
     state = request.app.state
     broadcaster: EventBroadcaster | None = state.broadcaster
-    if broadcaster is None or broadcaster.engine is not engine:
-        broadcaster = EventBroadcaster(engine, config_of(request).event_buffer_size)
+    if broadcaster is None or broadcaster.hub is not hub:
+        broadcaster = EventBroadcaster(hub)
         state.broadcaster = broadcaster
     return broadcaster
 

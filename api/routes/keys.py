@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import State
 
-from api.responses import FastJSONResponse
-from api.routes._body import json_body
-from api.routes._keys import hex_keys, parse_keys, request_context
-from api.routes._state import config_of, engine_of, state_config, state_engine
-from api.schemas import KeysRequest, LookupOut, Touched
+from kvcache_offload.aio.types import LookupResult
+from kvcache_offload.aio.wire import to_wire
+
+from ..deps import config_of, engine_of
+from ..responses import FastJSONResponse
+from ..schemas import KeysRequest, Touched
+from ._body import json_body
+from ._keys import parse_keys, request_context
 
 __all__ = ["LOOKUP_PATH", "lookup_answer", "router"]
 
@@ -22,19 +26,17 @@ LOOKUP_PATH = "/v1/lookup"
 
 async def lookup_answer(state: State, raw_body: bytes) -> dict[str, Any]:
     """The lookup response for a raw JSON body (shared with the fast path in api/hot_path.py)."""
-    body, keys = await parse_keys(raw_body, KeysRequest, state_config(state).max_keys_per_request)
-    result = await state_engine(state).lookup(keys, request_context(body))
-    out: dict[str, Any] = {"hits": result.hits, "pending": result.pending, "states": result.states}
-    if result.tiers is not None:
-        out["tiers"] = result.tiers
+    body, keys = await parse_keys(raw_body, KeysRequest, config_of(state).max_keys_per_request)
+    result = await engine_of(state).lookup(keys, request_context(body))
     if body.token_ids is not None:
-        out["keys"] = hex_keys(keys)
+        result = replace(result, keys=keys)
+    out: dict[str, Any] = to_wire(result, exclude_none=True)
     return out
 
 
 @router.post(
     "/lookup",
-    response_model=LookupOut,
+    response_model=LookupResult,
     response_model_exclude_none=True,
     openapi_extra=json_body(KeysRequest),
 )

@@ -4,29 +4,28 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.responses import FastJSONResponse
-from api.routes._body import json_body, parse_body
-from api.routes._keys import hex_keys, parse_keys, remember_block_tokens, request_context
-from api.routes._state import config_of, engine_of
-from api.schemas import (
+from kvcache_offload.aio.types import LoadLease, StoreLease
+from kvcache_offload.aio.wire import to_wire
+from kvcache_offload.errors import NoSharedRegionError
+
+from ..deps import config_of, engine_of
+from ..responses import FastJSONResponse
+from ..schemas import (
     LoadCompleted,
     LoadCompleteRequest,
-    LoadLeaseOut,
     PrepareRequest,
     StoreCompleted,
     StoreCompleteRequest,
-    StoreLeaseOut,
 )
-from kvcache_offload.errors import NoSharedRegionError
+from ._body import json_body, parse_body
+from ._keys import hex_keys, parse_keys, remember_block_tokens, request_context
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 
 
-@router.post(
-    "/store/prepare", response_model=StoreLeaseOut, openapi_extra=json_body(PrepareRequest)
-)
+@router.post("/store/prepare", response_model=StoreLease, openapi_extra=json_body(PrepareRequest))
 async def prepare_store(request: Request) -> FastJSONResponse:
     """Allocate CPU slots for the keys not yet offloaded (evicting if needed) under a lease."""
     config = config_of(request)
@@ -40,15 +39,7 @@ async def prepare_store(request: Request) -> FastJSONResponse:
     engine = engine_of(request)
     remember_block_tokens(engine, body, keys)
     lease = await engine.prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
-    return FastJSONResponse(
-        {
-            "lease_id": lease.lease_id,
-            "keys_to_store": hex_keys(lease.keys_to_store),
-            "block_ids": [int(b) for b in lease.block_ids],
-            "evicted_keys": hex_keys(lease.evicted_keys),
-            "expires_at": lease.expires_at,
-        }
-    )
+    return FastJSONResponse(to_wire(lease))
 
 
 @router.post(
@@ -65,20 +56,13 @@ async def complete_store(request: Request) -> FastJSONResponse:
     return FastJSONResponse({"lease_id": body.lease_id, "keys": hex_keys(keys)})
 
 
-@router.post("/load/prepare", response_model=LoadLeaseOut, openapi_extra=json_body(PrepareRequest))
+@router.post("/load/prepare", response_model=LoadLease, openapi_extra=json_body(PrepareRequest))
 async def prepare_load(request: Request) -> FastJSONResponse:
     """Pin ready blocks for reading under a lease; 409 if any is not ready."""
     raw = await request.body()
     body, keys = await parse_keys(raw, PrepareRequest, config_of(request).max_keys_per_request)
     lease = await engine_of(request).prepare_load(keys, request_context(body), ttl_s=body.ttl_s)
-    return FastJSONResponse(
-        {
-            "lease_id": lease.lease_id,
-            "keys": hex_keys(lease.keys),
-            "block_ids": [int(b) for b in lease.block_ids],
-            "expires_at": lease.expires_at,
-        }
-    )
+    return FastJSONResponse(to_wire(lease))
 
 
 @router.post(

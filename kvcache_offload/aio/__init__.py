@@ -1,7 +1,7 @@
 """The async core: :class:`OffloadEngine`, its event hub, leases and transfer poller."""
 
 from kvcache_offload.aio.engine import OffloadEngine
-from kvcache_offload.aio.event_hub import EventHub, EventSubscription
+from kvcache_offload.aio.event_hub import EventCursor, EventHub, EventSubscription
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
 from kvcache_offload.aio.types import (
@@ -23,6 +23,7 @@ __all__ = [
     "TRANSFER_DURATION_BUCKETS_S",
     "EngineEvent",
     "EngineStats",
+    "EventCursor",
     "EventHub",
     "EventSubscription",
     "EventType",

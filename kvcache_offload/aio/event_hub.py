@@ -11,6 +11,11 @@ ring are replayed first (preceded by a gap marker when some already fell out of 
 Gap counts cover the events a subscriber would have received: those of its types for a
 subscriber that fell behind, all types for events that left the ring before a resume.
 
+Readers that take events in batches (the SSE streams of the service) use an
+:class:`EventCursor` instead: a position in the ring itself, with no queue, so such a reader
+costs the publisher nothing per event. A cursor overtaken by the ring gets one gap marker for
+the events that left it, then continues with the oldest kept event.
+
 All methods run on the event-loop thread.
 """
 
@@ -20,22 +25,22 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
-from types import TracebackType
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvcache_offload._closing import AsyncClosing
 from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 
-__all__ = ["EventHub", "EventSubscription"]
+__all__ = ["EventCursor", "EventHub", "EventSubscription"]
 
 Item = EngineEvent | GapMarker
 
 
-class EventSubscription:
+class EventSubscription(AsyncClosing):
     """Async iterator of :class:`EngineEvent` and :class:`GapMarker`; closing unsubscribes."""
 
     def __init__(
@@ -123,16 +128,57 @@ class EventSubscription:
         self._send.close()
         self._recv.close()
 
-    async def __aenter__(self) -> EventSubscription:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+class EventCursor:
+    """A reader's position in the hub's ring: :meth:`take` the events after it, in order.
+
+    Counted among the hub's subscribers until closed; the events it lost to the ring count
+    as dropped, like a subscriber's gaps.
+    """
+
+    def __init__(self, hub: EventHub, after_seq: int) -> None:
+        self._hub = hub
+        self.seq = after_seq
+        """Sequence number of the last event taken (or skipped by a gap marker)."""
+        self._closed = False
+        hub._cursors += 1
+
+    def take(self, limit: int) -> list[Item]:
+        """Up to ``limit`` events after :attr:`seq`, first a gap marker if some left the ring."""
+        hub = self._hub
+        ring = hub._ring
+        items: list[Item] = []
+        first_kept = hub.oldest_seq
+        lost = first_kept - 1 - self.seq
+        if lost > 0:
+            hub._dropped += lost
+            items.append(GapMarker(missed=lost, next_seq=first_kept))
+            self.seq = first_kept - 1
+        start = self.seq - first_kept + 1
+        stop = min(len(ring), start + limit)
+        if start < stop:
+            items.extend(ring[i] for i in range(start, stop))
+            self.seq = ring[stop - 1].seq
+        return items
+
+    async def wait(self) -> bool:
+        """Wait for an event after :attr:`seq` or a wake-up; False once the hub has closed
+        and holds nothing newer."""
+        hub = self._hub
+        if hub._seq > self.seq:
+            return True
+        if hub._closed:
+            return False
+        if hub._readers_waiting is None:
+            hub._readers_waiting = anyio.Event()
+        await hub._readers_waiting.wait()
+        return hub._seq > self.seq or not hub._closed
+
+    def close(self) -> None:
+        """Stop counting this reader (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._hub._cursors -= 1
 
 
 class EventHub:
@@ -154,6 +200,8 @@ class EventHub:
         self._published: dict[str, int] = {}
         self._dropped = 0
         self._closed = False
+        self._cursors = 0
+        self._readers_waiting: anyio.Event | None = None
 
     @property
     def last_seq(self) -> int:
@@ -161,8 +209,14 @@ class EventHub:
         return self._seq
 
     @property
+    def oldest_seq(self) -> int:
+        """Sequence number of the oldest event still in the ring (``last_seq + 1`` if none)."""
+        return self._ring[0].seq if self._ring else self._seq + 1
+
+    @property
     def subscribers(self) -> int:
-        return len(self._subs)
+        """Open subscriptions and cursors."""
+        return len(self._subs) + self._cursors
 
     @property
     def published(self) -> dict[str, int]:
@@ -196,7 +250,21 @@ class EventHub:
         self._published[name] = self._published.get(name, 0) + 1
         for sub in self._subs:
             sub._offer(event)
+        if self._readers_waiting is not None:
+            self.wake_readers()
         return event
+
+    def wake_readers(self) -> None:
+        """Return every pending :meth:`EventCursor.wait` (new events, closing, a shutdown)."""
+        waiting, self._readers_waiting = self._readers_waiting, None
+        if waiting is not None:
+            waiting.set()
+
+    def cursor(self, after_seq: int | None = None) -> EventCursor:
+        """A cursor after ``after_seq`` (default: the newest event, so only new ones follow)."""
+        if after_seq is not None and after_seq < 0:
+            raise ConfigError(f"after_seq must be >= 0, got {after_seq}")
+        return EventCursor(self, self._seq if after_seq is None else after_seq)
 
     def recent(self, since_seq: int = 0) -> list[EngineEvent]:
         """Events still in the ring with ``seq > since_seq``, oldest first."""
@@ -251,3 +319,4 @@ class EventHub:
         subs, self._subs = list(self._subs), {}
         for sub in subs:
             sub._end()
+        self.wake_readers()

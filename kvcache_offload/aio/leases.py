@@ -24,7 +24,7 @@ from typing import Literal
 from kvcache_offload.aio._waker import Waker
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.errors import ConfigError, LeaseError, LeaseLimitError
+from kvcache_offload.errors import ConfigError, LeaseError, LeaseExpiredError, LeaseLimitError
 
 __all__ = ["Lease", "LeaseKind", "LeaseTable"]
 
@@ -138,7 +138,7 @@ class LeaseTable:
             lease = None
         if lease is None or lease.kind != kind:
             if lease_id in self._recently_expired:
-                raise LeaseError(f"{kind} lease {lease_id!r} expired and was rolled back")
+                raise LeaseExpiredError(f"{kind} lease {lease_id!r} expired and was rolled back")
             raise LeaseError(f"no open {kind} lease {lease_id!r} (unknown or already completed)")
         del self._leases[lease_id]
         return lease

@@ -1,24 +1,31 @@
-"""Value types of the async core, shared by the engine, the HTTP layer and the client."""
+"""Value types of the async core, shared by the engine, the HTTP layer and the client.
+
+They are also the HTTP API's response shapes: ``aio/wire.py`` turns them into JSON and back,
+and the OpenAPI document shows their schema, with offload keys as hex (:data:`HexKey`).
+"""
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import ConfigDict, PlainSerializer, PlainValidator, WithJsonSchema
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.tiers.base import TierStats
+from kvcache_offload.tiers.base import TIER_LATENCY_BUCKETS_S, LatencyHistogram, TierStats
 
 if TYPE_CHECKING:
     from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = [
+    "HEX_KEY_PATTERN",
     "TRANSFER_DURATION_BUCKETS_S",
     "EngineEvent",
     "EngineStats",
     "EventType",
     "GapMarker",
+    "HexKey",
     "Histogram",
     "KeyState",
     "LoadLease",
@@ -27,6 +34,43 @@ __all__ = [
     "StoreLease",
     "StoreResult",
 ]
+
+
+HEX_KEY_PATTERN = r"^(?:[0-9a-fA-F]{2}){5,132}$"
+"""An offload key on the wire: hex of the block hash bytes + the 4-byte group index."""
+
+
+def _key_from_hex(value: object) -> OffloadKey:
+    if isinstance(value, bytes):
+        return OffloadKey(value)
+    if isinstance(value, str):
+        try:
+            return OffloadKey(bytes.fromhex(value))
+        except ValueError:
+            pass
+    raise ValueError(f"an offload key is a hex string, got {str(value)[:40]!r}")
+
+
+HexKey = Annotated[
+    OffloadKey,
+    PlainValidator(_key_from_hex),
+    PlainSerializer(bytes.hex, return_type=str),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": HEX_KEY_PATTERN,
+            "description": "Offload key as hex: block hash bytes + 4-byte big-endian group index.",
+        }
+    ),
+]
+"""An :class:`OffloadKey` in Python, a hex string in JSON (requests, responses, OpenAPI)."""
+
+
+class WireShape:
+    """Base of the HTTP API's response shapes: their field docstrings become the field
+    descriptions in the OpenAPI document."""
+
+    __pydantic_config__ = ConfigDict(use_attribute_docstrings=True)
 
 
 class KeyState(StrEnum):
@@ -38,7 +82,7 @@ class KeyState(StrEnum):
 
 
 @dataclass(frozen=True)
-class LookupResult:
+class LookupResult(WireShape):
     """Outcome of a prefix lookup.
 
     ``hits`` is the length of the longest prefix of ready keys. ``pending`` is vLLM's "retry
@@ -47,20 +91,24 @@ class LookupResult:
     """
 
     hits: int
+    """Length of the longest prefix of ready keys."""
     pending: bool
+    """A key inside the prefix is being written: retry later."""
     states: list[KeyState]
     tiers: list[str | None] | None = None
     """With secondary tiers configured: where each key in ``states`` is ("CPU", "disk",
     "redis"), None when nowhere ready. A key below the CPU tier is READY: a load promotes it."""
-    keys: list[OffloadKey] | None = None
+    keys: list[HexKey] | None = None
     """The keys looked up, when the service derived them from token ids (else None)."""
 
 
 @dataclass(frozen=True)
-class StoreResult:
-    keys_stored: list[OffloadKey]
+class StoreResult(WireShape):
+    """Blocks written through the manager (``PUT /v1/blocks``, ``write_blocks``)."""
+
+    keys_stored: list[HexKey]
     """Keys actually written by this call (keys already offloaded are skipped)."""
-    evicted_keys: list[OffloadKey]
+    evicted_keys: list[HexKey]
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
 
@@ -73,24 +121,29 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
-class StoreLease:
+class StoreLease(WireShape):
     """A prepared store that the client completes itself (sidecar mode)."""
 
     lease_id: str
-    keys_to_store: list[OffloadKey]
+    keys_to_store: list[HexKey]
     block_ids: list[int]
     """CPU slot ids, co-indexed with ``keys_to_store``."""
-    evicted_keys: list[OffloadKey]
+    evicted_keys: list[HexKey]
     expires_at: float
     """Unix time after which the store is rolled back as failed."""
 
 
 @dataclass(frozen=True)
-class LoadLease:
+class LoadLease(WireShape):
+    """A prepared load: the blocks stay pinned until the client completes it or it expires."""
+
     lease_id: str
-    keys: list[OffloadKey]
+    keys: list[HexKey]
+    """The keys pinned for reading."""
     block_ids: list[int]
+    """CPU slot ids to read from, co-indexed with ``keys``."""
     expires_at: float
+    """Unix time after which the pins are released."""
 
 
 class EventType(StrEnum):
@@ -129,28 +182,13 @@ class GapMarker:
     this run's events that are no longer kept."""
 
 
-TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-)  # fmt: skip
+TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = TIER_LATENCY_BUCKETS_S
 
 
 @dataclass
-class Histogram:
-    """Cumulative-friendly fixed-bucket histogram kept by the engine, exported as Prometheus."""
-
-    bounds: tuple[float, ...] = TRANSFER_DURATION_BUCKETS_S
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+class Histogram(LatencyHistogram):
+    """The engine's transfer-duration histogram: the tiers' fixed-bucket one, exported as
+    Prometheus (cumulative) buckets."""
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(upper bound as text, cumulative count) pairs ending with "+Inf"."""
@@ -162,7 +200,7 @@ class Histogram:
 
 
 @dataclass
-class EngineStats:
+class EngineStats(WireShape):
     """Everything /metrics and /v1/stats export; counters are cumulative since start."""
 
     policy: str
@@ -176,17 +214,27 @@ class EngineStats:
     blocks_fenced: int = 0
     """Slots of expired or reset sidecar leases held out of use for the grace period."""
     lookups: int = 0
+    """Lookup calls."""
     lookup_keys: int = 0
+    """Keys those calls named."""
     lookup_hit_blocks: int = 0
+    """Keys found in the ready prefix of a lookup."""
     store_blocks_prepared: int = 0
+    """Blocks given a CPU slot by a store (direct or a sidecar lease)."""
     store_blocks_completed: int = 0
+    """Blocks whose store completed: loadable now."""
     store_blocks_failed: int = 0
+    """Blocks whose store did not complete and was rolled back."""
     stores_rejected: int = 0
+    """Store calls the manager refused (no room it could make)."""
     load_blocks_completed: int = 0
+    """Blocks loaded (or read by a sidecar lease) and unpinned."""
     load_blocks_failed: int = 0
     """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
+    """Blocks the eviction policy dropped to make room."""
     reuse_filter_skipped_blocks: int = 0
+    """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     """By direction: "gpu_to_cpu" (store), "cpu_to_gpu" (load)."""
     transfer_seconds: dict[str, float] = field(default_factory=dict)
@@ -196,6 +244,7 @@ class EngineStats:
     leases_expired: dict[str, int] = field(default_factory=dict)
     """By kind: "store", "load"."""
     event_subscribers: int = 0
+    """Open event subscriptions and SSE streams."""
     events_published: dict[str, int] = field(default_factory=dict)
     events_dropped: int = 0
     """Events subscribers missed because they fell behind (sum of gap sizes)."""

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 4096
 CAPACITY_BLOCKS = 32
 
-SERVE = "import typer; from api.cli import serve; typer.run(serve)"
+SERVE = "import typer; from kvcache_offload_service.cli import serve; typer.run(serve)"
 
 
 def free_port() -> int:

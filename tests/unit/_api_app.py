@@ -11,9 +11,9 @@ import anyio
 import httpx
 from fastapi import FastAPI
 
-from api import create_app
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.config import OffloadConfig, load_config
+from kvcache_offload_service import create_app
 from tests._regions import region_name
 
 BLOCK_BYTES = 4096

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvcache_offload.aio import EngineEvent, EventHub, EventType, GapMarker
@@ -127,3 +129,34 @@ async def test_async_iteration_waits_for_the_next_event() -> None:
     hub.publish(EventType.STORED, keys(7))
     event = await asyncio.wait_for(task, 1)
     assert isinstance(event, EngineEvent) and event.keys == keys(7)
+
+
+def test_a_cursor_reads_the_ring_in_order_and_a_gap_for_what_left_it() -> None:
+    hub = EventHub(buffer_size=4)
+    cursor = hub.cursor(after_seq=0)
+    assert hub.subscribers == 1
+    for _ in range(6):
+        hub.publish(EventType.STORED, [])
+    gap, *events = cursor.take(10)
+    assert gap == GapMarker(missed=2, next_seq=3)
+    assert [e.seq for e in events] == [3, 4, 5, 6] and cursor.seq == 6
+    assert hub.dropped == 2
+    hub.publish(EventType.EVICTED, [])
+    assert [e.seq for e in cursor.take(10)] == [7] and cursor.take(10) == []
+    cursor.close()
+    cursor.close()
+    assert hub.subscribers == 0
+
+
+async def test_a_cursor_wait_returns_on_a_new_event_and_false_after_close() -> None:
+    hub = EventHub()
+    cursor = hub.cursor()
+    waiting = asyncio.ensure_future(cursor.wait())
+    await asyncio.sleep(0)
+    hub.publish(EventType.STORED, [])
+    assert await asyncio.wait_for(waiting, 5) is True
+    assert [e.seq for e in cursor.take(1)] == [1]
+    waiting = asyncio.ensure_future(cursor.wait())
+    await asyncio.sleep(0)
+    hub.close()
+    assert await asyncio.wait_for(waiting, 5) is False

@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from api import create_app
 from kvcache_offload.aio import OffloadEngine
+from kvcache_offload_service import create_app
 from tests.unit._aio_fakes import BLOCK_BYTES, FakeSpec
 from tests.unit._aio_fakes import small_config as fake_config
 from tests.unit._api_app import hex_key

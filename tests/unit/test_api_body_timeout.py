@@ -6,8 +6,8 @@ import asyncio
 import json
 from typing import Any
 
-from api import create_app
 from kvcache_offload.aio import OffloadEngine
+from kvcache_offload_service import create_app
 from tests.unit._api_app import small_config
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from api.limits import LARGE_BODY_BYTES, BodyLimitMiddleware
-from api.routes import _keys
+from kvcache_offload_service.limits import LARGE_BODY_BYTES, BodyLimitMiddleware
+from kvcache_offload_service.routes import _keys
 from tests.unit._api_app import served
 
 
@@ -77,11 +77,11 @@ async def test_large_bodies_are_admitted_a_few_at_a_time() -> None:
 
 
 async def test_event_streams_beyond_max_event_subscribers_answer_503() -> None:
-    from api.broadcast import EventBroadcaster
+    from kvcache_offload_service.broadcast import EventBroadcaster
     from tests.unit._api_app import small_config
 
     async with served(small_config(max_event_subscribers=1)) as s:
-        broadcaster = EventBroadcaster(s.engine, 10)
+        broadcaster = EventBroadcaster(s.engine.event_hub)
         s.app.state.broadcaster = broadcaster
         broadcaster.subscribers = 1  # one stream is open
         r = await s.client.get("/v1/events")

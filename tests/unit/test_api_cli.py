@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from api.cli import build_config, serve
+from kvcache_offload_service.cli import build_config, serve
 
 
 def test_flags_beat_environment_which_beats_the_file(

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
 import pytest
 
-from api import create_app
+from kvcache_offload.aio.types import EngineStats, LoadLease, LookupResult, StoreLease, StoreResult
+from kvcache_offload.aio.wire import from_wire
+from kvcache_offload.errors import LeaseExpiredError, OffloadError
+from kvcache_offload_service import create_app
+from kvcache_offload_service.errors import EngineNotReady, TooManySubscribers
+from kvcache_offload_service.limits import RequestLimitError
 from tests.unit._api_app import BLOCK_BYTES, hex_key, served, small_config, store
 
 TOKEN = "s3cret-token"
@@ -200,3 +206,33 @@ def test_a_config_file_of_an_unknown_type_is_named_not_parsed_as_json(tmp_path: 
     ini.write_text("[kvcache_offload]\nport = 1\n")
     with pytest.raises(ConfigError, match=r"unknown type '\.ini': use \.toml, \.json"):
         load_config(ini)
+
+
+async def test_openapi_response_schemas_are_the_engines_own_result_types() -> None:
+    """One definition per wire shape: the schema shows exactly the dataclass's fields."""
+    async with served() as s:
+        doc = (await s.client.get("/openapi.json")).json()
+    for path, method, cls in (
+        ("/v1/lookup", "post", LookupResult),
+        ("/v1/store/prepare", "post", StoreLease),
+        ("/v1/load/prepare", "post", LoadLease),
+        ("/v1/blocks", "put", StoreResult),
+        ("/v1/stats", "get", EngineStats),
+    ):
+        answer = doc["paths"][path][method]["responses"]["200"]["content"]["application/json"]
+        schema = doc["components"]["schemas"][answer["schema"]["$ref"].rsplit("/", 1)[1]]
+        assert set(schema["properties"]) == {f.name for f in fields(cls)}, path
+    lease_keys = doc["components"]["schemas"]["StoreLease"]["properties"]["keys_to_store"]
+    assert lease_keys["items"]["type"] == "string"  # keys travel as hex
+
+
+async def test_stats_answer_decodes_to_the_engines_stats() -> None:
+    async with served() as s:
+        await store(s.client, [hex_key(1)])
+        answer = from_wire(EngineStats, (await s.client.get("/v1/stats")).json())
+        assert answer.store_blocks_completed == s.engine.stats().store_blocks_completed == 1
+
+
+def test_service_errors_are_offload_errors() -> None:
+    for cls in (EngineNotReady, TooManySubscribers, RequestLimitError, LeaseExpiredError):
+        assert issubclass(cls, OffloadError), cls

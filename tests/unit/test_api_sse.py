@@ -1,4 +1,5 @@
-"""SSE framing of engine events and the broadcaster: order, resume, gaps, filters, closing."""
+"""SSE framing of engine events and the streams over the hub's ring: order, resume, gaps,
+filters, closing."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import json
 import anyio
 import pytest
 
-from api.broadcast import EventBroadcaster
-from api.sse import EventEncoder, parse_event_id
 from kvcache_offload.aio import EventHub, EventType, GapMarker, OffloadEngine
 from kvcache_offload.client import parse_event
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
+from kvcache_offload_service.broadcast import EventBroadcaster
+from kvcache_offload_service.sse import EventEncoder, parse_event_id
 from tests.unit._api_app import small_config
 
 KEY = OffloadKey(b"\x01" * 8 + b"\0\0\0\0")
@@ -67,13 +68,6 @@ def test_encoder_reuses_one_encoding_per_event() -> None:
     assert len(encoder._cache) == 2
 
 
-async def _started(engine: OffloadEngine, broadcaster: EventBroadcaster) -> None:
-    broadcaster.start()
-    with anyio.fail_after(5):
-        while not broadcaster.running or engine.stats().event_subscribers < 1:
-            await anyio.sleep(0.001)
-
-
 async def _read(stream, count: int) -> list[dict[str, str]]:
     messages: list[dict[str, str]] = []
     if count <= 0:
@@ -86,19 +80,11 @@ async def _read(stream, count: int) -> list[dict[str, str]]:
     return messages
 
 
-async def _wait_for_frames(broadcaster: EventBroadcaster, engine: OffloadEngine) -> None:
-    last = engine.event_hub.last_seq
-    with anyio.fail_after(5):
-        while not broadcaster._seqs or broadcaster._seqs[-1] < last:
-            await anyio.sleep(0.001)
-
-
 async def test_live_clients_get_every_new_event_in_order_in_few_chunks() -> None:
     async with OffloadEngine(small_config()) as engine:
         hub = engine.event_hub
         hub.publish(EventType.STORED, [KEY])  # before the client: not sent to it
-        broadcaster = EventBroadcaster(engine, capacity=1000)
-        await _started(engine, broadcaster)
+        broadcaster = EventBroadcaster(engine.event_hub)
         streams = [broadcaster.stream() for _ in range(3)]
         firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
         await asyncio.sleep(0)  # let the clients register their starting point
@@ -110,30 +96,26 @@ async def test_live_clients_get_every_new_event_in_order_in_few_chunks() -> None
             assert [_seq(m) for m in messages] == list(range(2, 202))
             await stream.aclose()
         assert broadcaster.subscribers == 0
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 async def test_resume_replays_exactly_the_events_after_since_seq() -> None:
     async with OffloadEngine(small_config()) as engine:
         for _ in range(10):
             engine.event_hub.publish(EventType.STORED, [KEY])
-        broadcaster = EventBroadcaster(engine, capacity=1000)
-        await _started(engine, broadcaster)
-        await _wait_for_frames(broadcaster, engine)
+        broadcaster = EventBroadcaster(engine.event_hub)
         stream = broadcaster.stream(since_seq=6)
         assert [_seq(m) for m in await _read(stream, 4)] == [7, 8, 9, 10]
         await stream.aclose()
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 async def test_resume_older_than_the_ring_starts_with_a_gap() -> None:
-    async with OffloadEngine(small_config()) as engine:
-        broadcaster = EventBroadcaster(engine, capacity=10)
-        await _started(engine, broadcaster)
+    async with OffloadEngine(small_config(event_buffer_size=10)) as engine:
+        broadcaster = EventBroadcaster(engine.event_hub)
         for _ in range(50):
             engine.event_hub.publish(EventType.STORED, [KEY])
-        await _wait_for_frames(broadcaster, engine)
-        oldest = broadcaster._seqs[0]
+        oldest = engine.event_hub.oldest_seq
         stream = broadcaster.stream(since_seq=3)
         gap, first = (await _read(stream, 2))[:2]
         assert gap["event"] == "gap" and json.loads(gap["data"]) == {
@@ -141,15 +123,14 @@ async def test_resume_older_than_the_ring_starts_with_a_gap() -> None:
             "next_seq": oldest,
         }
         assert _seq(first) == oldest
-        assert broadcaster.adjust(engine.stats()).events_dropped >= oldest - 4
+        assert engine.stats().events_dropped >= oldest - 4
         await stream.aclose()
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 async def test_a_client_that_falls_behind_gets_a_gap_then_continues() -> None:
-    async with OffloadEngine(small_config()) as engine:
-        broadcaster = EventBroadcaster(engine, capacity=10)
-        await _started(engine, broadcaster)
+    async with OffloadEngine(small_config(event_buffer_size=10)) as engine:
+        broadcaster = EventBroadcaster(engine.event_hub)
         stream = broadcaster.stream()
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
@@ -157,29 +138,27 @@ async def test_a_client_that_falls_behind_gets_a_gap_then_continues() -> None:
         assert [_seq(m) for m in _messages(await first)] == [1]
         for _ in range(100):  # the client reads nothing meanwhile
             engine.event_hub.publish(EventType.STORED, [KEY])
-        await _wait_for_frames(broadcaster, engine)
         messages = await _read(stream, 2)
         assert messages[0]["event"] == "gap"
         gap = json.loads(messages[0]["data"])
-        assert _seq(messages[1]) == gap["next_seq"] == broadcaster._seqs[0]
+        assert _seq(messages[1]) == gap["next_seq"] == engine.event_hub.oldest_seq
         assert gap["missed"] == gap["next_seq"] - 2
         await stream.aclose()
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 async def test_type_filter_and_closing_end_the_stream() -> None:
     async with OffloadEngine(small_config()) as engine:
-        broadcaster = EventBroadcaster(engine, capacity=100)
-        await _started(engine, broadcaster)
+        broadcaster = EventBroadcaster(engine.event_hub)
         stream = broadcaster.stream(types=[EventType.EVICTED])
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
         engine.event_hub.publish(EventType.STORED, [KEY])
         engine.event_hub.publish(EventType.EVICTED, [KEY])
         assert [m["event"] for m in _messages(await first)] == ["evicted"]
-        assert broadcaster.adjust(engine.stats()).event_subscribers == 1
+        assert engine.stats().event_subscribers == 1
         rest = asyncio.ensure_future(stream.__anext__())
-        await broadcaster.aclose()
+        broadcaster.end_streams()
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(rest, 5)
 
@@ -196,9 +175,7 @@ async def test_a_resume_id_from_another_run_replays_everything_after_a_restart_g
     async with OffloadEngine(small_config()) as engine:
         for _ in range(11):
             engine.event_hub.publish(EventType.STORED, [KEY])
-        broadcaster = EventBroadcaster(engine, capacity=1000)
-        await _started(engine, broadcaster)
-        await _wait_for_frames(broadcaster, engine)
+        broadcaster = EventBroadcaster(engine.event_hub)
         since, restarted = broadcaster.resume_point(*parse_event_id(last_event_id))
         assert restarted
         stream = broadcaster.stream(since_seq=since, restarted=restarted)
@@ -208,13 +185,13 @@ async def test_a_resume_id_from_another_run_replays_everything_after_a_restart_g
         assert [_seq(m) for m in events] == list(range(1, 12))
         assert parse_event("gap", json.loads(gap["data"])) == GapMarker(0, 1, restarted=True)
         await stream.aclose()
-        await broadcaster.aclose()
+        broadcaster.end_streams()
 
 
 async def test_a_resume_id_of_this_run_is_not_stale() -> None:
     async with OffloadEngine(small_config()) as engine:
         engine.event_hub.publish(EventType.STORED, [KEY])
-        broadcaster = EventBroadcaster(engine, capacity=10)
+        broadcaster = EventBroadcaster(engine.event_hub)
         assert broadcaster.resume_point(*parse_event_id(f"{broadcaster.epoch}-1")) == (1, False)
         assert broadcaster.resume_point(None, 1) == (1, False)  # a bare id of an older client
 
@@ -227,15 +204,46 @@ def test_a_malformed_last_event_id_is_a_clear_config_error() -> None:
 async def test_a_chunk_for_one_client_is_bounded_in_bytes_whatever_the_backlog() -> None:
     """A client that stops reading holds one bounded chunk, not its whole backlog."""
     async with OffloadEngine(small_config()) as engine:
-        broadcaster = EventBroadcaster(engine, capacity=1000)
-        await _started(engine, broadcaster)
+        broadcaster = EventBroadcaster(engine.event_hub)
         many_keys = [OffloadKey(i.to_bytes(8, "big") + b"\0\0\0\0") for i in range(1000)]
         for _ in range(200):  # ~25 KB per frame, ~5 MB of backlog
             engine.event_hub.publish(EventType.STORED, many_keys)
-        await _wait_for_frames(broadcaster, engine)
         stream = broadcaster.stream(since_seq=0)
         chunk = await stream.__anext__()
-        frame = len(broadcaster._frames[0])
+        frame = len(EventEncoder(epoch="0").encode(engine.event_hub.recent()[0]))
         assert len(chunk) <= 64 * 1024 + frame
         await stream.aclose()
-        await broadcaster.aclose()
+        broadcaster.end_streams()
+
+
+async def test_ending_the_streams_sends_what_was_published_then_stops() -> None:
+    async with OffloadEngine(small_config()) as engine:
+        broadcaster = EventBroadcaster(engine.event_hub)
+        stream = broadcaster.stream(since_seq=0)
+        for _ in range(3):
+            engine.event_hub.publish(EventType.STORED, [KEY])
+        broadcaster.end_streams()  # server shutdown
+        engine.event_hub.publish(EventType.STORED, [KEY])  # after it: not sent
+        with anyio.fail_after(5):
+            chunks = [chunk async for chunk in stream]
+        assert [_seq(m) for c in chunks for m in _messages(c)] == [1, 2, 3]
+        assert broadcaster.subscribers == 0 and engine.stats().event_subscribers == 0
+
+
+async def test_streams_in_step_and_out_of_step_each_get_their_own_sequence() -> None:
+    """Streams reading in step share framed batches; one that started earlier must not."""
+    async with OffloadEngine(small_config()) as engine:
+        hub = engine.event_hub
+        for _ in range(5):
+            hub.publish(EventType.STORED, [KEY])
+        broadcaster = EventBroadcaster(hub)
+        streams = [broadcaster.stream(), broadcaster.stream(), broadcaster.stream(since_seq=2)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0)
+        for _ in range(300):
+            hub.publish(EventType.STORED, [KEY])
+        for stream, first, start in zip(streams, firsts, (6, 6, 3), strict=True):
+            messages = _messages(await first)
+            messages += await _read(stream, 306 - start - len(messages))
+            assert [_seq(m) for m in messages] == list(range(start, 306))
+            await stream.aclose()

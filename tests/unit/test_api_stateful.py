@@ -25,7 +25,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # starlette asks for httpx2 here; httpx works
     from starlette.testclient import TestClient
 
-from api import create_app
+from kvcache_offload_service import create_app
 from tests.unit._api_app import hex_key, small_config
 
 KEYS = [hex_key(i) for i in range(10)]

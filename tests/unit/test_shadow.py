@@ -6,8 +6,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api import create_app
-from api.observers import build_observers
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.errors import ConfigError, UnknownPolicyError
 from kvcache_offload.lab.driver import replay_trace
@@ -17,6 +15,8 @@ from kvcache_offload.lab.trace import (
     load_trace,
     sample_trace_path,
 )
+from kvcache_offload_service import create_app
+from kvcache_offload_service.observers import build_observers
 from tests.unit._api_app import hex_key, small_config, store
 
 POLICIES = ["arc", "alru", "s3fifo-prefix"]

@@ -21,13 +21,15 @@ import contextlib
 import logging
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvcache_offload.errors import ConfigError
 from kvcache_offload.integrations.vllm._engine_view import EngineView
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from kvcache_offload.aio.engine import OffloadEngine
 
 __all__ = ["READ_ONLY_ROUTES", "SidePort"]
 
@@ -58,7 +60,7 @@ class SidePort:
         try:
             import uvicorn
 
-            from api.app import create_app
+            from kvcache_offload_service.app import create_app
         except ImportError as exc:
             raise ConfigError(
                 f"observability_port needs the service's web stack ({exc.name} is missing): "
@@ -72,7 +74,9 @@ class SidePort:
             ) from None
         self.host, self.port = self._socket.getsockname()[:2]
         self._view = view
-        app = _ReadOnlyGate(create_app(view, config=view.config))
+        # The view has what the read routes use; the gate answers every other route 404.
+        engine = cast("OffloadEngine", view)
+        app = _ReadOnlyGate(create_app(engine, config=view.config))
         self._server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -146,7 +150,7 @@ class _ReadOnlyGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["method"], scope["path"]) not in READ_ONLY_ROUTES:
-            from api.responses import FastJSONResponse
+            from kvcache_offload_service.responses import FastJSONResponse
 
             detail = (
                 f"{scope['method']} {scope['path']} is not served on the vLLM side port, which "
