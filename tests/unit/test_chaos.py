@@ -176,6 +176,11 @@ class _Feed:
         return [data["seq"] for _, event, data in self.items if event != "gap"]
 
 
+def _close_all(mappings: dict[int, _Mapping]) -> None:
+    for mapping in mappings.values():
+        mapping.close()
+
+
 async def _last_seq(client: OffloadClient) -> int:
     return int((await client.stats())["last_event_seq"])
 
@@ -247,7 +252,7 @@ async def test_a_restart_mid_traffic_serves_no_wrong_byte_and_the_resumed_feed_s
             await anyio.sleep(0.002)
 
     with contextlib.ExitStack() as servers:
-        servers.callback(lambda: [m.close() for m in mappings.values()])
+        servers.callback(_close_all, mappings)
         first = await anyio.to_thread.run_sync(servers.enter_context, running_server(env=env))
         async with contextlib.AsyncExitStack() as clients:
             now["client"] = await clients.enter_async_context(OffloadClient(first.url))
