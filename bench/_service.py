@@ -38,21 +38,24 @@ def wait_listening(port: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+def service_env(extra: Mapping[str, str] | None = None, source: Path = ROOT) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 @contextmanager
 def running_service(
-    args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    args: Sequence[str] = (), env: Mapping[str, str] | None = None, source: Path = ROOT
 ) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    """``kvcache-offload serve --port PORT *args`` until the block ends (then SIGTERM)."""
+    """``kvcache-offload serve --port PORT *args`` until the block ends (then SIGTERM).
+
+    ``source``: the checkout whose sources it runs (another one to compare against).
+    """
     port = free_port()
     command = str(Path(sys.executable).parent / "kvcache-offload")
     proc = subprocess.Popen(
         [command, "serve", "--port", str(port), *args],
-        env=service_env(env),
+        env=service_env(env, source),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
