@@ -45,16 +45,20 @@ def service_env(extra: Mapping[str, str] | None = None, source: Path = ROOT) -> 
 
 @contextmanager
 def running_service(
-    args: Sequence[str] = (), env: Mapping[str, str] | None = None, source: Path = ROOT
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    source: Path = ROOT,
+    prefix: Sequence[str] = (),
 ) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
     """``kvcache-offload serve --port PORT *args`` until the block ends (then SIGTERM).
 
-    ``source``: the checkout whose sources it runs (another one to compare against).
+    ``source``: the checkout whose sources it runs (another one to compare against);
+    ``prefix``: a command to run it under, e.g. ``taskset -c 0,1``.
     """
     port = free_port()
     command = str(Path(sys.executable).parent / "kvcache-offload")
     proc = subprocess.Popen(
-        [command, "serve", "--port", str(port), *args],
+        [*prefix, command, "serve", "--port", str(port), *args],
         env=service_env(env, source),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

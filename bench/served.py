@@ -1,7 +1,7 @@
 """The service as users run it, against a bare FastAPI route, driven by an external load generator.
 
     python -m bench.served [--duration 8] [--connections 32] [--rounds 2] [--ready 32]
-                           [--also ../main]
+                           [--also ../main] [--cpus 0,1]
 
 Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned, on
 this checkout's sources: ``bench/_service.py``) and,
@@ -12,7 +12,8 @@ with 64 hex keys to each in turn, ``--rounds`` times, so drifts in the machine h
 Prints requests/s, latency percentiles and the server's CPU time per request (user + system,
 from /proc: on a shared machine it moves far less than the rate) per round, the ratios
 served/bare, and writes JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys
-first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds.
+first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds;
+``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def store_ready(port: int, count: int) -> None:
         conn.close()
 
 
-def wrk(port: int, script: Path, duration: int, connections: int) -> dict[str, float]:
+def wrk(
+    port: int, script: Path, duration: int, connections: int, prefix: list[str] | None = None
+) -> dict[str, float]:
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
-         f"http://127.0.0.1:{port}/v1/lookup"],
+        [*(prefix or []), "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency",
+         "-s", str(script), f"http://127.0.0.1:{port}/v1/lookup"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -106,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         help="store the first N of the 64 keys first (PUT /v1/blocks), so lookups hit them",
     )  # fmt: skip
     p.add_argument(
+        "--cpus", metavar="LIST",
+        help="run the servers and wrk under taskset -c LIST (e.g. 0,1: a 2-CPU budget on a "
+        "bigger, quiet machine)",
+    )  # fmt: skip
+    p.add_argument(
         "--also", type=Path, metavar="CHECKOUT",
         help="also serve another checkout's sources (e.g. the main branch) in the same rounds",
     )  # fmt: skip
@@ -122,33 +130,36 @@ def main(argv: list[str] | None = None) -> None:
             'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
             f'local f = io.open("{tmpdir / "body.json"}")\nwrk.body = f:read("*a")\nf:close()\n'
         )
+        pin = ["taskset", "-c", args.cpus] if args.cpus else []
         bare_port = free_port()
         bare = subprocess.Popen(
-            [str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
+            [*pin, str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
              "--loop", "uvloop", "--http", "httptools", "--no-access-log"],
             cwd=tmpdir, env=service_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         rows: list[dict[str, Any]] = []
         try:
             with contextlib.ExitStack() as services:
-                served_port, served = services.enter_context(running_service())
+                served_port, served = services.enter_context(running_service(prefix=pin))
                 targets = [
                     ("served", served_port, served.pid),
                     ("bare FastAPI", bare_port, bare.pid),
                 ]
                 if args.also is not None:
-                    port, other = services.enter_context(running_service(source=args.also))
+                    port, other = services.enter_context(
+                        running_service(source=args.also, prefix=pin)
+                    )
                     targets.insert(1, (f"served@{args.also.name}", port, other.pid))
                 wait_listening(bare_port)
                 for name, port, _ in targets:
                     if name != "bare FastAPI" and args.ready:
                         store_ready(port, args.ready)
                 for _, port, _ in targets:  # warm-up
-                    wrk(port, script, 2, args.connections)
+                    wrk(port, script, 2, args.connections, pin)
                 for rnd in range(args.rounds):
                     for name, port, pid in targets:
                         cpu = cpu_seconds(pid)
-                        row = wrk(port, script, args.duration, args.connections)
+                        row = wrk(port, script, args.duration, args.connections, pin)
                         cpu = cpu_seconds(pid) - cpu
                         row["server_cpu_us_per_request"] = (
                             cpu / (row["requests_per_s"] * args.duration) * 1e6
