@@ -11,11 +11,10 @@ body limits and metrics wrap both.
 from __future__ import annotations
 
 from starlette.datastructures import State
-from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_response
-from .responses import FastJSONResponse
+from .responses import json_bytes
 from .routes.keys import LOOKUP_PATH, lookup_answer
 
 __all__ = ["HotPathMiddleware", "HotRoute"]
@@ -55,12 +54,15 @@ class HotPathMiddleware:
             await self.app(scope, receive, send)
             return
         scope["route"] = _LOOKUP_ROUTE
-        response: Response
         try:
-            response = FastJSONResponse(await lookup_answer(self.state, await _read_body(receive)))
+            body = json_bytes(await lookup_answer(self.state, await _read_body(receive)))
         except Exception as exc:
             error = error_response(exc)
             if error is None:
                 raise
-            response = error
-        await response(scope, receive, send)
+            await error(scope, receive, send)
+            return
+        # The two ASGI messages a JSON response is, without building a Response object.
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

@@ -1,4 +1,4 @@
-"""Request limits: body bytes (413), body read time (408) and keys per request (422).
+"""Request limits: body bytes (413), body read time (408), keys (422) and token ids (413).
 
 The body limits are a pure ASGI middleware so an oversized upload is refused from its
 ``Content-Length`` before a byte is read; bodies without one are counted as they stream in.
@@ -22,7 +22,18 @@ from kvcache_offload.errors import OffloadError
 
 from .responses import send_json_error
 
-__all__ = ["BodyLimitMiddleware", "RequestLimitError", "check_key_count"]
+__all__ = ["MAX_TOKEN_IDS", "BodyLimitMiddleware", "RequestLimitError", "check_key_count"]
+
+MAX_TOKEN_IDS = 1 << 22
+"""Token ids one request may send (4,194,304: four times a 1M-token context); more is 413.
+
+It bounds the work and memory of deriving keys (32 MiB of int64 ids plus their packed copy)
+whatever the block size, which ``max_keys_per_request`` alone does not: with
+``block_size`` 1,048,576, 4096 keys stand for 4 billion ids."""
+
+MAX_JSON_BODY_BYTES = MAX_TOKEN_IDS * 16 + 64 * 1024
+"""JSON bodies (every POST) above this are 413 from ``Content-Length``, before a byte is read:
+16 bytes per token id is room for the longest ids with spaces or pretty-printing."""
 
 
 class RequestLimitError(OffloadError):
@@ -42,8 +53,14 @@ def check_key_count(count: int, limit: int) -> None:
         )
 
 
-async def _refuse(send: Send, limit: int, size: str) -> None:
-    detail = f"request body of {size} bytes exceeds max_body_bytes={limit}"
+async def _refuse(send: Send, limit: int, size: str, json_body: bool) -> None:
+    if json_body:
+        detail = (
+            f"JSON request body of {size} bytes exceeds {limit} bytes (room for "
+            f"{MAX_TOKEN_IDS:,} token ids, the most one request may send)"
+        )
+    else:
+        detail = f"request body of {size} bytes exceeds max_body_bytes={limit}"
     await send_json_error(send, 413, "RequestTooLarge", detail, [(b"connection", b"close")])
 
 
@@ -63,6 +80,7 @@ class BodyLimitMiddleware:
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_bytes = min(max_bytes, MAX_JSON_BODY_BYTES)
         self.read_timeout_s = read_timeout_s
         self._large = asyncio.Semaphore(max_large_bodies)
         self.max_large_bodies = max_large_bodies
@@ -100,20 +118,23 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         receive = self._timed(receive)
+        # Every POST takes JSON (at most MAX_JSON_BODY_BYTES); PUT takes blocks.
+        json_body = scope.get("method") == "POST" and self.max_json_bytes < self.max_bytes
+        limit = self.max_json_bytes if json_body else self.max_bytes
         length: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
                 break
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_bytes:
-                await _refuse(send, self.max_bytes, length.decode("latin-1")[:32])
+            if not length.isdigit() or int(length) > limit:
+                await _refuse(send, limit, length.decode("latin-1")[:32], json_body)
                 return
             if int(length) <= LARGE_BODY_BYTES:
                 await self.app(scope, receive, send)  # the server enforces the length
                 return
         elif scope.get("method") in ("GET", "HEAD"):
-            await self._counted(scope, receive, send)
+            await self._counted(scope, receive, send, limit)
             return
         try:
             async with asyncio.timeout(self.read_timeout_s):
@@ -129,11 +150,11 @@ class BodyLimitMiddleware:
             if length is not None:
                 await self.app(scope, receive, send)
             else:
-                await self._counted(scope, receive, send)
+                await self._counted(scope, receive, send, limit)
         finally:
             self._large.release()
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         seen = 0
         over = False
         started = False
@@ -143,7 +164,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     over = True
                     return {"type": "http.disconnect"}
             return message
@@ -161,4 +182,4 @@ class BodyLimitMiddleware:
             if not over or started:
                 raise
         if over and not started:
-            await _refuse(send, self.max_bytes, f"more than {self.max_bytes}")
+            await _refuse(send, limit, f"more than {limit}", json_body=limit < self.max_bytes)

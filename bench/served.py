@@ -1,34 +1,39 @@
 """The service as users run it, against a bare FastAPI route, driven by an external load generator.
 
-    python -m bench.served [--duration 8] [--connections 32] [--rounds 2]
+    python -m bench.served [--duration 8] [--connections 32] [--rounds 2] [--ready 32]
+                           [--also ../main] [--cpus 0,1]
 
-Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned) and,
+Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned, on
+this checkout's sources: ``bench/_service.py``) and,
 as the floor, a bare FastAPI app whose one route parses the same body into a pydantic model
 and decodes its 64 hex keys, both under uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk``
 (Debian package ``wrk``; one thread, ``--connections`` connections) sends ``POST /v1/lookup``
 with 64 hex keys to each in turn, ``--rounds`` times, so drifts in the machine hit both.
-Prints requests/s and latency percentiles per round, the ratio served/bare, and writes JSON to
-``bench/out/served.json``.
+Prints requests/s, latency percentiles and the server's CPU time per request (user + system,
+from /proc: on a shared machine it moves far less than the rate) per round, the ratios
+served/bare, and writes JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys
+first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds;
+``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from bench._common import OUT_DIR, machine_info
+from bench._service import free_port, running_service, service_env, wait_listening
 
-ROOT = Path(__file__).resolve().parents[1]
 KEYS = [(b"%032d" % i).hex() + "00000000" for i in range(64)]
 
 BARE_APP = """
@@ -49,27 +54,36 @@ async def lookup(body: Body) -> dict:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` (Linux): a cost per request that other load on a
+    shared machine does not inflate the way it inflates latency."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_ready(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+def store_ready(port: int, count: int) -> None:
+    """Upload the first ``count`` keys' blocks, so a lookup finds them ready."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("GET", "/v1/stats")
+        block = int(json.loads(conn.getresponse().read())["block_nbytes"])
+        query = "&".join(f"keys={k}" for k in KEYS[:count])
+        conn.request("PUT", f"/v1/blocks?{query}", bytes(block * count),
+                     {"Content-Type": "application/octet-stream"})  # fmt: skip
+        response = conn.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"storing the ready keys failed: {response.status} {body[:200]!r}")
+    finally:
+        conn.close()
 
 
-def wrk(port: int, script: Path, duration: int, connections: int) -> dict[str, float]:
+def wrk(
+    port: int, script: Path, duration: int, connections: int, prefix: list[str] | None = None
+) -> dict[str, float]:
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
-         f"http://127.0.0.1:{port}/v1/lookup"],
+        [*(prefix or []), "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency",
+         "-s", str(script), f"http://127.0.0.1:{port}/v1/lookup"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -90,6 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=OUT_DIR / "served.json")
+    p.add_argument(
+        "--ready", type=int, default=0, metavar="N",
+        help="store the first N of the 64 keys first (PUT /v1/blocks), so lookups hit them",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpus", metavar="LIST",
+        help="run the servers and wrk under taskset -c LIST (e.g. 0,1: a 2-CPU budget on a "
+        "bigger, quiet machine)",
+    )  # fmt: skip
+    p.add_argument(
+        "--also", type=Path, metavar="CHECKOUT",
+        help="also serve another checkout's sources (e.g. the main branch) in the same rounds",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         sys.exit("bench.served needs wrk (Debian: apt-get install wrk)")
@@ -103,50 +130,65 @@ def main(argv: list[str] | None = None) -> None:
             'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
             f'local f = io.open("{tmpdir / "body.json"}")\nwrk.body = f:read("*a")\nf:close()\n'
         )
-        served_port, bare_port = free_port(), free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        procs = [
-            subprocess.Popen(
-                [str(bindir / "kvcache-offload"), "serve", "--port", str(served_port)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ),
-            subprocess.Popen(
-                [str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
-                 "--loop", "uvloop", "--http", "httptools", "--no-access-log"],
-                cwd=tmpdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ),
-        ]  # fmt: skip
+        pin = ["taskset", "-c", args.cpus] if args.cpus else []
+        bare_port = free_port()
+        bare = subprocess.Popen(
+            [*pin, str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
+             "--loop", "uvloop", "--http", "httptools", "--no-access-log"],
+            cwd=tmpdir, env=service_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
         rows: list[dict[str, Any]] = []
         try:
-            wait_ready(served_port)
-            wait_ready(bare_port)
-            for port in (served_port, bare_port):  # warm-up
-                wrk(port, script, 2, args.connections)
-            for rnd in range(args.rounds):
-                for name, port in (("served", served_port), ("bare FastAPI", bare_port)):
-                    rows.append({"round": rnd, "target": name,
-                                 **wrk(port, script, args.duration, args.connections)})  # fmt: skip
+            with contextlib.ExitStack() as services:
+                served_port, served = services.enter_context(running_service(prefix=pin))
+                targets = [
+                    ("served", served_port, served.pid),
+                    ("bare FastAPI", bare_port, bare.pid),
+                ]
+                if args.also is not None:
+                    port, other = services.enter_context(
+                        running_service(source=args.also, prefix=pin)
+                    )
+                    targets.insert(1, (f"served@{args.also.name}", port, other.pid))
+                wait_listening(bare_port)
+                for name, port, _ in targets:
+                    if name != "bare FastAPI" and args.ready:
+                        store_ready(port, args.ready)
+                for _, port, _ in targets:  # warm-up
+                    wrk(port, script, 2, args.connections, pin)
+                for rnd in range(args.rounds):
+                    for name, port, pid in targets:
+                        cpu = cpu_seconds(pid)
+                        row = wrk(port, script, args.duration, args.connections, pin)
+                        cpu = cpu_seconds(pid) - cpu
+                        row["server_cpu_us_per_request"] = (
+                            cpu / (row["requests_per_s"] * args.duration) * 1e6
+                        )
+                        rows.append({"round": rnd, "target": name, **row})
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(timeout=20)
-    print(f"{'round':>5}  {'target':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+            bare.terminate()
+            bare.wait(timeout=20)
+    print(f"{'round':>5}  {'target':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'CPU us/req':>10} {'non-2xx':>8}")  # fmt: skip
+    nan = float("nan")
     for r in rows:
         print(f"{r['round']:>5}  {r['target']:<13} {r['requests_per_s']:>9.0f} "
-              f"{r.get('p50_ms', float('nan')):>8.2f} {r.get('p99_ms', float('nan')):>8.2f} "
-              f"{r['non_2xx']:>8.0f}")  # fmt: skip
-    ratios = []
+              f"{r.get('p50_ms', nan):>8.2f} {r.get('p99_ms', nan):>8.2f} "
+              f"{r['server_cpu_us_per_request']:>10.0f} {r['non_2xx']:>8.0f}")  # fmt: skip
+    ratios, cpu_ratios = [], []
     for rnd in range(args.rounds):
         s = next(r for r in rows if r["round"] == rnd and r["target"] == "served")
         b = next(r for r in rows if r["round"] == rnd and r["target"] == "bare FastAPI")
         ratios.append(s["requests_per_s"] / b["requests_per_s"])
-    print("served / bare:", ", ".join(f"{x:.2f}" for x in ratios))
+        cpu_ratios.append(b["server_cpu_us_per_request"] / s["server_cpu_us_per_request"])
+    print("served / bare, req/s:", ", ".join(f"{x:.2f}" for x in ratios))
+    print("served / bare, requests per CPU-second:", ", ".join(f"{x:.2f}" for x in cpu_ratios))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
             {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
-             "rows": rows, "served_over_bare": ratios},
+             "rows": rows, "served_over_bare": ratios,
+             "served_over_bare_per_cpu_second": cpu_ratios},
             indent=1,
         )
     )  # fmt: skip

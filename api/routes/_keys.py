@@ -1,8 +1,10 @@
 """Turn a request's key source (hex keys or token ids) into offload keys, within limits.
 
 Parsing a large body and hashing its token ids can take seconds of CPU: bodies over
-``OFF_LOOP_BYTES`` are parsed and hashed in a worker thread (:func:`parse_keys`), so the event
-loop keeps answering other requests (and ``/healthz``) meanwhile.
+``OFF_LOOP_BYTES`` are parsed and hashed in a worker thread (:func:`parse_keys`), their token
+ids decoded in short steps that let the event loop take the GIL in between
+(``api/routes/_token_body.py``), so it keeps answering other requests (and ``/healthz``).
+Such bodies keep their token ids as one numpy int64 array in ``body.token_ids``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.keys import token_block_keys
 
-from ..limits import check_key_count
+from ..limits import RequestLimitError, check_key_count
 from ..schemas import KeysRequest
 from ._body import validate_body
+from ._token_body import FRAME_BYTES, decode_token_ids, split_token_ids
 
 if TYPE_CHECKING:
     from kvcache_offload.aio.engine import OffloadEngine
@@ -42,11 +45,36 @@ def _parse_and_resolve(raw: bytes, model: type[K], max_keys: int) -> tuple[K, li
     return body, resolve_keys(body, max_keys)
 
 
+KEY_JSON_BYTES = 128
+"""Generous JSON size of one hex key (72 hex digits, quotes, comma, spaces)."""
+
+
+def _parse_large(raw: bytes, model: type[K], max_keys: int) -> tuple[K, list[OffloadKey]]:
+    split = split_token_ids(raw)
+    if split is not None:
+        rest, start, end = split
+        body = validate_body(rest, model)  # every field but the ids, as a small body
+        if body.token_ids is not None and len(body.token_ids) == 0:
+            tokens = decode_token_ids(raw, start, end)
+            body = body.model_copy(update={"token_ids": tokens})
+            return body, resolve_keys(body, max_keys)
+    # Parsed in one call (holding the GIL): only as large as max_keys_per_request keys need.
+    limit = max_keys * KEY_JSON_BYTES + FRAME_BYTES
+    if len(raw) > limit:
+        raise RequestLimitError(
+            413,
+            f"request body of {len(raw)} bytes is larger than {max_keys} keys need (at most "
+            f"{limit}); send token ids as a top-level 'token_ids' array with the other fields "
+            f"under {FRAME_BYTES} bytes",
+        )
+    return _parse_and_resolve(raw, model, max_keys)
+
+
 async def parse_keys(raw: bytes, model: type[K], max_keys: int) -> tuple[K, list[OffloadKey]]:
     """The validated body and its keys; large bodies are handled in a worker thread."""
     if len(raw) <= OFF_LOOP_BYTES:
         return _parse_and_resolve(raw, model, max_keys)
-    return await anyio.to_thread.run_sync(_parse_and_resolve, raw, model, max_keys)
+    return await anyio.to_thread.run_sync(_parse_large, raw, model, max_keys)
 
 
 def resolve_keys(body: KeysRequest, max_keys: int) -> list[OffloadKey]:

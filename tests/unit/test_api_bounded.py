@@ -18,13 +18,13 @@ async def test_large_token_id_bodies_are_parsed_and_hashed_off_the_event_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads: list[threading.Thread] = []
-    parse = _keys._parse_and_resolve
+    resolve = _keys.resolve_keys
 
     def spy(*args: Any) -> Any:
         threads.append(threading.current_thread())
-        return parse(*args)
+        return resolve(*args)
 
-    monkeypatch.setattr(_keys, "_parse_and_resolve", spy)
+    monkeypatch.setattr(_keys, "resolve_keys", spy)
     async with served() as s:
         big = {"token_ids": list(range(100_000)), "block_size": 1_048_576}
         r = await s.client.post("/v1/lookup", json=big)
