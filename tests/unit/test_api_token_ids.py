@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.limits import MAX_JSON_BODY_BYTES, MAX_TOKEN_IDS, BodyLimitMiddleware
-from api.routes import _keys, _token_body
 from kvcache_offload.keys import token_block_keys
+from kvcache_offload_service.limits import MAX_JSON_BODY_BYTES, MAX_TOKEN_IDS, BodyLimitMiddleware
+from kvcache_offload_service.routes import _keys, _token_body
 from tests.unit._api_app import served, small_config
 
 IDS = np.random.default_rng(13).integers(-3, 152_000, 90_000).tolist()  # ~600 KB of JSON
