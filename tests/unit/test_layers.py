@@ -29,7 +29,7 @@ ROOT = Path(kvcache_offload.__file__).parent
 PACKAGE = "kvcache_offload"
 
 LAYERS: list[tuple[str, set[str]]] = [
-    ("basics", {"errors", "config", "_imports", "_registry", "_compiled", "_moved"}),
+    ("basics", {"errors", "config", "_imports", "_registry", "_compiled", "_moved", "_closing"}),
     ("contracts", {"contracts", "base", "keys"}),
     ("control plane", {"control"}),
     ("policy lab", {"lab"}),
