@@ -40,7 +40,6 @@ cp "$SITE/vllm-$VERSION.dist-info/"{METADATA,top_level.txt} "$tmp/src/vllm-$VERS
 printf 'vllm-%s.dist-info/METADATA,,\n' "$VERSION" > "$tmp/src/vllm-$VERSION.dist-info/RECORD"
 tar cJf "$DEST/vllm-$VERSION-py.tar.xz" -C "$tmp/src" vllm "vllm-$VERSION.dist-info"
 for name in _C _C_stable_libtorch; do cp "$SRC/stubs/_C.py" "$DEST/stubs/vllm/$name.py"; done
-cp "$SRC/stubs/llguidance.py" "$DEST/stubs/llguidance.py"
 
 echo "== vLLM's $TEST, adapted"
 "$VENV/bin/python" scripts/_vllm_requirements.py --sdist-file "$VERSION" "$TEST" "$tmp/sdist"

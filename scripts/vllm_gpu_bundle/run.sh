@@ -30,7 +30,6 @@ echo "== install into $WORK (no network: bundle wheels, vLLM 0.21.0 python sourc
   --target "$WORK/site" "$WHEELS"/*.whl || exit 3
 tar xJf "$BUNDLE/vllm-0.21.0-py.tar.xz" -C "$WORK/site" || exit 3
 cp "$BUNDLE"/stubs/vllm/*.py "$WORK/site/vllm/"
-cp "$BUNDLE"/stubs/*.py "$WORK/site/"  # top-level stand-ins (llguidance)
 cp -r "$BUNDLE/tests" "$WORK/tests"
 rm -rf "$WORK/tests/__pycache__"
 # The bundle's packages first (the image has no pydantic), then the repo, then the tests' shim.
