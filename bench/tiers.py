@@ -14,8 +14,12 @@ Every figure is a ratio to a floor measured in the same run, on the same values:
    added < 1 ms.
 3. Disk tier (``DiskTier``: header, fsync, rename, checksum on read) against a plain
    write+fsync / read loop over files in the same directory, batch by batch (one worker-thread
-   hop per batch for both), alternating the two. The ratio is the median over the repeats of
-   floor time / tier time (fsync latency swings between runs). Goal: >= 0.8x.
+   hop per batch for both), alternating the two. The plain read keeps the blocks of its batch,
+   as the tier must to return them; a loop that drops each block at once is reported too, but
+   it is no floor: it reads into the same already-mapped memory every time, while any reader
+   that hands blocks on pays for fresh pages (most of a read's cost on a VM). The ratio is the
+   median over the repeats of floor time / tier time (fsync latency swings between runs).
+   Goal: >= 0.8x.
 4. CPU-tier lookups (64 keys, all hits) with a disk tier configured but idle, against the same
    engine without tiers. Goal: no drop.
 
@@ -223,19 +227,30 @@ async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], ar
             finally:
                 os.close(fd)
 
-    def plain_read(directory: Path, ks: list[OffloadKey]) -> None:
+    def plain_read(directory: Path, ks: list[OffloadKey]) -> list[bytes]:
+        # Keeps the batch's blocks, as any read that hands them on must (the tier does).
+        out = []
+        for k in ks:
+            with open(directory / k.hex(), "rb") as f:
+                out.append(f.read())
+        return out
+
+    def plain_read_dropping(directory: Path, ks: list[OffloadKey]) -> None:
+        # Reported, not a floor: dropping each block at once lets malloc hand the same
+        # already-mapped 2 MiB to the next read, so it never pays for fresh pages.
         for k in ks:
             with open(directory / k.hex(), "rb") as f:
                 f.read()
 
     total = sum(len(v) for v in values)
     sums = {op: {"bare": [], "tier": []} for op in ("write", "read")}  # type: ignore[var-annotated]
+    dropping: list[float] = []
     for i in range(args.repeat):
         plain = root / f"plain-{i}"
         plain.mkdir()
         tier = DiskTier(root / f"tier-{i}", 1 << 40, "bench")
         await tier.open()
-        w_bare = w_tier = r_bare = r_tier = 0.0
+        w_bare = w_tier = r_bare = r_tier = r_drop = 0.0
         for ks, vals in batches:
             items = list(zip(ks, vals, strict=True))
             w_bare += await _timed(partial(asyncio.to_thread, plain_write, plain, ks, vals))
@@ -243,6 +258,8 @@ async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], ar
         for ks, _ in batches:
             r_bare += await _timed(partial(asyncio.to_thread, plain_read, plain, ks))
             r_tier += await _timed(partial(tier.get, ks))
+            r_drop += await _timed(partial(asyncio.to_thread, plain_read_dropping, plain, ks))
+        dropping.append(r_drop)
         await tier.aclose()
         sums["write"]["bare"].append(w_bare)
         sums["write"]["tier"].append(w_tier)
@@ -255,7 +272,9 @@ async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], ar
             "bare_gbps": total / min(t["bare"]) / 1e9,
             "tier_gbps": total / min(t["tier"]) / 1e9,
             "ratio": ratios[len(ratios) // 2],
+            "ratios": ratios,
         }
+    out["read"]["dropping_gbps"] = total / min(dropping) / 1e9
     return out
 
 
@@ -354,6 +373,12 @@ def show(result: dict[str, Any]) -> None:
             f"{d[op]['tier_gbps']:.2f} GB/s",
             f"{d[op]['ratio']:.2f}x (>= 0.8)",
         )
+    table.add_row(
+        "  (plain read dropping each block at once: reuses one warm buffer; no floor)",
+        f"{d['read']['dropping_gbps']:.2f} GB/s",
+        "",
+        "",
+    )
     idle = result["idle_tiers"]
     table.add_row(
         "CPU-tier lookups (64 hits), idle disk tier vs none",

@@ -44,14 +44,12 @@ def redis_key_prefix(fingerprint: str) -> bytes:
 class RedisTier(SecondaryTier):
     """Blocks in Redis/Valkey; see the module docstring."""
 
-    def __init__(
-        self,
-        url: str,
-        fingerprint: str,
-        *,
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 0.5,
-    ) -> None:
+    socket_timeout_s: float = 2.0
+    """Longest wait for a reply (the tier set's read deadline is shorter for lookups)."""
+    connect_timeout_s: float = 0.5
+    """A dead server costs this much per retry after its back-off, not a TCP timeout."""
+
+    def __init__(self, url: str, fingerprint: str) -> None:
         scheme, sep, rest = url.partition("://")
         if not sep or (scheme not in _PLAIN_SCHEMES and scheme not in _CLUSTER_SCHEMES):
             raise ConfigError(
@@ -62,9 +60,10 @@ class RedisTier(SecondaryTier):
         self.cluster = scheme in _CLUSTER_SCHEMES
         self._url = f"{_CLUSTER_SCHEMES.get(scheme, scheme)}://{rest}"
         self._prefix = redis_key_prefix(fingerprint)
-        self._socket_timeout_s = socket_timeout_s
-        self._connect_timeout_s = connect_timeout_s
         self._client: Any = None
+        self._known_nodes: list[tuple[str, int]] = []
+        """Cluster nodes the last client knew: seeds for the next one, so the tier comes back
+        while the node named in the URL is the one that is down."""
         self._stats = TierStats(self.name, "redis-cluster" if self.cluster else "redis")
         self._hist = {op: LatencyHistogram() for op in ("contains", "get", "put", "delete")}
 
@@ -84,15 +83,18 @@ class RedisTier(SecondaryTier):
         from redis.backoff import NoBackoff
 
         common: dict[str, Any] = {
-            "socket_timeout": self._socket_timeout_s,
-            "socket_connect_timeout": self._connect_timeout_s,
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
             "retry": Retry(NoBackoff(), 0),
         }
         try:
             if self.cluster:
-                from redis.asyncio.cluster import RedisCluster
+                from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-                self._client = RedisCluster.from_url(self._url, **common)
+                seeds = [ClusterNode(host, port) for host, port in self._known_nodes]
+                self._client = RedisCluster.from_url(
+                    self._url, startup_nodes=seeds or None, **common
+                )
             else:
                 from redis.asyncio import Redis
 
@@ -121,6 +123,11 @@ class RedisTier(SecondaryTier):
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None
+        if self.cluster:
+            with contextlib.suppress(Exception):  # a client that never connected knows none
+                known = [(n.host, int(n.port)) for n in client.get_nodes()]
+                if known:
+                    self._known_nodes = known
         with contextlib.suppress(Exception):  # the connection is already broken
             await client.aclose()
 

@@ -20,10 +20,9 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import BlockStateError
 from kvcache_offload.tiers import RedisTier
 from tests._redis import (
-    RedisCluster,
     RedisServer,
-    redis_cluster,
     redis_server,
+    redis_url_of,
     requires_redis,
     skip_without_redis,
 )
@@ -64,14 +63,8 @@ def standalone(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture(params=["standalone", "cluster"])
 def redis_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    skip_without_redis()
-    if request.param == "standalone":
-        with redis_server(tmp_path) as server:
-            yield server.url
-    else:
-        cluster: RedisCluster
-        with redis_cluster(tmp_path) as cluster:
-            yield cluster.url
+    with redis_url_of(request.param, tmp_path) as url:
+        yield url
 
 
 async def test_two_engines_share_blocks_through_redis(redis_url: str) -> None:
