@@ -61,9 +61,6 @@ class RedisTier(SecondaryTier):
         self._url = f"{_CLUSTER_SCHEMES.get(scheme, scheme)}://{rest}"
         self._prefix = redis_key_prefix(fingerprint)
         self._client: Any = None
-        self._known_nodes: list[tuple[str, int]] = []
-        """Cluster nodes the last client knew: seeds for the next one, so the tier comes back
-        while the node named in the URL is the one that is down."""
         self._stats = TierStats(self.name, "redis-cluster" if self.cluster else "redis")
         self._hist = {op: LatencyHistogram() for op in ("contains", "get", "put", "delete")}
 
@@ -89,12 +86,9 @@ class RedisTier(SecondaryTier):
         }
         try:
             if self.cluster:
-                from redis.asyncio.cluster import ClusterNode, RedisCluster
+                from redis.asyncio.cluster import RedisCluster
 
-                seeds = [ClusterNode(host, port) for host, port in self._known_nodes]
-                self._client = RedisCluster.from_url(
-                    self._url, startup_nodes=seeds or None, **common
-                )
+                self._client = RedisCluster.from_url(self._url, **common)
             else:
                 from redis.asyncio import Redis
 
@@ -113,21 +107,16 @@ class RedisTier(SecondaryTier):
             queue(pipe)
             results: list[Any] = await pipe.execute()
         except (RedisError, RedisClusterException, OSError) as exc:
+            # The client is kept, on a cluster too: it refreshes its slot map itself and puts
+            # a node that failed last among its seeds. A new client would start from the
+            # URL's node and the first primary of the slot map, and stay down while either is.
             self._stats.errors += 1
-            if self.cluster and self._client is not None:
-                # The slot map may be stale after a node restart: rebuild it on the next call.
-                await self._drop_client()
             raise TierError(f"redis {op} at {self.url} failed: {exc!r}") from exc
         self._hist[op].observe(time.perf_counter() - start)
         return results
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None
-        if self.cluster:
-            with contextlib.suppress(Exception):  # a client that never connected knows none
-                known = [(n.host, int(n.port)) for n in client.get_nodes()]
-                if known:
-                    self._known_nodes = known
         with contextlib.suppress(Exception):  # the connection is already broken
             await client.aclose()
 
