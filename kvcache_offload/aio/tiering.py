@@ -37,7 +37,6 @@ from kvcache_offload.contracts.manager import (
 )
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
-from kvcache_offload.tiers.base import BlockData
 from kvcache_offload.tiers.tier_set import TierSet
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ _PROMOTE_ATTEMPTS = 4
 _CLOSE_DRAIN_S = 5.0
 """A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
-WriteBlocks = Callable[[list[OffloadKey], list[BlockData]], Awaitable[object]]
+WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
 
 
 def _ids(spec: object) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcache_offload._imports import lazy_exports
-from kvcache_offload.tiers.base import BlockData, LatencyHistogram, SecondaryTier, TierStats
+from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
 if TYPE_CHECKING:
     from kvcache_offload.tiers.configured import tiers_from_config
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from kvcache_offload.tiers.tier_set import TierSet
 
 __all__ = [
-    "BlockData",
     "DiskTier",
     "LatencyHistogram",
     "RedisTier",

@@ -19,18 +19,7 @@ from dataclasses import dataclass, field
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = [
-    "TIER_LATENCY_BUCKETS_S",
-    "BlockData",
-    "LatencyHistogram",
-    "SecondaryTier",
-    "TierStats",
-]
-
-BlockData = bytes | bytearray | memoryview
-"""A block's bytes as a tier hands them up: any contiguous byte buffer, so a tier can read
-straight into memory of its choosing (the disk tier: an uninitialised array) instead of
-copying into ``bytes``. Compares equal to ``bytes`` of the same content; ``bytes(x)`` copies."""
+__all__ = ["TIER_LATENCY_BUCKETS_S", "LatencyHistogram", "SecondaryTier", "TierStats"]
 
 TIER_LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -114,7 +103,7 @@ class SecondaryTier(ABC):
         """Whether each key is held (a later ``get`` may still miss: eviction, corruption)."""
 
     @abstractmethod
-    async def get(self, keys: Sequence[OffloadKey]) -> list[BlockData | None]:
+    async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
         """Each key's verified bytes, or None (absent, evicted or corrupt: removed)."""
 
     @abstractmethod

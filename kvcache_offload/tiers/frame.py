@@ -22,24 +22,12 @@ import xxhash
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = [
-    "HEADER_PREFIX",
-    "Hasher",
-    "checksum",
-    "decode_header",
-    "encode_header",
-    "expected",
-    "verify",
-]
+__all__ = ["HEADER_PREFIX", "checksum", "decode_header", "encode_header", "verify"]
 
 _MAGIC = b"KVT2"
 _FIXED = struct.Struct("<4sQQH")
 HEADER_PREFIX = _FIXED.size
 """Bytes of the header before the key."""
-
-Hasher = xxhash.xxh3_64
-"""The checksum as a stream (``update`` per chunk, then ``intdigest``): same value as
-:func:`checksum` of the whole payload."""
 
 
 def checksum(payload: bytes | memoryview) -> int:
@@ -62,15 +50,6 @@ def decode_header(header: bytes) -> tuple[int, int, bytes] | None:
     if magic != _MAGIC or len(header) < HEADER_PREFIX + key_len:
         return None
     return digest, length, bytes(header[HEADER_PREFIX : HEADER_PREFIX + key_len])
-
-
-def expected(key: OffloadKey, header: bytes) -> tuple[int, int] | None:
-    """``(digest, payload length)`` that ``header`` promises for ``key``; None if it is not
-    a well-formed header of ``key`` (for readers that hash the payload as it arrives)."""
-    parsed = decode_header(header)
-    if parsed is None or parsed[2] != bytes(key):
-        return None
-    return parsed[0], parsed[1]
 
 
 def verify(key: OffloadKey, header: bytes | None, payload: bytes | memoryview | None) -> bool:

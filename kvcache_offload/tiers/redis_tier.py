@@ -27,7 +27,7 @@ import anyio
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
-from kvcache_offload.tiers.base import BlockData, LatencyHistogram, SecondaryTier, TierStats
+from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
 __all__ = ["RedisTier", "redis_key_prefix"]
 
@@ -133,7 +133,7 @@ class RedisTier(SecondaryTier):
 
         return [bool(n) for n in await self._pipeline("contains", queue)]
 
-    async def get(self, keys: Sequence[OffloadKey]) -> list[BlockData | None]:
+    async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
         if not keys:
             return []
         names = [self._redis_key(k) for k in keys]
@@ -149,7 +149,7 @@ class RedisTier(SecondaryTier):
             return [frame.verify(k, h, d) for k, (h, d) in zip(keys, frames, strict=True)]
 
         ok = await anyio.to_thread.run_sync(check)
-        out: list[BlockData | None] = []
+        out: list[bytes | None] = []
         corrupt: list[bytes] = []
         for name, (header, data), good in zip(names, frames, ok, strict=True):
             if good and data is not None:

@@ -30,7 +30,7 @@ import anyio
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import TierError
-from kvcache_offload.tiers.base import BlockData, SecondaryTier, TierStats
+from kvcache_offload.tiers.base import SecondaryTier, TierStats
 
 __all__ = ["BlockSource", "TierEventSink", "TierSet"]
 
@@ -48,7 +48,7 @@ def _contains(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[boo
     return tier.contains(keys)
 
 
-def _get(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[BlockData | None]]:
+def _get(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[bytes | None]]:
     return tier.get(keys)
 
 
@@ -209,7 +209,7 @@ class TierSet:
         found = await self._first_tier(keys, _contains, count=True)
         return {key: name for key, (_, name) in found.items()}
 
-    async def get(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[BlockData, str]]:
+    async def get(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[bytes, str]]:
         """Bytes and tier name of each key some tier could deliver (verified)."""
         return await self._first_tier(keys, _get, count=False)
 
