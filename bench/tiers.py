@@ -340,25 +340,18 @@ async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], ar
                 out.append(f.read())
         return out
 
-    def plain_readinto(directory: Path, ks: list[OffloadKey]) -> list[np.ndarray]:
-        # The same into uninitialised arrays: no bytes object to size, grow or shrink.
-        out = []
-        for k in ks:
-            with open(directory / k.hex(), "rb", buffering=0) as f:
-                block = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
-                f.readinto(block.data)
-                out.append(block)
-        return out
-
-    def plain_readinto_chunks(directory: Path, ks: list[OffloadKey]) -> list[np.ndarray]:
-        # The same in 256 KiB reads (smaller copies per syscall).
+    def plain_readinto(
+        directory: Path, ks: list[OffloadKey], chunk: int = 1 << 40
+    ) -> list[np.ndarray]:
+        # The same into uninitialised arrays (no bytes object to size, grow or shrink), in
+        # reads of at most ``chunk`` bytes.
         out = []
         for k in ks:
             with open(directory / k.hex(), "rb", buffering=0) as f:
                 block = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
                 view, pos = block.data, 0
                 while pos < len(view):
-                    pos += f.readinto(view[pos : pos + (256 << 10)]) or len(view)
+                    pos += f.readinto(view[pos : pos + chunk]) or len(view)
                 out.append(block)
         return out
 
@@ -405,7 +398,7 @@ async def bench_disk(root: Path, keys: list[OffloadKey], values: list[bytes], ar
         plain_paths = {
             "read": plain_read,
             "readinto": plain_readinto,
-            "readinto_chunks": plain_readinto_chunks,
+            "readinto_chunks": partial(plain_readinto, chunk=256 << 10),
             "dropping": plain_read_dropping,
         }
         readers = [(name, partial(_in_thread, fn, plain)) for name, fn in plain_paths.items()]
