@@ -173,3 +173,15 @@ def redis_cluster(tmp: Path, size: int = 3) -> Iterator[RedisCluster]:
     finally:
         for node in nodes:
             node.kill()
+
+
+@contextmanager
+def redis_url_of(kind: str, tmp: Path) -> Iterator[str]:
+    """The URL of a fresh ``"standalone"`` server or ``"cluster"`` (3 masters) under ``tmp``."""
+    skip_without_redis()
+    if kind == "standalone":
+        with redis_server(tmp) as server:
+            yield server.url
+    else:
+        with redis_cluster(tmp) as cluster:
+            yield cluster.url

@@ -56,14 +56,14 @@ class LatencyHistogram:
 
 @dataclass
 class TierStats:
-    """Counters of one secondary tier, as reported by ``/v1/stats`` and ``/metrics``."""
+    """Counters of one secondary tier, as reported by ``/v1/stats`` and ``/metrics``.
+
+    Traffic first (every tier counts it the same way: payload bytes, not frame headers), then
+    what the tier holds, which only a tier that owns its storage can say.
+    """
 
     name: str
     kind: str
-    blocks: int | None = None
-    """Blocks held, where the tier knows (disk); None where the store decides (Redis)."""
-    bytes: int | None = None
-    capacity_bytes: int | None = None
     available: bool = True
     """False while the tier is backed off after errors or slowness."""
     hits: int = 0
@@ -82,6 +82,11 @@ class TierStats:
     """Blocks not written because the write queue was full or the tier was backed off."""
     op_seconds: dict[str, LatencyHistogram] = field(default_factory=dict)
     """Latency per operation: contains, get, put, delete."""
+    capacity_bytes: int | None = None
+    blocks: int | None = None
+    """Blocks held, where the tier knows (disk); None where the store decides (Redis, shared
+    by every instance: its memory is not this instance's)."""
+    bytes: int | None = None
 
 
 class SecondaryTier(ABC):

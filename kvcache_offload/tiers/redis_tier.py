@@ -44,14 +44,12 @@ def redis_key_prefix(fingerprint: str) -> bytes:
 class RedisTier(SecondaryTier):
     """Blocks in Redis/Valkey; see the module docstring."""
 
-    def __init__(
-        self,
-        url: str,
-        fingerprint: str,
-        *,
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 0.5,
-    ) -> None:
+    socket_timeout_s: float = 2.0
+    """Longest wait for a reply (the tier set's read deadline is shorter for lookups)."""
+    connect_timeout_s: float = 0.5
+    """A dead server costs this much per retry after its back-off, not a TCP timeout."""
+
+    def __init__(self, url: str, fingerprint: str) -> None:
         scheme, sep, rest = url.partition("://")
         if not sep or (scheme not in _PLAIN_SCHEMES and scheme not in _CLUSTER_SCHEMES):
             raise ConfigError(
@@ -62,8 +60,6 @@ class RedisTier(SecondaryTier):
         self.cluster = scheme in _CLUSTER_SCHEMES
         self._url = f"{_CLUSTER_SCHEMES.get(scheme, scheme)}://{rest}"
         self._prefix = redis_key_prefix(fingerprint)
-        self._socket_timeout_s = socket_timeout_s
-        self._connect_timeout_s = connect_timeout_s
         self._client: Any = None
         self._stats = TierStats(self.name, "redis-cluster" if self.cluster else "redis")
         self._hist = {op: LatencyHistogram() for op in ("contains", "get", "put", "delete")}
@@ -84,8 +80,8 @@ class RedisTier(SecondaryTier):
         from redis.backoff import NoBackoff
 
         common: dict[str, Any] = {
-            "socket_timeout": self._socket_timeout_s,
-            "socket_connect_timeout": self._connect_timeout_s,
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
             "retry": Retry(NoBackoff(), 0),
         }
         try:
@@ -111,10 +107,10 @@ class RedisTier(SecondaryTier):
             queue(pipe)
             results: list[Any] = await pipe.execute()
         except (RedisError, RedisClusterException, OSError) as exc:
+            # The client is kept, on a cluster too: it refreshes its slot map itself and puts
+            # a node that failed last among its seeds. A new client would start from the
+            # URL's node and the first primary of the slot map, and stay down while either is.
             self._stats.errors += 1
-            if self.cluster and self._client is not None:
-                # The slot map may be stale after a node restart: rebuild it on the next call.
-                await self._drop_client()
             raise TierError(f"redis {op} at {self.url} failed: {exc!r}") from exc
         self._hist[op].observe(time.perf_counter() - start)
         return results

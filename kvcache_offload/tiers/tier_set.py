@@ -23,7 +23,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import anyio
 
@@ -39,6 +40,17 @@ BlockSource = Callable[[], Awaitable[Sequence[tuple[OffloadKey, bytes]]]]
 """Called by the writer when it reaches a job: the bytes to write (keys gone since: left out)."""
 TierEventSink = Callable[[str, list[OffloadKey], str], None]
 """``(event type "stored" | "evicted", keys, tier name)``."""
+
+_T = TypeVar("_T")
+
+
+def _contains(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[bool]]:
+    return tier.contains(keys)
+
+
+def _get(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[bytes | None]]:
+    return tier.get(keys)
+
 
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 5.0
@@ -57,16 +69,14 @@ class _Health:
     write_ema_s: float = 0.0
     slow: bool = False
     last_probe: float = 0.0
-    hits: int = 0
-    misses: int = 0
-    errors: int = 0
-    dropped: int = 0
+    counts: TierStats = field(default_factory=lambda: TierStats("", ""))
+    """The counters the tier set keeps itself (hits, misses, errors, writes_dropped)."""
 
     def available(self, now: float) -> bool:
         return now >= self.down_until
 
     def failed(self, now: float) -> None:
-        self.errors += 1
+        self.counts.errors += 1
         self.backoff_s = min(max(self.backoff_s * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
         self.down_until = now + self.backoff_s
 
@@ -141,7 +151,12 @@ class TierSet:
 
     # -- reads -------------------------------------------------------------------------------
 
-    async def _ask(self, tier: SecondaryTier, call: Callable[[], Awaitable[list]]) -> list | None:
+    async def _ask(
+        self,
+        tier: SecondaryTier,
+        call: Callable[[SecondaryTier, list[OffloadKey]], Awaitable[Sequence[_T | None]]],
+        keys: list[OffloadKey],
+    ) -> Sequence[_T | None] | None:
         """One read call under the deadline; None when the tier is down, failed or slow."""
         health = self._health[tier.name]
         if not health.available(time.monotonic()):
@@ -149,7 +164,7 @@ class TierSet:
         try:
             # asyncio.timeout: a fraction of anyio.fail_after's cost on this hot path.
             async with asyncio.timeout(self.read_timeout_s):
-                answer = await call()
+                answer = await call(tier, keys)
         except (TierError, TimeoutError) as exc:
             logger.debug("tier %s read failed: %r", tier.name, exc)
             health.failed(time.monotonic())
@@ -157,47 +172,46 @@ class TierSet:
         health.succeeded()
         return answer
 
-    async def lookup(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, str]:
-        """For each key some tier holds, the first such tier's name."""
-        found: dict[OffloadKey, str] = {}
+    async def _first_tier(
+        self,
+        keys: Sequence[OffloadKey],
+        call: Callable[[SecondaryTier, list[OffloadKey]], Awaitable[Sequence[_T | None]]],
+        *,
+        count: bool,
+    ) -> dict[OffloadKey, tuple[_T, str]]:
+        """Each key's answer from the first tier that has one (None or False: ask the next).
+
+        A tier that is down or fails passes all its keys on. With ``count``, every key asked
+        of a tier is one hit or one miss of that tier.
+        """
+        out: dict[OffloadKey, tuple[_T, str]] = {}
         remaining = list(dict.fromkeys(keys))
         for tier in self.tiers:
             if not remaining:
                 break
             asked = remaining
-            answer = await self._ask(tier, lambda t=tier, a=asked: t.contains(a))  # type: ignore[misc]
-            health = self._health[tier.name]
-            if answer is None:
-                health.misses += len(asked)
-                continue
-            remaining = []
-            for key, held in zip(asked, answer, strict=True):
-                if held:
-                    found[key] = tier.name
-                else:
-                    remaining.append(key)
-            health.hits += len(asked) - len(remaining)
-            health.misses += len(remaining)
-        return found
+            answer = await self._ask(tier, call, asked)
+            if answer is not None:
+                remaining = []
+                for key, value in zip(asked, answer, strict=True):
+                    if value is None or value is False:
+                        remaining.append(key)
+                    else:
+                        out[key] = (value, tier.name)
+            if count:
+                counts = self._health[tier.name].counts
+                counts.hits += len(asked) - len(remaining)
+                counts.misses += len(remaining)
+        return out
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, str]:
+        """For each key some tier holds, the first such tier's name."""
+        found = await self._first_tier(keys, _contains, count=True)
+        return {key: name for key, (_, name) in found.items()}
 
     async def get(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[bytes, str]]:
         """Bytes and tier name of each key some tier could deliver (verified)."""
-        got: dict[OffloadKey, tuple[bytes, str]] = {}
-        remaining = list(dict.fromkeys(keys))
-        for tier in self.tiers:
-            if not remaining:
-                break
-            asked = remaining
-            answer = await self._ask(tier, lambda t=tier, a=asked: t.get(a))  # type: ignore[misc]
-            if answer is None:
-                continue
-            remaining = []
-            for key, data in zip(asked, answer, strict=True):
-                if data is None:
-                    remaining.append(key)
-                else:
-                    got[key] = (data, tier.name)
-        return got
+        return await self._first_tier(keys, _get, count=False)
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -207,7 +221,7 @@ class TierSet:
             return True
         if len(self._queue) >= self.queue_size:
             for health in self._health.values():
-                health.dropped += num_blocks
+                health.counts.writes_dropped += num_blocks
             return False
         self._queue.append((num_blocks, source))
         self.writes_queued += num_blocks
@@ -239,7 +253,7 @@ class TierSet:
             if self._health[tier.name].accepts_write(now):
                 targets.append(tier)
             else:
-                self._health[tier.name].dropped += num_blocks
+                self._health[tier.name].counts.writes_dropped += num_blocks
         if not targets:
             return
         items = list(await source())
@@ -258,7 +272,7 @@ class TierSet:
         except (TierError, TimeoutError) as exc:
             logger.debug("tier %s write failed: %r", tier.name, exc)
             health.failed(time.monotonic())
-            health.dropped += len(items)
+            health.counts.writes_dropped += len(items)
             return
         health.succeeded()
         health.wrote(time.monotonic() - start)
@@ -284,14 +298,18 @@ class TierSet:
         now = time.monotonic()
         out = []
         for tier in self.tiers:
-            snap = tier.stats()
             health = self._health[tier.name]
-            snap.available = health.available(now) and not health.slow
-            snap.hits = health.hits
-            snap.misses = health.misses
-            snap.errors = health.errors
-            snap.writes_dropped = health.dropped
-            out.append(snap)
+            c = health.counts
+            out.append(
+                replace(
+                    tier.stats(),
+                    available=health.available(now) and not health.slow,
+                    hits=c.hits,
+                    misses=c.misses,
+                    errors=c.errors,
+                    writes_dropped=c.writes_dropped,
+                )
+            )
         return out
 
     async def aclose(self) -> None:

@@ -8,6 +8,8 @@ cross tiers at once; the prefix spans tiers; a dead tier is a miss, never an err
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +19,13 @@ import pytest
 from kvcache_offload import KVCacheLayout, OffloadConfig
 from kvcache_offload.aio import EngineEvent, KeyState, OffloadEngine
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.errors import BlockStateError
+from kvcache_offload.errors import BlockStateError, TierError
 from kvcache_offload.tiers import RedisTier
 from tests._redis import (
-    RedisCluster,
     RedisServer,
     redis_cluster,
     redis_server,
+    redis_url_of,
     requires_redis,
     skip_without_redis,
 )
@@ -64,14 +66,8 @@ def standalone(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture(params=["standalone", "cluster"])
 def redis_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    skip_without_redis()
-    if request.param == "standalone":
-        with redis_server(tmp_path) as server:
-            yield server.url
-    else:
-        cluster: RedisCluster
-        with redis_cluster(tmp_path) as cluster:
-            yield cluster.url
+    with redis_url_of(request.param, tmp_path) as url:
+        yield url
 
 
 async def test_two_engines_share_blocks_through_redis(redis_url: str) -> None:
@@ -220,5 +216,75 @@ async def test_a_corrupt_redis_value_is_a_miss_and_is_deleted(tmp_path: Path) ->
             assert await tier.get([k]) == [None]
             assert server.cli("exists", name) == "0"
             assert tier.stats().corrupt_blocks == 1
+        finally:
+            await tier.aclose()
+
+
+def _exists_calls(server: RedisServer) -> int:
+    """``EXISTS`` commands the server has executed (``INFO commandstats``)."""
+    found = re.search(r"^cmdstat_exists:calls=(\d+)", server.cli("info", "commandstats"), re.M)
+    return int(found.group(1)) if found else 0
+
+
+async def test_a_64_key_lookup_all_in_redis_is_one_round_trip(
+    standalone: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from redis.asyncio.connection import AbstractConnection
+
+    sends: list[int] = []
+    send = AbstractConnection.send_packed_command
+
+    async def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sends.append(1)
+        await send(self, command, check_health)
+
+    ks = keys(*range(64))
+    async with (
+        OffloadEngine(config(64, remote_url=standalone.url)) as first,
+        OffloadEngine(config(64, remote_url=standalone.url)) as second,
+    ):
+        await first.write_blocks(ks, [data(i) for i in range(64)])
+        await written(first, "redis", 64)
+        await second.lookup(ks[:1])  # connects: the handshake is not the lookup's
+        before = _exists_calls(standalone)
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+        result = await second.lookup(ks)
+        monkeypatch.undo()
+        assert result.hits == 64
+        assert result.tiers == ["redis"] * 64
+        assert len(sends) == 1  # one write of all 64 commands, then their replies
+        assert _exists_calls(standalone) - before == 64
+
+
+async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path) -> None:
+    """Blocks on the other nodes are still served while the seed node is gone, and all of
+    them again once it is back."""
+    skip_without_redis()
+    with redis_cluster(tmp_path) as cluster:
+        tier = RedisTier(cluster.url, "c" * 16)
+        ks = keys(*range(24))
+        try:
+            await tier.put([(k, data(i)) for i, k in enumerate(ks)])
+            seed = cluster.nodes[0]
+            on_seed = [seed.cli("exists", f"kvo:{'c' * 16}:{k.hex()}") == "1" for k in ks]
+            assert 0 < sum(on_seed) < len(ks)
+            seed.kill()
+            with pytest.raises(TierError):  # a batch with keys on the dead node fails whole,
+                await tier.get(ks)  # and the client is dropped, slot map and all
+            elsewhere = [k for k, seeded in zip(ks, on_seed, strict=True) if not seeded]
+            got = await tier.get(elsewhere)
+            expected = [data(i) for i, seeded in enumerate(on_seed) if not seeded]
+            assert got == expected
+
+            seed.start()  # same port and node id, no data: it rejoins its slots, empty
+            async with asyncio.timeout(30):
+                while True:
+                    with contextlib.suppress(TierError):
+                        got = await tier.get(ks)
+                        break
+                    await asyncio.sleep(0.05)
+            assert got == [None if seeded else data(i) for i, seeded in enumerate(on_seed)]
+            await tier.put([(k, data(i)) for i, k in enumerate(ks)])
+            assert await tier.get(ks) == [data(i) for i in range(len(ks))]
         finally:
             await tier.aclose()

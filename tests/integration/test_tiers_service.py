@@ -8,6 +8,7 @@ again after a restart, and a file truncated by hand is a miss, never wrong bytes
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._redis import redis_cluster, redis_server, skip_without_redis, wait_until
+from tests._redis import (
+    redis_cluster,
+    redis_server,
+    redis_url_of,
+    skip_without_redis,
+    wait_until,
+)
 from tests.integration._server import BLOCK_BYTES, running_server
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,15 +56,21 @@ def tier(client: httpx.Client, url: str, name: str) -> dict[str, Any]:
     return next(t for t in stats["tiers"] if t["name"] == name)
 
 
+def tier_metric(client: httpx.Client, url: str, family: str, name: str) -> float:
+    """The value of ``kvcache_offload_tier_<family>{tier="<name>"}`` on ``/metrics``."""
+    found = re.search(
+        rf'^kvcache_offload_tier_{family}\{{tier="{name}"\}} (\S+)$',
+        client.get(f"{url}/metrics").text,
+        re.MULTILINE,
+    )
+    assert found is not None, f"{family} of tier {name} not exported"
+    return float(found.group(1))
+
+
 @pytest.fixture(params=["standalone", "cluster"])
 def redis_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    skip_without_redis()
-    if request.param == "standalone":
-        with redis_server(tmp_path) as server:
-            yield server.url
-    else:
-        with redis_cluster(tmp_path) as cluster:
-            yield cluster.url
+    with redis_url_of(request.param, tmp_path) as url:
+        yield url
 
 
 def test_two_services_share_blocks_through_one_redis(redis_url: str) -> None:
@@ -79,6 +92,12 @@ def test_two_services_share_blocks_through_one_redis(redis_url: str) -> None:
             assert got.status_code == 200
             assert got.content == block(i)
         assert lookup(client, second.url, ids)["tiers"] == ["CPU"] * 8
+        # Bytes written and read are counted per tier, payload only (as for the disk).
+        total = 8 * BLOCK_BYTES
+        wait_until(lambda: tier_metric(client, first.url, "put_bytes_total", "redis") == total)
+        assert tier_metric(client, second.url, "get_bytes_total", "redis") == total
+        assert tier_metric(client, second.url, "get_blocks_total", "redis") == 8
+        assert tier_metric(client, second.url, "put_bytes_total", "redis") == 0
 
 
 def test_redis_killed_mid_traffic_gives_no_5xx_and_writes_resume(tmp_path: Path) -> None:
@@ -115,6 +134,44 @@ def test_redis_killed_mid_traffic_gives_no_5xx_and_writes_resume(tmp_path: Path)
 
             wait_until(a_write_lands, timeout=30, what="a write reaching the restarted Redis")
             assert tier(client, service.url, "redis")["put_blocks"] > written_before
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_node_killed_mid_traffic_gives_no_5xx_and_only_right_bytes(
+    tmp_path: Path,
+) -> None:
+    """The node named in the URL dies: lookups, stores and reads go on from the CPU tier."""
+    skip_without_redis()
+    with (
+        redis_cluster(tmp_path) as cluster,
+        running_server("--remote-url", cluster.url) as service,
+        # Every request has to answer within the read deadline plus a little; a hang fails.
+        httpx.Client(timeout=5) as client,
+    ):
+        statuses: list[int] = []
+        served = 0
+        for step in range(40):
+            if step == 10:
+                cluster.nodes[0].kill()
+            ids = [2 * step, 2 * step + 1]
+            statuses.append(put(client, service.url, ids).status_code)
+            answer = client.post(
+                f"{service.url}/v1/lookup", json={"keys": [hexkey(i) for i in range(2 * step + 2)]}
+            )
+            statuses.append(answer.status_code)
+            # The newest block is in the CPU tier; an old one fell out of its 32 blocks and
+            # comes from a surviving node, or is a miss (409), never other bytes.
+            for i in (ids[1], step % 20):
+                got = client.get(f"{service.url}/v1/blocks/{hexkey(i)}")
+                statuses.append(got.status_code)
+                if got.status_code == 200:
+                    assert got.content == block(i)
+                    served += 1
+        assert not [s for s in statuses if s >= 500], statuses
+        assert served >= 40  # at least every newest block
+        stats = tier(client, service.url, "redis")
+        assert stats["errors"] > 0
+        assert tier_metric(client, service.url, "errors_total", "redis") > 0
 
 
 def test_disk_tier_survives_a_restart_and_a_truncated_file_is_a_miss(tmp_path: Path) -> None:

@@ -80,6 +80,28 @@ async def test_flipped_bits_are_a_miss(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
+    tmp_path: Path,
+) -> None:
+    """The checks on the read path guard every byte of a file: header, key, length, payload."""
+    payload = bytes(range(64))
+    tier = DiskTier(tmp_path, 1 << 20, FP)
+    await tier.open()
+    await tier.put([(key(1), payload)])
+    path = tier._file(key(1))
+    good = path.read_bytes()
+    damaged = [good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1 :] for i in range(len(good))]
+    damaged.append(good + b"\0")
+    for data in damaged:
+        await tier.put([(key(1), payload)])  # again, after the last read removed it
+        path.write_bytes(data)
+        assert await tier.get([key(1)]) == [None]
+        assert not path.exists()
+    assert tier.stats().corrupt_blocks == len(damaged)
+    await tier.put([(key(1), payload)])
+    assert await tier.get([key(1)]) == [payload]
+
+
 async def test_stale_partial_writes_are_removed_on_open(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 1 << 20, FP)
     await tier.open()
