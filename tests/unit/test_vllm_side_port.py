@@ -220,3 +220,27 @@ def test_the_api_token_guards_the_side_port_as_it_guards_the_service() -> None:
         assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200  # open, as served
     finally:
         backend.shutdown()
+
+
+async def test_the_view_refuses_every_call_that_would_change_the_tier() -> None:
+    from kvcache_offload.integrations.vllm._engine_view import EngineView, ReadOnlyError
+
+    config = offload_config({}, layout=LAYOUT, block_size=None, enable_events=True, engine_id="e")
+    view = EngineView(config, 2048)
+    try:
+        for call, args in [
+            ("touch", (KEYS,)),
+            ("prepare_store", (KEYS,)),
+            ("complete_store", ("lease-1",)),
+            ("prepare_load", (KEYS,)),
+            ("complete_load", ("lease-1",)),
+            ("write_blocks", (KEYS, [b"x"] * len(KEYS))),
+            ("read_block", (KEYS[0],)),
+            ("reset", ()),
+        ]:
+            with pytest.raises(ReadOnlyError, match=f"{call} is not served inside vLLM"):
+                await getattr(view, call)(*args)
+        with pytest.raises(AttributeError):
+            view.no_such_call  # noqa: B018
+    finally:
+        view.close()

@@ -22,10 +22,7 @@ from kvcache_offload.aio.types import (
     EngineStats,
     EventType,
     KeyState,
-    LoadLease,
     LookupResult,
-    StoreLease,
-    StoreResult,
 )
 from kvcache_offload.config import OffloadConfig
 from kvcache_offload.contracts.manager import ReqContext
@@ -186,54 +183,24 @@ class EngineView:
 
     # -- refused: vLLM's scheduler owns the tier ----------------------------------------------
 
-    async def touch(
-        self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
-    ) -> None:
-        raise _read_only("touch")
+    def __getattr__(self, name: str) -> Any:
+        """The engine's calls that change the tier exist here only to refuse: awaiting one
+        raises :class:`ReadOnlyError` (the side port's gate already answers their routes 404)."""
+        if name not in _REFUSED:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    async def prepare_store(
-        self,
-        keys: Sequence[OffloadKey],
-        req_context: ReqContext | None = None,
-        ttl_s: float | None = None,
-    ) -> StoreLease:
-        raise _read_only("prepare_store")
+        async def refuse(*_args: object, **_kwargs: object) -> Any:
+            raise _read_only(name)
 
-    async def complete_store(
-        self,
-        lease_id: str,
-        success: bool = True,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
-    ) -> list[OffloadKey]:
-        raise _read_only("complete_store")
+        return refuse
 
-    async def prepare_load(
-        self,
-        keys: Sequence[OffloadKey],
-        req_context: ReqContext | None = None,
-        ttl_s: float | None = None,
-    ) -> LoadLease:
-        raise _read_only("prepare_load")
 
-    async def complete_load(
-        self,
-        lease_id: str,
-        transfer_bytes: int | None = None,
-        transfer_seconds: float | None = None,
-    ) -> None:
-        raise _read_only("complete_load")
-
-    async def write_blocks(
-        self, keys: Sequence[OffloadKey], data: Sequence[bytes | bytearray | memoryview]
-    ) -> StoreResult:
-        raise _read_only("write_blocks")
-
-    async def read_block(self, key: OffloadKey) -> bytes:
-        raise _read_only("read_block")
-
-    async def reset(self) -> None:
-        raise _read_only("reset")
+_REFUSED = frozenset(
+    {
+        "touch", "prepare_store", "complete_store", "prepare_load", "complete_load",
+        "write_blocks", "read_block", "reset",
+    }
+)  # fmt: skip
 
 
 def _read_only(call: str) -> ReadOnlyError:
