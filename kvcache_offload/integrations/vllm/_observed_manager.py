@@ -16,12 +16,13 @@ shares the scheduler's process (a single-GPU vLLM); each engine registers itself
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION, EngineTotals
 from kvcache_offload.aio.types import EventType, Histogram
 from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
@@ -42,9 +43,6 @@ __all__ = [
     "observed_for",
 ]
 
-STORE_DIRECTION = "gpu_to_cpu"
-LOAD_DIRECTION = "cpu_to_gpu"
-
 EventSink = Callable[[EventType, list[OffloadKey], str, dict[str, Any]], None]
 """Called on vLLM's thread with (type, keys, medium, detail) for each offloading event."""
 
@@ -56,46 +54,26 @@ def observed_for(engine_id: str | None) -> ObservedManager | None:
     return _BY_ENGINE.get(engine_id) if engine_id is not None else None
 
 
-@dataclass
-class ObservedCounters:
-    """What the service's engine counts itself, counted here for vLLM's calls."""
+class ObservedCounters(EngineTotals):
+    """What the service's engine counts itself (its :class:`EngineTotals`, by the same names),
+    counted here for vLLM's calls, plus the transfers of a worker in this process. vLLM asks
+    one key per lookup call, so ``lookup_keys`` equals ``lookups``."""
 
-    lookups: int = 0
-    """vLLM's lookup calls (vLLM asks one key per call)."""
-    lookup_hit_blocks: int = 0
-    store_blocks_prepared: int = 0
-    store_blocks_completed: int = 0
-    store_blocks_failed: int = 0
-    stores_rejected: int = 0
-    load_blocks_completed: int = 0
-    evicted_blocks: int = 0
-    transfer_bytes: dict[str, int] = field(
-        default_factory=lambda: {STORE_DIRECTION: 0, LOAD_DIRECTION: 0}
-    )
-    transfer_seconds: dict[str, float] = field(
-        default_factory=lambda: {STORE_DIRECTION: 0.0, LOAD_DIRECTION: 0.0}
-    )
-    transfer_duration: dict[str, Histogram] = field(
-        default_factory=lambda: {STORE_DIRECTION: Histogram(), LOAD_DIRECTION: Histogram()}
-    )
+    def __init__(self) -> None:
+        super().__init__()
+        self.transfer_bytes = {STORE_DIRECTION: 0, LOAD_DIRECTION: 0}
+        self.transfer_seconds = {STORE_DIRECTION: 0.0, LOAD_DIRECTION: 0.0}
+        self.transfer_duration = {STORE_DIRECTION: Histogram(), LOAD_DIRECTION: Histogram()}
 
     def copy(self) -> ObservedCounters:
-        return ObservedCounters(
-            self.lookups,
-            self.lookup_hit_blocks,
-            self.store_blocks_prepared,
-            self.store_blocks_completed,
-            self.store_blocks_failed,
-            self.stores_rejected,
-            self.load_blocks_completed,
-            self.evicted_blocks,
-            dict(self.transfer_bytes),
-            dict(self.transfer_seconds),
-            {
-                d: Histogram(h.bounds, list(h.counts), h.sum, h.count)
-                for d, h in self.transfer_duration.items()
-            },
-        )
+        twin = copy.copy(self)
+        twin.transfer_bytes = dict(self.transfer_bytes)
+        twin.transfer_seconds = dict(self.transfer_seconds)
+        twin.transfer_duration = {
+            d: Histogram(h.bounds, list(h.counts), h.sum, h.count)
+            for d, h in self.transfer_duration.items()
+        }
+        return twin
 
 
 class ObservedManager(OffloadingManager):
@@ -149,6 +127,7 @@ class ObservedManager(OffloadingManager):
         with self.lock:
             found = self.manager.lookup(key, req_context)
             self._counters.lookups += 1
+            self._counters.lookup_keys += 1
             self._counters.lookup_hit_blocks += found is True
         return found
 
