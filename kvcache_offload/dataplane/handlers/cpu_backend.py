@@ -45,6 +45,7 @@ __all__ = [
     "ThreadedOffloadingHandler",
     "allocate_cpu_tensors",
     "canonical_int8_views",
+    "canonical_views_on",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,17 @@ def canonical_int8_views(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
                     f"group {gi}: un-padded page of {ref.page_size_bytes} bytes does not fit "
                     f"tensor {ref.tensor_idx}'s page of {views[ref.tensor_idx].shape[1]} bytes"
                 )
+    return views
+
+
+def canonical_views_on(
+    kv_caches: CanonicalKVCaches, device_type: str, why: str
+) -> list[torch.Tensor]:
+    """The canonical int8 views, checked to live on ``device_type`` (``why`` opens the error)."""
+    views = canonical_int8_views(kv_caches)
+    for i, t in enumerate(views):
+        if t.device.type != device_type:
+            raise ConfigError(f"{why}, canonical tensor {i} is on {t.device}")
     return views
 
 
@@ -155,41 +167,34 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         max_staging_bytes: int = 64 * 1024 * 1024,
         inline_max_bytes: int = HOST_INLINE_MAX_BYTES,
     ) -> None:
-        self.gpu_tensors = canonical_int8_views(kv_caches)
-        for i, t in enumerate(self.gpu_tensors):
-            if t.device.type != "cpu":
-                raise ConfigError(
-                    f"the CPU backend needs CPU tensors, canonical tensor {i} is on {t.device}"
-                )
+        self.gpu_tensors = canonical_views_on(kv_caches, "cpu", "the CPU backend needs CPU tensors")
         self.block_size_factor = int(block_size_factor)
         self.cpu_tensors = allocate_cpu_tensors(
             self.gpu_tensors, self.block_size_factor, num_cpu_blocks, mmap_region
         )
-        refs = kv_caches.group_data_refs
         del max_staging_bytes  # the host copy needs no staging; kept for callers that pass it
-        store = HostCopier(self.gpu_tensors, self.cpu_tensors, 1, self.block_size_factor)
-        load = HostCopier(self.cpu_tensors, self.gpu_tensors, self.block_size_factor, 1)
-        self.gpu_to_cpu_handler = ThreadedOffloadingHandler(
-            src_tensors=self.gpu_tensors,
-            dst_tensors=self.cpu_tensors,
-            src_factor=1,
-            dst_factor=self.block_size_factor,
-            group_data_refs=refs,
-            gpu_to_cpu=True,
-            run_plan=lambda plan, _token: store.run(plan),
-            thread_name="kvoffload-store",
-            can_batch=True,
-            inline_max_bytes=inline_max_bytes,
+        self.gpu_to_cpu_handler, self.cpu_to_gpu_handler = (
+            self._direction(kv_caches, gpu_to_cpu, inline_max_bytes) for gpu_to_cpu in (True, False)
         )
-        self.cpu_to_gpu_handler = ThreadedOffloadingHandler(
-            src_tensors=self.cpu_tensors,
-            dst_tensors=self.gpu_tensors,
-            src_factor=self.block_size_factor,
-            dst_factor=1,
-            group_data_refs=refs,
-            gpu_to_cpu=False,
-            run_plan=lambda plan, _token: load.run(plan),
-            thread_name="kvoffload-load",
+
+    def _direction(
+        self, kv_caches: CanonicalKVCaches, gpu_to_cpu: bool, inline_max_bytes: int
+    ) -> ThreadedOffloadingHandler:
+        factor = self.block_size_factor
+        src, dst = (self.gpu_tensors, self.cpu_tensors)
+        src_factor, dst_factor = 1, factor
+        if not gpu_to_cpu:
+            src, dst, src_factor, dst_factor = dst, src, dst_factor, src_factor
+        copier = HostCopier(src, dst, src_factor, dst_factor)
+        return ThreadedOffloadingHandler(
+            src_tensors=src,
+            dst_tensors=dst,
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            group_data_refs=kv_caches.group_data_refs,
+            gpu_to_cpu=gpu_to_cpu,
+            run_plan=lambda plan, _token: copier.run(plan),
+            thread_name="kvoffload-" + ("store" if gpu_to_cpu else "load"),
             can_batch=True,
             inline_max_bytes=inline_max_bytes,
         )

@@ -8,9 +8,11 @@ where one copy may write its blocks in any order, the destination blocks they wr
 
 from __future__ import annotations
 
+import threading
+
 from kvcache_offload.dataplane.copy.plan import TransferPlan
 
-__all__ = ["HeldJobs"]
+__all__ = ["BatchingSwitch", "HeldJobs"]
 
 
 class HeldJobs:
@@ -49,3 +51,34 @@ class HeldJobs:
     def merged(jobs: list[tuple[int, TransferPlan]]) -> TransferPlan:
         """One plan copying every job's fragments in submission order."""
         return jobs[0][1] if len(jobs) == 1 else TransferPlan.merge([p for _, p in jobs])
+
+
+class BatchingSwitch:
+    """``set_batching`` and ``flush`` (the ``BatchesJobs`` capability) over a handler's held
+    jobs; the handler says whether it can batch at all and how it issues what it held."""
+
+    _held: HeldJobs
+    _lock: threading.Lock
+    _batching: bool
+
+    def _can_hold_jobs(self) -> bool:
+        return True
+
+    def _flush_locked(self) -> None:
+        raise NotImplementedError
+
+    def set_batching(self, enabled: bool) -> None:
+        """Hold jobs until :meth:`flush` (the caller promises to call it soon, e.g. once per
+        event-loop tick) and issue those held as one copy; jobs still complete in submission
+        order, and a later job still wins over an earlier one writing the same block."""
+        if not self._can_hold_jobs():
+            return
+        if not enabled:
+            self.flush()
+        self._batching = enabled
+
+    def flush(self) -> None:
+        """Issue the held jobs now (a no-op when none is held)."""
+        if self._held:
+            with self._lock:
+                self._flush_locked()

@@ -31,7 +31,7 @@ from kvcache_offload.contracts.handler import (
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
-from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
+from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = [
@@ -88,7 +88,7 @@ class _Job:
     future: Future[float] | _Finished
 
 
-class ThreadedOffloadingHandler(OffloadingHandler):
+class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     """One direction; each job runs on this handler's single worker thread.
 
     ``run_plan(plan)`` performs the copy and returns when the bytes are in place. Jobs finish
@@ -176,22 +176,14 @@ class ThreadedOffloadingHandler(OffloadingHandler):
         self._pending[job_id] = job
         self._notify(None)
 
-    def set_batching(self, enabled: bool) -> None:
-        """Hold jobs until :meth:`flush` and run those held as one copy on the thread (one
-        hand-off and one wake-up for all of them). Fragments are copied in submission order,
-        so a later job still wins over an earlier one writing the same block."""
-        if not self._can_batch:
-            return
-        if not enabled:
-            self.flush()
-        self._batching = enabled
+    # -- batching (BatchingSwitch): held jobs go to the thread as one copy, one hand-off ----
+    def _can_hold_jobs(self) -> bool:
+        return self._can_batch
 
-    def flush(self) -> None:
-        if self._held:
-            with self._lock:
-                held = self._held.take()
-                if held and self._executor is not None:
-                    self._issue(held)
+    def _flush_locked(self) -> None:
+        held = self._held.take()
+        if held and self._executor is not None:
+            self._issue(held)
 
     def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
         assert self._executor is not None

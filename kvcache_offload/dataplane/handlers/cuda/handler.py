@@ -50,7 +50,7 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     probe_paths,
     resolve_mechanism,
 )
-from kvcache_offload.dataplane.handlers.held_jobs import HeldJobs
+from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.dataplane.handlers.threaded import (
     CPU_TO_GPU,
     GPU_TO_CPU,
@@ -68,7 +68,7 @@ batches stay in flight, so the copy of one overlaps the host work of the next (o
 everything would leave the link idle while the host completes it and submits the next)."""
 
 
-class SingleDirectionOffloadingHandler(OffloadingHandler):
+class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     """Copies jobs of one direction between GPU canonical tensors and CPU tensors."""
 
     def __init__(
@@ -236,22 +236,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         return True
 
     # -- batching: the jobs submitted in one event-loop tick share one copy ----------------
-    def set_batching(self, enabled: bool) -> None:
-        """Hold kernel and DMA jobs until :meth:`flush` (the caller promises to call it soon,
-        e.g. once per event-loop tick) and issue them as one copy. A batch is one launch and
-        one end event for all its jobs, which is what lets dozens of small concurrent jobs
-        reach the link; jobs still complete in submission order."""
-        if self._fallback is not None:
-            return
-        if not enabled:
-            self.flush()
-        self._batching = enabled
-
-    def flush(self) -> None:
-        """Issue the held jobs now (a no-op when none is held)."""
-        if self._held:
-            with self._lock:
-                self._flush_locked()
+    def _can_hold_jobs(self) -> bool:  # BatchingSwitch: kernel and DMA jobs share a launch
+        return self._fallback is None
 
     def _can_batch(self, plan: TransferPlan) -> bool:
         mechanism = self.choose_mechanism(plan)

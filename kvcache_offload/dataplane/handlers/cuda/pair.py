@@ -9,7 +9,7 @@ from kvcache_offload.dataplane.copy.staged import DEFAULT_STAGING_CONFIG, Stagin
 from kvcache_offload.dataplane.copy.triton_kernel import DEFAULT_KERNEL_CONFIG, KernelConfig
 from kvcache_offload.dataplane.handlers.cpu_backend import (
     allocate_cpu_tensors,
-    canonical_int8_views,
+    canonical_views_on,
 )
 from kvcache_offload.dataplane.handlers.cuda.handler import SingleDirectionOffloadingHandler
 from kvcache_offload.dataplane.handlers.cuda.paths import (
@@ -20,7 +20,6 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     Mechanism,
 )
 from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
-from kvcache_offload.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
@@ -52,13 +51,11 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
     ) -> None:
-        self.gpu_tensors = canonical_int8_views(kv_caches)
-        for i, t in enumerate(self.gpu_tensors):
-            if t.device.type != "cuda":
-                raise ConfigError(
-                    f"CUDA handlers need CUDA tensors, canonical tensor {i} is on {t.device}; "
-                    "use CpuBackendOffloadingHandlers for CPU tensors"
-                )
+        self.gpu_tensors = canonical_views_on(
+            kv_caches,
+            "cuda",
+            "CUDA handlers need CUDA tensors (use CpuBackendOffloadingHandlers for CPU ones)",
+        )
         if mmap_region is not None and pin_memory and not mmap_region.is_pinned:
             mmap_region.pin()
         self.cpu_tensors = allocate_cpu_tensors(
