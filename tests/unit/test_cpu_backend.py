@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from kvcache_offload.config import KVCacheLayout, OffloadConfig  # noqa: E402
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
 from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
+from kvcache_offload.dataplane.copy.plan import CopySides  # noqa: E402
 from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
     HOST_INLINE_MAX_BYTES,
     CpuBackendOffloadingHandlers,
@@ -221,10 +222,7 @@ def _gated_handler(
             raise RuntimeError("simulated copy failure")
 
     return ThreadedOffloadingHandler(
-        src_tensors=gpu,
-        dst_tensors=cpu,
-        src_factor=1,
-        dst_factor=1,
+        sides=CopySides(gpu, cpu),
         group_data_refs=[[CanonicalKVCacheRef(0, 64)]],
         gpu_to_cpu=True,
         run_plan=run,

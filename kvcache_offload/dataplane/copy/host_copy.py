@@ -13,13 +13,11 @@ the same bytes, a little slower for jobs of many small fragments.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from kvcache_offload.dataplane.copy.plan import (
-    SideGeometry,
+    CopySides,
     TransferPlan,
 )
 
@@ -44,16 +42,9 @@ class HostCopier:
     pointer table).
     """
 
-    def __init__(
-        self,
-        src_tensors: Sequence[torch.Tensor],
-        dst_tensors: Sequence[torch.Tensor],
-        src_factor: int,
-        dst_factor: int,
-    ) -> None:
-        self._keep = (list(src_tensors), list(dst_tensors))
-        self.src_geom = SideGeometry.from_tensors(self._keep[0], src_factor)
-        self.dst_geom = SideGeometry.from_tensors(self._keep[1], dst_factor)
+    def __init__(self, sides: CopySides) -> None:
+        self._keep = sides
+        self.src_geom, self.dst_geom = sides.geometry()
         self._table = np.empty((3, 0), dtype=np.int64)
 
     def run(self, plan: TransferPlan) -> None:

@@ -34,6 +34,7 @@ from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.errors import TransferError
 
 __all__ = [
+    "CopySides",
     "GroupPlan",
     "SideGeometry",
     "TransferPlan",
@@ -127,6 +128,30 @@ class SideGeometry:
             sub_bytes=np.asarray(sub, dtype=np.int64),
             num_rows=min(rows) if rows else 0,
             factor=factor,
+        )
+
+
+@dataclass(frozen=True)
+class CopySides:
+    """One direction's source and destination tensors (2-D int8, torch or numpy), with each
+    side's sub-blocks per row: 1 on the GPU side, ``block_size_factor`` on the CPU side."""
+
+    src: Sequence[Any]
+    dst: Sequence[Any]
+    src_factor: int = 1
+    dst_factor: int = 1
+
+    @classmethod
+    def of_direction(
+        cls, gpu: Sequence[Any], cpu: Sequence[Any], factor: int, gpu_to_cpu: bool
+    ) -> CopySides:
+        """GPU -> CPU (a store) or CPU -> GPU (a load) over the same tensor lists."""
+        return cls(gpu, cpu, 1, factor) if gpu_to_cpu else cls(cpu, gpu, factor, 1)
+
+    def geometry(self) -> tuple[SideGeometry, SideGeometry]:
+        return (
+            SideGeometry.from_tensors(self.src, self.src_factor),
+            SideGeometry.from_tensors(self.dst, self.dst_factor),
         )
 
 

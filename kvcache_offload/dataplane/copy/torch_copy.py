@@ -16,13 +16,14 @@ kernel nor the batched DMA is available (or when asked for explicitly).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvcache_offload.dataplane.copy.plan import (
+    CopySides,
     SideGeometry,
     TransferPlan,
 )
@@ -58,25 +59,16 @@ class TorchCopier:
     staging buffers). ``max_staging_bytes`` bounds the staging memory per batch.
     """
 
-    def __init__(
-        self,
-        src_tensors: Sequence[torch.Tensor],
-        dst_tensors: Sequence[torch.Tensor],
-        src_factor: int,
-        dst_factor: int,
-        *,
-        max_staging_bytes: int = 256 * 1024 * 1024,
-    ) -> None:
-        self.src_tensors = list(src_tensors)
-        self.dst_tensors = list(dst_tensors)
-        self.src_geom = SideGeometry.from_tensors(self.src_tensors, src_factor)
-        self.dst_geom = SideGeometry.from_tensors(self.dst_tensors, dst_factor)
+    def __init__(self, sides: CopySides, *, max_staging_bytes: int = 256 * 1024 * 1024) -> None:
+        self.src_tensors = list(sides.src)
+        self.dst_tensors = list(sides.dst)
+        self.src_geom, self.dst_geom = sides.geometry()
         self.src_device = self.src_tensors[0].device
         self.dst_device = self.dst_tensors[0].device
         self.cross_device = self.src_device != self.dst_device
         self.max_staging_bytes = max(int(max_staging_bytes), _STAGING_ALIGN)
-        self._src_align = [self._tensor_align(self.src_geom, t) for t in range(len(src_tensors))]
-        self._dst_align = [self._tensor_align(self.dst_geom, t) for t in range(len(dst_tensors))]
+        self._src_align = [self._tensor_align(self.src_geom, t) for t in range(len(sides.src))]
+        self._dst_align = [self._tensor_align(self.dst_geom, t) for t in range(len(sides.dst))]
         self._wide: dict[tuple[int, int, int], torch.Tensor] = {}
         self._src_stage: torch.Tensor | None = None
         self._dst_stage: torch.Tensor | None = None

@@ -23,6 +23,7 @@ from kvcache_offload.contracts.kv_caches import (
     CanonicalKVCaches,
 )
 from kvcache_offload.dataplane.copy.host_copy import HostCopier
+from kvcache_offload.dataplane.copy.plan import CopySides
 from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 from kvcache_offload.dataplane.handlers.threaded import (
     CPU_TO_GPU,
@@ -180,17 +181,12 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
     def _direction(
         self, kv_caches: CanonicalKVCaches, gpu_to_cpu: bool, inline_max_bytes: int
     ) -> ThreadedOffloadingHandler:
-        factor = self.block_size_factor
-        src, dst = (self.gpu_tensors, self.cpu_tensors)
-        src_factor, dst_factor = 1, factor
-        if not gpu_to_cpu:
-            src, dst, src_factor, dst_factor = dst, src, dst_factor, src_factor
-        copier = HostCopier(src, dst, src_factor, dst_factor)
+        sides = CopySides.of_direction(
+            self.gpu_tensors, self.cpu_tensors, self.block_size_factor, gpu_to_cpu
+        )
+        copier = HostCopier(sides)
         return ThreadedOffloadingHandler(
-            src_tensors=src,
-            dst_tensors=dst,
-            src_factor=src_factor,
-            dst_factor=dst_factor,
+            sides=sides,
             group_data_refs=kv_caches.group_data_refs,
             gpu_to_cpu=gpu_to_cpu,
             run_plan=lambda plan, _token: copier.run(plan),

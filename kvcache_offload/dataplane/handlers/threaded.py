@@ -20,8 +20,6 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvcache_offload.contracts.handler import (
     OffloadingHandler,
     TransferResult,
@@ -29,7 +27,7 @@ from kvcache_offload.contracts.handler import (
     TransferType,
 )
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
-from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
@@ -98,10 +96,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def __init__(
         self,
         *,
-        src_tensors: Sequence[torch.Tensor],
-        dst_tensors: Sequence[torch.Tensor],
-        src_factor: int,
-        dst_factor: int,
+        sides: CopySides,
         group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]],
         gpu_to_cpu: bool,
         run_plan: Callable[[TransferPlan, Any], None],
@@ -110,15 +105,14 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         can_batch: bool = False,
         inline_max_bytes: int = 0,
     ) -> None:
-        if not src_tensors or len(src_tensors) != len(dst_tensors):
+        if not sides.src or len(sides.src) != len(sides.dst):
             raise ConfigError(
-                f"need equal, non-empty tensor lists, got {len(src_tensors)} source and "
-                f"{len(dst_tensors)} destination tensors"
+                f"need equal, non-empty tensor lists, got {len(sides.src)} source and "
+                f"{len(sides.dst)} destination tensors"
             )
         self.gpu_to_cpu = gpu_to_cpu
         self.transfer_type: TransferType = GPU_TO_CPU if gpu_to_cpu else CPU_TO_GPU
-        self.src_geom = SideGeometry.from_tensors(src_tensors, src_factor)
-        self.dst_geom = SideGeometry.from_tensors(dst_tensors, dst_factor)
+        self.src_geom, self.dst_geom = sides.geometry()
         self._group_refs = [refs_arrays(refs) for refs in group_data_refs]
         self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
         self._run_plan = run_plan

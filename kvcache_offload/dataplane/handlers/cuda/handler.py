@@ -25,7 +25,7 @@ from kvcache_offload.contracts.handler import (
 )
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
-from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan, refs_arrays
+from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.copy.staged import (
     DEFAULT_STAGING_CONFIG,
@@ -96,10 +96,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.gpu_tensors = list(gpu_tensors)
         self.cpu_tensors = list(cpu_tensors)
         self.block_size_factor = factor
-        src, dst = (gpu_tensors, cpu_tensors) if gpu_to_cpu else (cpu_tensors, gpu_tensors)
-        src_factor, dst_factor = (1, factor) if gpu_to_cpu else (factor, 1)
-        self.src_geom = SideGeometry.from_tensors(src, src_factor)
-        self.dst_geom = SideGeometry.from_tensors(dst, dst_factor)
+        sides = CopySides.of_direction(gpu_tensors, cpu_tensors, factor, gpu_to_cpu)
+        self.src_geom, self.dst_geom = sides.geometry()
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
         self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
         self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
@@ -175,10 +173,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._fallback: ThreadedOffloadingHandler | None = None
         if self.mechanism == "torch":
             self._fallback = make_torch_fallback(
-                src,
-                dst,
-                src_factor,
-                dst_factor,
+                sides,
                 kv_cache_groups_data_refs,
                 gpu_to_cpu=gpu_to_cpu,
                 device=self.device,

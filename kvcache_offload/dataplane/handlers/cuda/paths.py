@@ -18,7 +18,7 @@ import torch
 
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.dataplane.copy.dma import CudaRuntime
-from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
+from kvcache_offload.dataplane.copy.plan import CopySides, SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.torch_copy import TorchCopier
 from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 from kvcache_offload.dataplane.handlers.threaded import ThreadedOffloadingHandler
@@ -161,10 +161,7 @@ def build_ref_table(
 
 
 def make_torch_fallback(
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
-    src_factor: int,
-    dst_factor: int,
+    sides: CopySides,
     refs: Sequence[Sequence[CanonicalKVCacheRef]],
     *,
     gpu_to_cpu: bool,
@@ -172,7 +169,7 @@ def make_torch_fallback(
     max_staging_bytes: int,
 ) -> ThreadedOffloadingHandler:
     """The plain-torch path on a worker thread, for hosts without any fast path."""
-    copier = TorchCopier(src, dst, src_factor, dst_factor, max_staging_bytes=max_staging_bytes)
+    copier = TorchCopier(sides, max_staging_bytes=max_staging_bytes)
     stream = torch.cuda.Stream(device)
 
     def prepare() -> torch.cuda.Event | None:
@@ -190,10 +187,7 @@ def make_torch_fallback(
             stream.synchronize()
 
     return ThreadedOffloadingHandler(
-        src_tensors=src,
-        dst_tensors=dst,
-        src_factor=src_factor,
-        dst_factor=dst_factor,
+        sides=sides,
         group_data_refs=refs,
         gpu_to_cpu=gpu_to_cpu,
         run_plan=run,
