@@ -7,12 +7,12 @@ closed on shutdown, which releases the CPU tier and any shared region.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from fastapi.telemetry import TelemetryConfig
 
 from kvcache_offload.aio.types import EngineStats
 from kvcache_offload.config import OffloadConfig, load_config
@@ -39,10 +39,16 @@ OBSERVER_BUDGET = 0.1
 saturation they shed requests instead of halving the lookup rate (bench: 0.39x -> 1.3x a bare
 FastAPI route with 64-key lookups on 2 vCPUs)."""
 
-NO_OTEL_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+NO_OTEL_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 """FastAPI's OpenTelemetry spans, metrics and logs stay off: the service exports its own
 Prometheus metrics (``/metrics``), and with them on FastAPI asks the OpenTelemetry globals
-whether a provider is configured on every request (~4% of a served lookup's CPU)."""
+whether a provider is configured on every request (~4% of a served lookup's CPU). Releases
+before that layer (the ``telemetry`` argument) have nothing to switch off."""
+_TELEMETRY_OFF: dict[str, Any] = (
+    {"telemetry": NO_OTEL_TELEMETRY}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
@@ -112,7 +118,7 @@ def create_app(
         summary="Offload LLM KV-cache blocks to CPU memory: lookup, store, load, events, metrics.",
         version=_version(),
         lifespan=lifespan,
-        telemetry=NO_OTEL_TELEMETRY,
+        **_TELEMETRY_OFF,
     )
     app.state.config = cfg
     app.state.engine = given_engine  # serving a given engine works without a lifespan too
