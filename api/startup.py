@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.capabilities import ShutsDown, SizesCpuTier
 from kvcache_offload.control.spec_factory import OffloadingSpecFactory
 from kvcache_offload.dataplane.memory.shared_offload_region import DEFAULT_SHM_DIR
 from kvcache_offload.dataplane.memory.tier_check import check_cpu_tier
@@ -29,19 +30,16 @@ def preflight(config: OffloadConfig) -> None:
     spec = OffloadingSpecFactory.create_spec(config)
     try:
         spec.get_manager()
-        num_blocks = getattr(spec, "num_blocks", None)
-        block_nbytes = getattr(spec, "kv_bytes_per_offloaded_block", None)
-        if isinstance(num_blocks, int) and isinstance(block_nbytes, int):
+        if isinstance(spec, SizesCpuTier):
             check_cpu_tier(
-                num_blocks,
-                block_nbytes,
+                int(spec.num_blocks),
+                int(spec.kv_bytes_per_offloaded_block),
                 int(config.cpu_bytes_to_use),
                 shm_dir=DEFAULT_SHM_DIR if config.shared_region else None,
             )
     finally:
-        shutdown = getattr(spec, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        if isinstance(spec, ShutsDown):
+            spec.shutdown()
 
 
 class OneLineStartupErrors:

@@ -26,6 +26,7 @@ __all__ = [
     "ShadowReporter",
     "ShadowSnapshot",
     "ShutsDown",
+    "SizesCpuTier",
     "SizesOffloadedBlocks",
     "SkipsStores",
     "StoreObserver",
@@ -50,6 +51,15 @@ class HasBlockMemory(Protocol):
 class SizesOffloadedBlocks(Protocol):
     """A spec that knows the bytes of one offloaded block (``block_size_factor`` GPU blocks)."""
 
+    kv_bytes_per_offloaded_block: int
+
+
+@runtime_checkable
+class SizesCpuTier(Protocol):
+    """A spec that knows its CPU tier's size before any memory is allocated (the service checks
+    it against the host's memory at start-up)."""
+
+    num_blocks: int
     kv_bytes_per_offloaded_block: int
 
 

@@ -25,6 +25,7 @@ from kvcache_offload.aio.types import (
     LookupResult,
 )
 from kvcache_offload.config import OffloadConfig
+from kvcache_offload.contracts.capabilities import CountsFencedSlots
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import OffloadError
@@ -126,7 +127,7 @@ class EngineView:
             blocks_writing=int(snap.writing) if snap is not None else 0,
             blocks_idle=int(snap.idle) if snap is not None else 0,
             blocks_reading=int(snap.reading) if snap is not None else 0,
-            blocks_fenced=int(getattr(snap, "fenced", 0)),
+            blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
             block_nbytes=self._block_nbytes,
             **vars(counters),
             reuse_filter_skipped_blocks=skipped,
