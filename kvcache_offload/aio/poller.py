@@ -192,11 +192,12 @@ class TransferPoller:
                     await asyncio.sleep(0)
                 else:
                     self._spinning = False
+                    # A copy that ended while the watchers' wakes were off is seen here.
                     if self.on_demand:
                         self.worker.watch_in_flight()
-                    # A copy that ended while the watchers' wakes were off is seen here.
-                    if not self.poll_once():
-                        await self._waker.wait(self.backstop_s)
+                        if self.poll_once():
+                            continue
+                    await self._waker.wait(self.backstop_s)
             elif self.poll_once():
                 await asyncio.sleep(0)  # let the resumed coroutines run before polling again
             elif time.perf_counter() - self._last_activity < self.spin_s:
