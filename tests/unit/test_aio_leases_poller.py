@@ -177,15 +177,13 @@ async def test_open_leases_are_capped_with_a_lease_limit_error() -> None:
         await engine.prepare_store(keys(3))
 
 
-class PushingHandler(FakeHandler):
-    """Releases each job from a thread after a delay and then calls the completion callback,
-    the way the CUDA handlers' watcher and the CPU backend's copy thread do."""
+class NotifyingHandler(FakeHandler):
+    """A fake that reports completions through a callback, as the real handlers do, and has
+    nothing to defer when the poller looks by itself (on-demand watching is a no-op)."""
 
-    def __init__(self, delays_s: list[float]) -> None:
+    def __init__(self) -> None:
         super().__init__(auto=False)
-        self.delays_s = delays_s
         self.callback: Callable[[], None] | None = None
-        self.threads: list[threading.Thread] = []
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         self.callback = callback
@@ -195,6 +193,16 @@ class PushingHandler(FakeHandler):
 
     def watch_in_flight(self) -> None:
         pass
+
+
+class PushingHandler(NotifyingHandler):
+    """Releases each job from a thread after a delay and then calls the completion callback,
+    the way the CUDA handlers' watcher and the CPU backend's copy thread do."""
+
+    def __init__(self, delays_s: list[float]) -> None:
+        super().__init__()
+        self.delays_s = delays_s
+        self.threads: list[threading.Thread] = []
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         super().transfer_async(job_id, spec)
@@ -234,22 +242,9 @@ async def test_pushed_completions_around_the_spin_window_are_never_lost() -> Non
             thread.join()
 
 
-class EndsDuringTheLook(FakeHandler):
+class EndsDuringTheLook(NotifyingHandler):
     """The copy ends right after ``get_finished`` looked and saw nothing: the worst moment
     for a skipped wake-up (deterministic, unlike a thread racing the poller)."""
-
-    def __init__(self) -> None:
-        super().__init__(auto=False)
-        self.callback: Callable[[], None] | None = None
-
-    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
-        self.callback = callback
-
-    def set_watch_on_demand(self, enabled: bool) -> None:
-        pass  # completes on its own: nothing to defer
-
-    def watch_in_flight(self) -> None:
-        pass
 
     def get_finished(self) -> list[TransferResult]:
         out = super().get_finished()
@@ -273,20 +268,16 @@ async def test_a_copy_ending_during_the_last_look_before_sleeping_is_seen() -> N
         task.cancel()
 
 
-class WatchedOnlyWhenAsked(FakeHandler):
+class WatchedOnlyWhenAsked(NotifyingHandler):
     """A copy ends only once watched (``slow``), or on the first look (fast): the CUDA
     handlers' on-demand watching, without a GPU."""
 
     def __init__(self) -> None:
-        super().__init__(auto=False)
-        self.callback: Callable[[], None] | None = None
+        super().__init__()
         self.on_demand = False
         self.slow = False
         self.watch_calls = 0
         self.threads: list[threading.Thread] = []
-
-    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
-        self.callback = callback
 
     def set_watch_on_demand(self, enabled: bool) -> None:
         self.on_demand = enabled
