@@ -212,3 +212,43 @@ def test_staged_shutdown_with_jobs_in_flight_finishes_them_and_refuses_more(subm
     for g, c, g0, c0 in zip(gpu_tensors, h.cpu_tensors, gpu_before, cpu_before, strict=True):
         assert torch.equal(c[:256], g0[:256])  # every store landed before shutdown returned
         assert torch.equal(g[256:].cpu(), c0[256:])  # and every load
+
+
+def test_small_staged_jobs_go_inline_and_land_after_a_threaded_one():
+    """A serving-size staged job is issued on the caller's thread, a large one by the submit
+    thread; a small load into blocks a large load is still writing lands last, and the
+    jobs complete in submission order."""
+    skip_unless_available("staged")
+    gen = torch.Generator().manual_seed(11)
+    page = 16384
+    kv = make_caches(
+        num_tensors=4, num_gpu_blocks=128, page=page,
+        group_layers=[[(t, page) for t in range(4)]], gen=gen, device="cuda",
+    )  # fmt: skip
+    cell = 4 * page
+    h = _handlers(kv, 1, 128, staged_min_job_bytes=16 * cell, chunk_bytes=4 * cell, depth=2)
+    try:
+        load = h.cpu_to_gpu_handler
+        gpu_tensors = [t.tensor for t in kv.tensors]
+        for t in h.cpu_tensors:
+            t.copy_(torch.randint(-128, 128, tuple(t.shape), dtype=torch.int8, generator=gen))
+        big_gpu, big_cpu = np.arange(64), np.arange(64, 128)
+        small_gpu, small_cpu = np.array([5, 40, 63]), np.array([1, 2, 3])
+        jobs = [
+            (1, (CPULoadStoreSpec(big_cpu), GPULoadStoreSpec(big_gpu, [64], [0]))),
+            (2, (CPULoadStoreSpec(small_cpu), GPULoadStoreSpec(small_gpu, [3], [0]))),
+            (3, (CPULoadStoreSpec(small_cpu[:1]), GPULoadStoreSpec(np.array([100]), [1], [0]))),
+        ]
+        for job_id, spec in jobs:
+            assert load.transfer_async(job_id, spec)
+        results = finish(load, [1, 2, 3])
+        assert [r.job_id for r in results] == [1, 2, 3] and all(r.success for r in results)
+        assert load.jobs_by_mechanism["staged"] == 3
+        want = {int(g): int(c) for g, c in zip(big_gpu, big_cpu, strict=True)}
+        want.update({int(g): int(c) for g, c in zip(small_gpu, small_cpu, strict=True)})
+        want[100] = int(small_cpu[0])
+        for g, c in want.items():
+            for t, cpu in zip(gpu_tensors, h.cpu_tensors, strict=True):
+                assert torch.equal(t[g].cpu(), cpu[c]), (g, c)
+    finally:
+        h.shutdown()

@@ -62,17 +62,17 @@ def _emulate_kernel(ref: np.ndarray, table: np.ndarray, chunk, src_f: int, dst_f
             ctypes.memmove(int(dst), int(src), int(row[6]))
 
 
-def _run(copier: StagedCopier, plan, ring: list[np.ndarray]) -> int:
+def _run(copier: StagedCopier, plan, ring: list[np.ndarray], first_slot: int = 0) -> int:
     base = np.asarray([a.ctypes.data for a in ring], dtype=np.int64)
     copier._ring_base = base
     tables, _align = copier.ref_tables(base)
     job = StagedJob(plan, None, None, _HostTable())  # type: ignore[arg-type]
-    prep = copier.prepare(job)
+    prep = copier.prepare(job, first_slot)
     table = job.table.host
     f = copier.layout.factor
     src_f, dst_f = (1, f) if copier.gpu_to_cpu else (f, 1)
     for c, chunk in enumerate(prep.chunks):
-        ref = tables[c % copier.config.depth]
+        ref = tables[(first_slot + c) % copier.config.depth]
         view = table[chunk.table_offset :]
         if not copier.gpu_to_cpu:
             for i in range(chunk.piece_lo, chunk.piece_hi):
@@ -174,6 +174,53 @@ def test_staged_plan_moves_one_piece_per_block_and_coalesces_adjacent_slots():
     assert not store.layout.block_major
     plan = _plan(spec, True, refs, gpu, cpu, 2)
     assert _run(store, plan, ring) == 16
+
+
+@pytest.mark.parametrize("first_slot", [0, 1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("quick", [True, False])
+def test_serving_size_jobs_take_the_quick_tables_and_stay_byte_exact(
+    first_slot, padded, quick, monkeypatch
+):
+    """Whole blocks of one group that fit one chunk (what a serving engine submits) skip the
+    general planner; both give the same bytes, in whichever ring buffer the job starts."""
+    from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
+
+    gen = torch.Generator().manual_seed(7 + first_slot)
+    last = 400 if padded else 512  # a padded ref: the cell is one run, shorter than its stride
+    kv = make_caches(
+        num_tensors=3, num_gpu_blocks=32, page=512,
+        group_layers=[[(0, 512), (1, 512), (2, last)]], gen=gen,
+    )  # fmt: skip
+    gpu = [t.tensor for t in kv.tensors]
+    cpu = allocate_cpu_tensors(gpu, 1, 16)
+    store, load, refs = _copiers(gpu, cpu, 1, kv, 8 * 3 * 512, 3)
+    if not quick:
+        for copier in (store, load):
+            monkeypatch.setattr(copier, "_prepare_small", lambda job, slot: None)
+    ring = [np.zeros(store.buffer_bytes, dtype=np.uint8) for _ in range(3)]
+    # CPU slots 3, 4, 5 are adjacent: one DMA piece unless the cell is padded.
+    gpu_ids, cpu_ids = np.array([9, 2, 30, 17, 4]), np.array([3, 4, 5, 11, 0])
+    fragments = [(0, int(g), int(c), 0) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
+    job = type("Job", (), {})()
+    job.gpu_spec = GPULoadStoreSpec(gpu_ids, [5], [0])
+    job.cpu_spec = CPULoadStoreSpec(cpu_ids)
+    job.fragments = fragments
+
+    poison(cpu)
+    cpu_before = snapshot(cpu)
+    plan = _plan((job.gpu_spec, job.cpu_spec), True, refs, gpu, cpu, 1)
+    probe = StagedJob(plan, None, None, _HostTable())  # type: ignore[arg-type]
+    assert (store._prepare_small(probe, first_slot) is not None) == quick
+    pieces = _run(store, plan, ring, first_slot)
+    assert pieces == (5 if padded else 3)
+    assert_same(cpu, expected_after_store(kv, cpu_before, job))
+
+    poison(gpu)
+    gpu_poisoned = snapshot(gpu)
+    plan = _plan((job.cpu_spec, job.gpu_spec), False, refs, gpu, cpu, 1)
+    _run(load, plan, ring, first_slot)
+    assert_same(gpu, expected_after_load(kv, gpu_poisoned, snapshot(cpu), job))
 
 
 def test_private_cpu_tensors_are_block_major_views_of_one_buffer():

@@ -139,6 +139,9 @@ class StagedCopier(StagedTables):
         self._filled: list[torch.cuda.Event] = []
         self._freed: list[torch.cuda.Event] = []
         self._freed_used = [False] * config.depth
+        self._next_slot = 0
+        """Ring buffer of the next job's first chunk: successive small jobs alternate
+        buffers, so one job's DMA overlaps the previous job's gather or scatter."""
         self._queue: queue.SimpleQueue[StagedJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -163,11 +166,13 @@ class StagedCopier(StagedTables):
         """GPU bytes held by the staging ring (0 until the first staged job)."""
         return 0 if self._ring is None else self.config.depth * self.buffer_bytes
 
-    def submit(self, job: StagedJob) -> None:
-        """Issue ``job`` now, or hand it to the submit thread."""
+    def submit(self, job: StagedJob, inline: bool = False) -> None:
+        """Issue ``job`` now (``inline``, or without a submit thread), or hand it to the
+        submit thread. The caller issues inline only once the thread has issued every job
+        queued before (the jobs of a direction go out in order)."""
         if self._closed:
             raise TransferError("the staged copier is shut down")
-        if not self.config.submit_thread:
+        if inline or not self.config.submit_thread:
             self._issue_safely(job)
             return
         if self._thread is None:
@@ -202,15 +207,17 @@ class StagedCopier(StagedTables):
 
     def _issue(self, job: StagedJob) -> None:
         self._ensure_ring()
+        first_slot = self._next_slot
         with _PREPARE_LOCK:
-            prep = self.prepare(job)
+            prep = self.prepare(job, first_slot)
+        depth = self.config.depth
+        self._next_slot = (first_slot + len(prep.chunks)) % depth
         ks, ds = self._kernel_stream, self._dma_stream
         assert ks is not None and ds is not None and self._ref_tables is not None
         slot = job.table
         first, last = (ks, ds) if self.gpu_to_cpu else (ds, ks)
-        # The kernel stream is current for the whole job (the launches use it); events and
-        # the DMA name their streams explicitly.
-        with torch.cuda.device(self.device), torch.cuda.stream(ks):
+        # Every call names its stream: no stream context to enter and leave per job.
+        with torch.cuda.device(self.device):
             if job.ready_event is not None:
                 first.wait_event(job.ready_event)
             if job.prev_end is not None:
@@ -218,7 +225,7 @@ class StagedCopier(StagedTables):
             job.start_event.record(first)
             if prep.table_entries:
                 n = prep.table_entries
-                slot.dev[:n].copy_(slot.host[:n], non_blocking=True)
+                self.runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * n, ks.cuda_stream)
             src_factor, dst_factor = (1, self.layout.factor)
             if not self.gpu_to_cpu:
                 src_factor, dst_factor = dst_factor, src_factor
@@ -226,7 +233,7 @@ class StagedCopier(StagedTables):
             pause = self.config.yield_s if threaded else 0.0
             throttle = threaded and self.config.throttle
             for c, chunk in enumerate(prep.chunks):
-                s = c % self.config.depth
+                s = (first_slot + c) % depth
                 if throttle and self._freed_used[s]:
                     freed = self._freed[s]
                     while not freed.query():
@@ -239,7 +246,8 @@ class StagedCopier(StagedTables):
                     self._kernel_step(ks, s, slot, chunk, job.plan, src_factor, dst_factor)
                 if pause > 0 and c + 1 < len(prep.chunks):
                     time.sleep(pause)
-            last.wait_stream(first)  # also orders a job without chunks
+            if not prep.chunks:
+                last.wait_stream(first)  # else the last chunk's event already orders them
             job.end_event.record(last)
             job.end_recorded = True
 
@@ -261,7 +269,7 @@ class StagedCopier(StagedTables):
                 ks.wait_event(self._freed[s])
         else:
             ks.wait_event(self._filled[s])
-        launch_copy_kernel(  # on the current stream: ks (see _issue)
+        launch_copy_kernel(
             self._ref_views[s],
             slot.dev[chunk.table_offset :],
             n_groups=chunk.n_groups,
@@ -272,6 +280,7 @@ class StagedCopier(StagedTables):
             dst_factor=dst_factor,
             alignment=self._align,
             config=self.kernel_config,
+            stream=ks.cuda_stream,
         )
         if self.gpu_to_cpu:
             self._filled[s].record(ks)
@@ -292,9 +301,14 @@ class StagedCopier(StagedTables):
         elif self._freed_used[s]:
             ds.wait_event(self._freed[s])
         lo, hi = chunk.piece_lo, chunk.piece_hi
-        self.runtime.memcpy_batch_async(
-            prep.dma_dst[lo:hi], prep.dma_src[lo:hi], prep.dma_size[lo:hi], ds.cuda_stream
-        )
+        if hi - lo == 1:  # one call with three ints, not the batch call's arrays and attributes
+            self.runtime.memcpy_async(
+                int(prep.dma_dst[lo]), int(prep.dma_src[lo]), int(prep.dma_size[lo]), ds.cuda_stream
+            )
+        else:
+            self.runtime.memcpy_batch_async(
+                prep.dma_dst[lo:hi], prep.dma_src[lo:hi], prep.dma_size[lo:hi], ds.cuda_stream
+            )
         if self.gpu_to_cpu:
             self._freed[s].record(ds)
             self._freed_used[s] = True

@@ -80,8 +80,12 @@ class StagedTables:
             align //= 2
         return np.ascontiguousarray(np.stack(tables)), align
 
-    def prepare(self, job: StagedJob) -> PreparedJob:
-        """Kernel job tables (into the job's pinned table) and the DMA piece arrays."""
+    def prepare(self, job: StagedJob, first_slot: int = 0) -> PreparedJob:
+        """Kernel job tables (into the job's pinned table) and the DMA piece arrays; chunk
+        ``c`` goes through ring buffer ``(first_slot + c) % depth``."""
+        quick = self._prepare_small(job, first_slot)
+        if quick is not None:
+            return quick
         lay, f, k = self.layout, self.layout.factor, self.blocks_per_chunk
         plan = job.plan
         per_group = []  # (group, gpu units, stage units abs, chunk of each unit)
@@ -131,7 +135,7 @@ class StagedTables:
             starts = np.flatnonzero(np.concatenate([[True], ~cont]))
             size = np.add.reduceat(size, starts)
             stage, cpu, chunk = stage[starts], cpu[starts], chunk[starts]
-            stage = stage + self._ring_base[chunk % self.config.depth]
+            stage = stage + self._ring_base[(chunk + first_slot) % self.config.depth]
             bounds = np.searchsorted(chunk, np.arange(n_chunks + 1))
         else:
             stage = cpu = size = np.zeros(0, dtype=np.int64)
@@ -192,4 +196,54 @@ class StagedTables:
             np.ascontiguousarray(dst),
             np.ascontiguousarray(src),
             np.ascontiguousarray(size),
+        )
+
+    def _prepare_small(self, job: StagedJob, first_slot: int) -> PreparedJob | None:
+        """What a serving engine submits: whole blocks of one group whose CPU cell is one
+        run, fitting one chunk. Four scalars, two unit runs and one DMA piece per run of
+        adjacent slots; the general path costs a few hundred numpy calls per job, more than
+        the copy of a small job takes on the link."""
+        plan = job.plan
+        if len(plan.groups) != 1 or self.layout.factor != 1:
+            return None
+        g = plan.groups[0]
+        n = len(g.src_units)
+        if n == 0 or n > self.blocks_per_chunk or g.ref_offset != 0:
+            return None
+        if len(g.ref_tensors) != len(self.layout.group_refs[g.index][0]):
+            return None  # a job split by refs covers part of each cell
+        ext = self.layout.extents(g.index, 0, 1)
+        if len(ext.length) != 1:
+            return None
+        cpu_units, gpu_units = (g.dst_units, g.src_units) if self.gpu_to_cpu else (
+            g.src_units, g.dst_units)  # fmt: skip
+        entries = GROUP_ROW + 2 * n
+        entries += entries & 1
+        host = job.table.ensure(entries, need_device=True)
+        host[0] = 0
+        host[1] = n
+        host[2] = self._ref_start[g.index] + g.ref_offset
+        host[3] = 0
+        positions = np.arange(n, dtype=np.int64)
+        src, dst = (gpu_units, positions) if self.gpu_to_cpu else (positions, gpu_units)
+        host[GROUP_ROW : GROUP_ROW + n] = src
+        host[GROUP_ROW + n : GROUP_ROW + 2 * n] = dst
+        length = int(ext.length[0])
+        stride = self.layout.stride
+        stage0 = int(self._ring_base[first_slot % self.config.depth]) + int(ext.stage_off[0])
+        cpu = int(ext.cpu_start[0]) + cpu_units.astype(np.int64) * int(ext.cpu_stride[0])
+        stage = stage0 + positions * stride
+        size = np.full(n, length, dtype=np.int64)
+        if n > 1 and length == stride == int(ext.cpu_stride[0]):
+            starts = np.flatnonzero(np.concatenate([[True], cpu[1:] != cpu[:-1] + length]))
+            size = np.diff(np.append(starts, n)) * length
+            cpu, stage = cpu[starts], stage[starts]
+        dst_arr, src_arr = (cpu, stage) if self.gpu_to_cpu else (stage, cpu)
+        chunk = StagedChunk(0, 1, n, n * len(g.ref_tensors), 0, len(size))
+        return PreparedJob(
+            [chunk],
+            entries,
+            np.ascontiguousarray(dst_arr, dtype=np.int64),
+            np.ascontiguousarray(src_arr, dtype=np.int64),
+            np.ascontiguousarray(size, dtype=np.int64),
         )

@@ -212,9 +212,14 @@ def launch_copy_kernel(
         except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
             logger.warning("direct Triton launch failed (%s); using the JIT dispatch", exc)
             _DIRECT = False
-    kernel = _uva_copy_kernel[(programs,)](
-        ref_table, job_table, *scalars, BLOCK=block, ALIGN=alignment, num_warps=config.num_warps
-    )
+    # The JIT launches on torch's current stream: make that the stream the caller named, or
+    # the kernel would race the table upload enqueued there.
+    with torch.cuda.stream(
+        torch.cuda.ExternalStream(stream, device=device) if stream is not None else None
+    ):
+        kernel = _uva_copy_kernel[(programs,)](
+            ref_table, job_table, *scalars, BLOCK=block, ALIGN=alignment, num_warps=config.num_warps
+        )
     if _DIRECT and kernel is not None and hasattr(kernel, "packed_metadata"):
         _COMPILED[key] = kernel
     return kernel

@@ -196,6 +196,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             and staged.config.auto_min_piece_bytes is not None
             and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok)
         ):
+            # Serving-size jobs stay on the kernel even though its PCIe traffic does not
+            # overlap the other direction (loads plus stores top out at one way's rate) and
+            # the copy engines' would: a staged copy costs about twice the kernel's host time
+            # per copy (H200 host: 122 against 67 us for a 1-block load), and under serving
+            # traffic the event-loop thread, not the link, is the limit.
             pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
             if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
                 return "staged"
@@ -236,7 +241,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def _can_batch(self, plan: TransferPlan) -> bool:
         mechanism = self.choose_mechanism(plan)
-        return mechanism in ("kernel", "dma") and plan.num_bytes < self.batch_max_bytes
+        return mechanism in ("kernel", "dma", "staged") and plan.num_bytes < self.batch_max_bytes
 
     def _dst_blocks(self, plan: TransferPlan) -> set[int]:
         factor = self.dst_geom.factor
@@ -254,7 +259,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
         mechanism = self.choose_mechanism(plan)
         prev = self._transfers[-1] if self._transfers else None
-        if mechanism == "staged":
+        inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
+        if mechanism == "staged" and not inline:
             transfer = self._launcher.staged(jobs, plan, prev)
         else:
             if prev is not None and not prev.issued():
@@ -262,7 +268,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 # event is not recorded yet, and this job must wait on it.
                 assert prev.staged is not None
                 prev.staged.issued.wait()
-            transfer = self._launcher.direct(jobs, plan, mechanism, prev)
+            if inline:  # a serving-size job: the submit thread's hand-off would cost more
+                transfer = self._launcher.staged(jobs, plan, prev, inline=True)
+            else:
+                transfer = self._launcher.direct(jobs, plan, mechanism, prev)
         self._transfers.append(transfer)
         self._in_flight_ids.update(job_id for job_id, _ in jobs)
         self._watch.issued(transfer)

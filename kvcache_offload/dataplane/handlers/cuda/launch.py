@@ -170,9 +170,15 @@ class CopyLauncher:
         return InFlightCopy(jobs, stream, start, end, slot, mechanism, side, sync)
 
     def staged(
-        self, jobs: list[tuple[int, int]], plan: TransferPlan, prev: InFlightCopy | None
+        self,
+        jobs: list[tuple[int, int]],
+        plan: TransferPlan,
+        prev: InFlightCopy | None,
+        inline: bool = False,
     ) -> InFlightCopy:
-        """Queue one staged copy on the staged copier's submit thread, after ``prev``."""
+        """Issue one staged copy after ``prev``: now (``inline``: the caller made sure
+        ``prev`` is issued) or on the staged copier's submit thread. After another staged
+        copy no event wait is needed: the copier's two streams keep its jobs in order."""
         assert self._staged is not None
         start, end = self.pools.timing_pair()
         slot = self.pools.slot()
@@ -187,9 +193,9 @@ class CopyLauncher:
             end,
             slot,
             ready_event=ready,
-            prev_end=prev.end_event if prev is not None else None,
+            prev_end=prev.end_event if prev is not None and prev.staged is None else None,
         )
-        self._staged.submit(job)
+        self._staged.submit(job, inline=inline)
         return InFlightCopy(jobs, None, start, end, slot, "staged", None, None, job)
 
     def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
