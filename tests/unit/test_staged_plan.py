@@ -179,11 +179,13 @@ def test_staged_plan_moves_one_piece_per_block_and_coalesces_adjacent_slots():
 @pytest.mark.parametrize("first_slot", [0, 1, 2])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("quick", [True, False])
-def test_serving_size_jobs_take_the_quick_tables_and_stay_byte_exact(
-    first_slot, padded, quick, monkeypatch
+@pytest.mark.parametrize("chunk_blocks", [8, 2])
+def test_whole_block_jobs_take_the_quick_tables_and_stay_byte_exact(
+    first_slot, padded, quick, chunk_blocks, monkeypatch
 ):
-    """Whole blocks of one group that fit one chunk (what a serving engine submits) skip the
-    general planner; both give the same bytes, in whichever ring buffer the job starts."""
+    """Whole blocks of one group (what a serving engine submits) skip the general planner;
+    both give the same bytes and pieces, in one chunk or several, in whichever ring buffer
+    the job starts."""
     from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 
     gen = torch.Generator().manual_seed(7 + first_slot)
@@ -194,12 +196,13 @@ def test_serving_size_jobs_take_the_quick_tables_and_stay_byte_exact(
     )  # fmt: skip
     gpu = [t.tensor for t in kv.tensors]
     cpu = allocate_cpu_tensors(gpu, 1, 16)
-    store, load, refs = _copiers(gpu, cpu, 1, kv, 8 * 3 * 512, 3)
+    store, load, refs = _copiers(gpu, cpu, 1, kv, chunk_blocks * 3 * 512, 3)
     if not quick:
         for copier in (store, load):
             monkeypatch.setattr(copier, "_prepare_small", lambda job, slot: None)
     ring = [np.zeros(store.buffer_bytes, dtype=np.uint8) for _ in range(3)]
-    # CPU slots 3, 4, 5 are adjacent: one DMA piece unless the cell is padded.
+    # CPU slots 3, 4, 5 are adjacent: one DMA piece unless the cell is padded or a chunk
+    # ends between them (2-block chunks: {3, 4}, {5, 11}, {0}).
     gpu_ids, cpu_ids = np.array([9, 2, 30, 17, 4]), np.array([3, 4, 5, 11, 0])
     fragments = [(0, int(g), int(c), 0) for g, c in zip(gpu_ids, cpu_ids, strict=True)]
     job = type("Job", (), {})()
@@ -213,7 +216,7 @@ def test_serving_size_jobs_take_the_quick_tables_and_stay_byte_exact(
     probe = StagedJob(plan, None, None, _HostTable())  # type: ignore[arg-type]
     assert (store._prepare_small(probe, first_slot) is not None) == quick
     pieces = _run(store, plan, ring, first_slot)
-    assert pieces == (5 if padded else 3)
+    assert pieces == (5 if padded else 3 if chunk_blocks == 8 else 4)
     assert_same(cpu, expected_after_store(kv, cpu_before, job))
 
     poison(gpu)
@@ -231,3 +234,54 @@ def test_private_cpu_tensors_are_block_major_views_of_one_buffer():
     assert [t.data_ptr() - base for t in cpu] == [0, 128, 192]
     assert all(t.stride() == (224, 1) for t in cpu)
     assert all(bool((t == 0).all()) for t in cpu)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_quick_tables_equal_the_general_planners_for_random_whole_block_jobs(seed, monkeypatch):
+    """Same kernel tables and DMA pieces as the general planner, for random jobs of many
+    blocks across several chunks (adjacent slots included), both directions."""
+    from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv = make_caches(
+        num_tensors=2, num_gpu_blocks=64, page=256, group_layers=[[(0, 256), (1, 256)]], gen=gen
+    )
+    gpu = [t.tensor for t in kv.tensors]
+    cpu = allocate_cpu_tensors(gpu, 1, 64)
+    chunk_blocks, depth = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+    store, load, refs = _copiers(gpu, cpu, 1, kv, chunk_blocks * 512, depth)
+    n = int(rng.integers(1, 40))
+    start = int(rng.integers(0, 64 - n))
+    # Even seeds: one run of adjacent slots with a few swapped out; odd: scattered slots.
+    cpu_ids = np.arange(start, start + n) if seed % 2 == 0 else rng.permutation(64)[:n]
+    if seed % 2 == 0 and n > 3:
+        i, j = rng.choice(n, 2, replace=False)
+        cpu_ids[[i, j]] = cpu_ids[[j, i]]
+    spec_gpu = GPULoadStoreSpec(rng.permutation(64)[:n], [n], [0])
+    spec_cpu = CPULoadStoreSpec(cpu_ids)
+    first_slot = int(rng.integers(0, 3))
+    for copier, spec, to_cpu in (
+        (store, (spec_gpu, spec_cpu), True),
+        (load, (spec_cpu, spec_gpu), False),
+    ):
+        copier._ring_base = np.asarray([1 << 20, 1 << 22, 1 << 24][:depth], dtype=np.int64)
+        plan = _plan(spec, to_cpu, refs, gpu, cpu, 1)
+        quick_job = StagedJob(plan, None, None, _HostTable())  # type: ignore[arg-type]
+        quick = copier._prepare_small(quick_job, first_slot)
+        assert quick is not None
+        monkeypatch.setattr(copier, "_prepare_small", lambda job, slot: None)
+        general_job = StagedJob(plan, None, None, _HostTable())  # type: ignore[arg-type]
+        general = copier.prepare(general_job, first_slot)
+        monkeypatch.undo()
+        for name in ("dma_dst", "dma_src", "dma_size"):
+            np.testing.assert_array_equal(getattr(quick, name), getattr(general, name))
+        assert len(quick.chunks) == len(general.chunks)
+        for a, b in zip(quick.chunks, general.chunks, strict=True):
+            assert (a.n_groups, a.n_units, a.total_pairs, a.piece_lo, a.piece_hi) == (
+                b.n_groups, b.n_units, b.total_pairs, b.piece_lo, b.piece_hi)  # fmt: skip
+            size = GROUP_ROW * a.n_groups + 2 * a.n_units
+            np.testing.assert_array_equal(
+                quick_job.table.host[a.table_offset : a.table_offset + size],
+                general_job.table.host[b.table_offset : b.table_offset + size],
+            )

@@ -59,10 +59,18 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
     KernelConfig,
     launch_copy_kernel,
+    on_device,
 )
 from kvcache_offload.errors import ConfigError, TransferError
 
-__all__ = ["DEFAULT_STAGING_CONFIG", "CellLayout", "StagedCopier", "StagedJob", "StagingConfig"]
+__all__ = [
+    "DEFAULT_STAGING_CONFIG",
+    "ISSUED_NOW",
+    "CellLayout",
+    "StagedCopier",
+    "StagedJob",
+    "StagingConfig",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +82,11 @@ numpy calls; two submit threads running it at once hand the GIL back and forth a
 call and each takes ~2 ms instead of ~0.4 ms (H200 host, a store and a load submitted
 together), which delays the start of both jobs."""
 _STAGE_ALIGN = 256
+
+
+ISSUED_NOW = threading.Event()
+"""The ``issued`` flag of every job issued on the caller's thread (set from the start)."""
+ISSUED_NOW.set()
 
 
 @dataclass
@@ -199,7 +212,8 @@ class StagedCopier(StagedTables):
             job.error = exc
             logger.warning("staged %s job failed to issue: %s", self._what, exc)
         finally:
-            job.issued.set()
+            if job.issued is not ISSUED_NOW:
+                job.issued.set()
 
     @property
     def _what(self) -> str:
@@ -217,7 +231,7 @@ class StagedCopier(StagedTables):
         slot = job.table
         first, last = (ks, ds) if self.gpu_to_cpu else (ds, ks)
         # Every call names its stream: no stream context to enter and leave per job.
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             if job.ready_event is not None:
                 first.wait_event(job.ready_event)
             if job.prev_end is not None:
@@ -271,7 +285,7 @@ class StagedCopier(StagedTables):
             ks.wait_event(self._filled[s])
         launch_copy_kernel(
             self._ref_views[s],
-            slot.dev[chunk.table_offset :],
+            slot.dev,
             n_groups=chunk.n_groups,
             n_units=chunk.n_units,
             total_pairs=chunk.total_pairs,
@@ -281,6 +295,7 @@ class StagedCopier(StagedTables):
             alignment=self._align,
             config=self.kernel_config,
             stream=ks.cuda_stream,
+            job_offset=chunk.table_offset,
         )
         if self.gpu_to_cpu:
             self._filled[s].record(ks)

@@ -200,48 +200,72 @@ class StagedTables:
 
     def _prepare_small(self, job: StagedJob, first_slot: int) -> PreparedJob | None:
         """What a serving engine submits: whole blocks of one group whose CPU cell is one
-        run, fitting one chunk. Four scalars, two unit runs and one DMA piece per run of
-        adjacent slots; the general path costs a few hundred numpy calls per job, more than
-        the copy of a small job takes on the link."""
+        run. A few scalars and two unit runs per chunk and one DMA piece per run of adjacent
+        slots, with no per-group or per-extent passes: the general path costs a few hundred
+        numpy calls per job, more than the copy of a serving-size job takes on the link."""
         plan = job.plan
         if len(plan.groups) != 1 or self.layout.factor != 1:
             return None
         g = plan.groups[0]
         n = len(g.src_units)
-        if n == 0 or n > self.blocks_per_chunk or g.ref_offset != 0:
+        if n == 0 or g.ref_offset != 0:
             return None
         if len(g.ref_tensors) != len(self.layout.group_refs[g.index][0]):
             return None  # a job split by refs covers part of each cell
         ext = self.layout.extents(g.index, 0, 1)
         if len(ext.length) != 1:
             return None
+        k, depth, refs = self.blocks_per_chunk, self.config.depth, len(g.ref_tensors)
+        n_chunks = -(-n // k)
         cpu_units, gpu_units = (g.dst_units, g.src_units) if self.gpu_to_cpu else (
             g.src_units, g.dst_units)  # fmt: skip
-        entries = GROUP_ROW + 2 * n
+        per_chunk = GROUP_ROW + 2 * k
+        per_chunk += per_chunk & 1
+        last = n - (n_chunks - 1) * k
+        entries = (n_chunks - 1) * per_chunk + GROUP_ROW + 2 * last
         entries += entries & 1
         host = job.table.ensure(entries, need_device=True)
-        host[0] = 0
-        host[1] = n
-        host[2] = self._ref_start[g.index] + g.ref_offset
-        host[3] = 0
-        positions = np.arange(n, dtype=np.int64)
-        src, dst = (gpu_units, positions) if self.gpu_to_cpu else (positions, gpu_units)
-        host[GROUP_ROW : GROUP_ROW + n] = src
-        host[GROUP_ROW + n : GROUP_ROW + 2 * n] = dst
-        length = int(ext.length[0])
-        stride = self.layout.stride
-        stage0 = int(self._ring_base[first_slot % self.config.depth]) + int(ext.stage_off[0])
-        cpu = int(ext.cpu_start[0]) + cpu_units.astype(np.int64) * int(ext.cpu_stride[0])
-        stage = stage0 + positions * stride
+        ref_start = int(self._ref_start[g.index])
+        local = np.arange(min(n, k), dtype=np.int64)
+        length, stride = int(ext.length[0]), self.layout.stride
+        cpu_stride = int(ext.cpu_stride[0])
+        cpu = int(ext.cpu_start[0]) + cpu_units.astype(np.int64) * cpu_stride
+        if n_chunks == 1:
+            stage = self._ring_base[first_slot % depth] + int(ext.stage_off[0]) + local * stride
+        else:
+            pos = np.arange(n, dtype=np.int64)
+            chunk_of = pos // k
+            base = self._ring_base[(first_slot + chunk_of) % depth]
+            stage = base + int(ext.stage_off[0]) + (pos - chunk_of * k) * stride
+        chunks = []
         size = np.full(n, length, dtype=np.int64)
-        if n > 1 and length == stride == int(ext.cpu_stride[0]):
-            starts = np.flatnonzero(np.concatenate([[True], cpu[1:] != cpu[:-1] + length]))
+        starts = None
+        if n > 1 and length == stride == cpu_stride:
+            breaks = cpu[1:] != cpu[:-1] + length
+            if n_chunks > 1:
+                breaks[k - 1 :: k] = True  # a piece never crosses into the next buffer
+            starts = np.flatnonzero(np.concatenate([[True], breaks]))
             size = np.diff(np.append(starts, n)) * length
             cpu, stage = cpu[starts], stage[starts]
+        for c in range(n_chunks):
+            lo, hi = c * k, min(n, (c + 1) * k)
+            m, off = hi - lo, c * per_chunk
+            host[off] = 0
+            host[off + 1] = m
+            host[off + 2] = ref_start + g.ref_offset
+            host[off + 3] = 0
+            units = gpu_units[lo:hi]
+            src, dst = (units, local[:m]) if self.gpu_to_cpu else (local[:m], units)
+            host[off + GROUP_ROW : off + GROUP_ROW + m] = src
+            host[off + GROUP_ROW + m : off + GROUP_ROW + 2 * m] = dst
+            if starts is None:
+                piece_lo, piece_hi = lo, hi
+            else:
+                piece_lo, piece_hi = (int(x) for x in np.searchsorted(starts, (lo, hi)))
+            chunks.append(StagedChunk(off, 1, m, m * refs, piece_lo, piece_hi))
         dst_arr, src_arr = (cpu, stage) if self.gpu_to_cpu else (stage, cpu)
-        chunk = StagedChunk(0, 1, n, n * len(g.ref_tensors), 0, len(size))
         return PreparedJob(
-            [chunk],
+            chunks,
             entries,
             np.ascontiguousarray(dst_arr, dtype=np.int64),
             np.ascontiguousarray(src_arr, dtype=np.int64),

@@ -23,13 +23,20 @@ the geometry is 16-byte aligned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_KERNEL_CONFIG", "KernelConfig", "launch_copy_kernel", "triton_available"]
+__all__ = [
+    "DEFAULT_KERNEL_CONFIG",
+    "KernelConfig",
+    "launch_copy_kernel",
+    "on_device",
+    "triton_available",
+]
 
 try:  # Triton is optional: without it the handlers use batched DMA or the torch fallback.
     import triton
@@ -132,6 +139,15 @@ if triton is not None:
 
 
 _NUM_SMS: dict[int, int] = {}
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(device)``, or nothing when it is current already: entering and
+    leaving the guard costs several microseconds per copy, on a path that runs per job."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(device)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -179,9 +195,10 @@ def launch_copy_kernel(
     alignment: int,
     config: KernelConfig = DEFAULT_KERNEL_CONFIG,
     stream: int | None = None,
+    job_offset: int = 0,
 ) -> Any:
     """Launch on ``stream`` (a raw CUDA stream handle; default: the current stream); both
-    tables live on the GPU."""
+    tables live on the GPU, the job's from entry ``job_offset`` of ``job_table``."""
     global _DIRECT
     if triton is None:  # pragma: no cover
         raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
@@ -206,7 +223,8 @@ def launch_copy_kernel(
             compiled.run(
                 programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
                 hooks.launch_enter_hook, hooks.launch_exit_hook,
-                ref_table.data_ptr(), job_table.data_ptr(), *scalars, block, alignment,
+                ref_table.data_ptr(), job_table.data_ptr() + 8 * job_offset, *scalars, block,
+                alignment,
             )  # fmt: skip
             return compiled
         except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
@@ -218,7 +236,12 @@ def launch_copy_kernel(
         torch.cuda.ExternalStream(stream, device=device) if stream is not None else None
     ):
         kernel = _uva_copy_kernel[(programs,)](
-            ref_table, job_table, *scalars, BLOCK=block, ALIGN=alignment, num_warps=config.num_warps
+            ref_table,
+            job_table[job_offset:],
+            *scalars,
+            BLOCK=block,
+            ALIGN=alignment,
+            num_warps=config.num_warps,
         )
     if _DIRECT and kernel is not None and hasattr(kernel, "packed_metadata"):
         _COMPILED[key] = kernel

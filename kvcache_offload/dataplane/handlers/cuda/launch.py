@@ -8,6 +8,7 @@ stream, and returns the :class:`~.inflight.InFlightCopy` that the handler then t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +17,18 @@ import torch
 
 from kvcache_offload.dataplane.copy.dma import CudaRuntime
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
-from kvcache_offload.dataplane.copy.staged import StagedCopier, StagedJob, StagingConfig
-from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW, KernelConfig, launch_copy_kernel
+from kvcache_offload.dataplane.copy.staged import (
+    ISSUED_NOW,
+    StagedCopier,
+    StagedJob,
+    StagingConfig,
+)
+from kvcache_offload.dataplane.copy.triton_kernel import (
+    GROUP_ROW,
+    KernelConfig,
+    launch_copy_kernel,
+    on_device,
+)
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlightCopy, TableSlot
 
 __all__ = ["CopyLauncher"]
@@ -125,7 +136,7 @@ class CopyLauncher:
         # per job, and the table upload is one runtime call instead of a dispatched copy_.
         runtime = self.runtime
         handle = stream.cuda_stream
-        with torch.cuda.device(self.device):
+        with on_device(self.device):
             if k_entries and slot is not None:
                 assert slot.host is not None and slot.dev is not None
                 if runtime is not None:
@@ -185,7 +196,7 @@ class CopyLauncher:
         ready: torch.cuda.Event | None = None
         if self.gpu_to_cpu:
             ready = self.pools.sync_event()
-            with torch.cuda.device(self.device):
+            with on_device(self.device):
                 ready.record(torch.cuda.current_stream(self.device))
         job = StagedJob(
             plan,
@@ -194,6 +205,8 @@ class CopyLauncher:
             slot,
             ready_event=ready,
             prev_end=prev.end_event if prev is not None and prev.staged is None else None,
+            # Issued before this returns: no Event of its own to create and set.
+            issued=ISSUED_NOW if inline else threading.Event(),
         )
         self._staged.submit(job, inline=inline)
         return InFlightCopy(jobs, None, start, end, slot, "staged", None, None, job)
