@@ -15,8 +15,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,7 @@ from kvcache_offload.contracts.handler import (
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
+from kvcache_offload.dataplane.handlers.copy_thread import CopyThread, QueuedCopy
 from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.errors import ConfigError, TransferError
 
@@ -55,8 +54,7 @@ CPU_TO_GPU: TransferType = ("CPU", "GPU")
 
 
 class _Finished:
-    """The outcome of a copy done inline: a finished future without the lock and condition
-    a ``concurrent.futures.Future`` allocates."""
+    """The outcome of a copy done inline, read like a :class:`QueuedCopy`."""
 
     __slots__ = ("_error", "_seconds")
 
@@ -83,7 +81,7 @@ class _Finished:
 class _Job:
     job_id: int
     num_bytes: int
-    future: Future[float] | _Finished
+    future: QueuedCopy | _Finished
 
 
 class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
@@ -120,10 +118,8 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._pending: dict[int, _Job] = {}
-        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=thread_name
-        )
         self._on_complete: Callable[[], None] | None = None
+        self._thread: CopyThread | None = CopyThread(thread_name, self._notify)
         self._can_batch = can_batch and prepare is None
         self._inline_max_bytes = inline_max_bytes if prepare is None else 0
         self._batching = False
@@ -141,7 +137,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         plan = self.plan(spec)
         with self._lock:
-            if self._executor is None:
+            if self._thread is None:
                 raise TransferError(f"job {job_id}: the handler is shut down")
             if job_id in self._pending or job_id in self._held:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
@@ -168,7 +164,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         job = _Job(job_id, plan.num_bytes, outcome)
         self._jobs.append(job)
         self._pending[job_id] = job
-        self._notify(None)
+        self._notify()
 
     # -- batching (BatchingSwitch): held jobs go to the thread as one copy, one hand-off ----
     def _can_hold_jobs(self) -> bool:
@@ -176,21 +172,20 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def _flush_locked(self) -> None:
         held = self._held.take()
-        if held and self._executor is not None:
+        if held and self._thread is not None:
             self._issue(held)
 
     def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
-        assert self._executor is not None
+        assert self._thread is not None
         plan = HeldJobs.merged(jobs)
         token = self._prepare() if self._prepare is not None else None
-        future = self._executor.submit(self._execute, plan, token)
-        future.add_done_callback(self._notify)
+        future = self._thread.submit(self._run_plan, plan, token)
         for job_id, job_plan in jobs:
             job = _Job(job_id, job_plan.num_bytes, future)
             self._jobs.append(job)
             self._pending[job_id] = job
 
-    def _notify(self, _future: Future[float] | None) -> None:
+    def _notify(self) -> None:
         callback = self._on_complete
         if callback is not None:
             try:
@@ -226,13 +221,14 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def wait(self, job_ids: set[int]) -> None:
         self.flush()
         with self._lock:
-            futures = [
+            thread = self._thread
+            copies = [
                 f
                 for j in job_ids
-                if j in self._pending and isinstance(f := self._pending[j].future, Future)
+                if j in self._pending and isinstance(f := self._pending[j].future, QueuedCopy)
             ]
-        if futures:
-            wait_futures(futures)
+        if copies and thread is not None:
+            thread.wait(copies)
 
     @property
     def num_pending(self) -> int:
@@ -246,9 +242,9 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         """Cancel jobs not started, wait for the running one, drop every job. Idempotent."""
         self.flush()
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown()
         with self._lock:
             self._jobs.clear()
             self._pending.clear()
