@@ -30,6 +30,41 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
 
+_Entry = tuple[int, int, OffloadKey]
+"""(second-last access, last access, key) of a used block; stale once the key moves on."""
+
+
+class _Heap:
+    """The used blocks' entries, oldest second-last access first (a binary heap).
+
+    Shown (``repr``) in sorted order: a failed eviction pops and pushes back entries, which
+    can reorder the list but never changes what it holds.
+    """
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+
+    def push(self, entry: _Entry) -> None:
+        heapq.heappush(self.entries, entry)
+
+    def pop(self) -> _Entry:
+        return heapq.heappop(self.entries)
+
+    def rebuild(self, entries: list[_Entry]) -> None:
+        heapq.heapify(entries)
+        self.entries = entries
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return repr(sorted(self.entries))
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
 class LRU2CachePolicy(QueuePolicy):
@@ -47,7 +82,7 @@ class LRU2CachePolicy(QueuePolicy):
         self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
         # key -> (second-last access, last access) for used blocks; the heap orders them.
         self._main: dict[OffloadKey, tuple[int, int]] = {}
-        self._heap: list[tuple[int, int, OffloadKey]] = []
+        self._heap = _Heap()
         # Evicted key -> its last access, oldest first, at most ``capacity`` of them.
         self._ghost: OrderedDict[OffloadKey, int] = OrderedDict()
         self._now = 0
@@ -68,7 +103,7 @@ class LRU2CachePolicy(QueuePolicy):
     def _to_main(self, key: OffloadKey, previous: int) -> None:
         now = self._now
         self._main[key] = (previous, now)
-        heapq.heappush(self._heap, (previous, now, key))
+        self._heap.push((previous, now, key))
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -84,8 +119,7 @@ class LRU2CachePolicy(QueuePolicy):
             else:
                 self._to_main(key, probation.pop(key))
         if len(self._heap) > 2 * len(main) + 64:
-            self._heap = [(s, t, k) for k, (s, t) in main.items()]
-            heapq.heapify(self._heap)
+            self._heap.rebuild([(s, t, k) for k, (s, t) in main.items()])
 
     def _select(
         self, n: int, protected: Collection[OffloadKey]
@@ -99,19 +133,21 @@ class LRU2CachePolicy(QueuePolicy):
                     break
         from_probation = len(chosen)
         heap, main = self._heap, self._main
-        popped: list[tuple[int, int, OffloadKey]] = []
-        while len(chosen) < n and heap:
-            entry = heapq.heappop(heap)
+        popped: list[_Entry] = []
+        stale: list[_Entry] = []
+        while len(chosen) < n and len(heap):
+            entry = heap.pop()
             key = entry[2]
             stamps = main.get(key)
             if stamps is None or stamps[1] != entry[1]:
-                continue  # stale: the key was used again or left
+                stale.append(entry)  # the key was used again or left
+                continue
             popped.append(entry)
             if blocks[key].ref_cnt == 0 and key not in protected:
                 chosen.append(key)
         if len(chosen) < n:
-            for entry in popped:
-                heapq.heappush(heap, entry)
+            for entry in popped + stale:  # as it was: a failed eviction changes nothing
+                heap.push(entry)
             return None
         victims = []
         for i, key in enumerate(chosen):
@@ -123,7 +159,7 @@ class LRU2CachePolicy(QueuePolicy):
             victims.append((key, blocks.pop(key)))
         for entry in popped:
             if entry[2] in main:  # skipped (pinned or protected): back in the heap
-                heapq.heappush(heap, entry)
+                heap.push(entry)
         return victims
 
     def _remember(self, key: OffloadKey, last: int) -> None:
