@@ -67,11 +67,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 blocks = capacity.blocks(trace.num_unique_blocks)
                 bound = belady_hits(trace, blocks).block_hit_rate
                 hit = {
-                    p: replay_trace(make_manager(p, blocks), trace).block_hit_rate
-                    for p in policies
+                    p: replay_trace(make_manager(p, blocks), trace).block_hit_rate for p in policies
                 }
                 lru = hit["lru"]
-                row = {
+                row: dict[str, Any] = {
                     "trace": trace.name.removeprefix("mooncake_").split("_")[0],
                     "slice": label,
                     "capacity": capacity.label(),
@@ -94,9 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
         for row in rows:
             lru, bound = row["hit"]["lru"], row["belady"]
-            cells = [row["trace"], row["slice"], row["capacity"], f"{100 * bound:.2f}"]
-            cells += [_cell(row["hit"][p], lru, bound) for p in policies]
-            print("| " + " | ".join(cells) + " |")
+            line = [row["trace"], row["slice"], row["capacity"], f"{100 * bound:.2f}"]
+            line += [_cell(row["hit"][p], lru, bound) for p in policies]
+            print("| " + " | ".join(line) + " |")
     result = {"policies": policies, "command": " ".join(sys.argv), "rows": rows}
     write_json("policy-gap", result)
     return result

@@ -1,4 +1,4 @@
-"""The adaptive policy serves with the candidate its miniatures favour; LRU-2 keeps reused blocks."""
+"""The adaptive policy serves with the candidate its miniatures favour; LRU-2 keeps reuse."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from tests.unit._keys import key, key_ids
 
 def _trace(requests: list[list[int]]) -> Trace:
     return trace_from_requests(
-        [TraceRequest(float(i), 512 * len(ids), 1, [key(k) for k in ids]) for i, ids in enumerate(requests)]
+        TraceRequest(float(i), 512 * len(ids), 1, [key(k) for k in ids])
+        for i, ids in enumerate(requests)
     )
 
 
@@ -44,7 +45,6 @@ def _hot_set_under_one_offs(rounds: int = 30) -> Trace:
                 requests.append([fresh])
                 fresh += 1
     return _trace(requests)
-
 
 
 def _reused_once_soon(steps: int = 6000) -> Trace:

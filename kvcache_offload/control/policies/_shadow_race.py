@@ -74,10 +74,10 @@ class _Runner:
 class ShadowRace:
     """Runs every candidate in miniature and names the one the live cache should run.
 
-    ``window`` miniature capacities of sampled blocks make one evaluation; after
-    each, scores are halved. A challenger takes the lead once its score exceeds the
-    leader's by ``margin`` (relative) and by ``z`` standard deviations of the paired per-request differences, in
-    two evaluations in a row.
+    ``window`` miniature capacities of sampled blocks make one evaluation; after each,
+    scores are halved. A challenger takes the lead once its score exceeds the leader's by
+    ``margin`` (relative) and by ``z`` standard deviations of the paired per-request
+    differences, in two evaluations in a row.
     """
 
     def __init__(

@@ -151,10 +151,7 @@ class LRU2CachePolicy(QueuePolicy):
             return None
         victims = []
         for i, key in enumerate(chosen):
-            if i < from_probation:
-                last = self._probation.pop(key)
-            else:
-                last = main.pop(key)[1]
+            last = self._probation.pop(key) if i < from_probation else main.pop(key)[1]
             self._remember(key, last)
             victims.append((key, blocks.pop(key)))
         for entry in popped:
