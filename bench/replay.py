@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._common import machine_info, write_json
+from kvcache_offload.config import OffloadConfig
 from kvcache_offload.control.policies.registry import available_cache_policies
 from kvcache_offload.lab.cli import plot_result
 from kvcache_offload.lab.driver import replay_trace
@@ -40,6 +41,8 @@ from kvcache_offload.lab.trace import (
     load_trace,
 )
 
+DEFAULT_POLICY = OffloadConfig.model_fields["eviction_policy"].default
+"""The service's default policy: its column and curve say so."""
 TIMED_CAPACITY = "10%"
 TIME_GOAL_S = 3.0
 
@@ -74,12 +77,16 @@ def _rows(result: SweepResult, policies: list[str]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+def _header(policy: str) -> str:
+    return f"{policy} (default)" if policy == DEFAULT_POLICY else policy
+
+
 def _table(rows: list[dict[str, Any]], policies: list[str]) -> Table:
     table = Table(title="block hit rate (%) by policy; * = best")
     for column in [
         "trace",
         "capacity",
-        *policies,
+        *map(_header, policies),
         "Belady",
         "best",
         "vs LRU",
@@ -107,7 +114,7 @@ def _markdown(rows: list[dict[str, Any]], policies: list[str], timing: dict[str,
     head = [
         "trace",
         "capacity",
-        *policies,
+        *map(_header, policies),
         "Belady",
         "best",
         "best - LRU",
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.docs is not None:
         args.docs.mkdir(parents=True, exist_ok=True)
         png = args.docs / "policy-lab-hit-rates.png"
-        plot_result(result, png)
+        plot_result(result, png, default=DEFAULT_POLICY)
         md = args.docs / "policy-lab.md"
         table_md = _markdown(rows, [*policies, *variants], timing)
         _replace_section(md, table_md)

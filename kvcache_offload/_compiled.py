@@ -37,6 +37,9 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies.s3fifo",
     "kvcache_offload.control.policies.sieve",
     "kvcache_offload.control.policies.slru",
+    "kvcache_offload.control.policies.lru2",
+    "kvcache_offload.control.policies._shadow_race",
+    "kvcache_offload.control.policies.adaptive",
     "kvcache_offload.control.manager",
 )
 """Compiled together, in one mypyc group: the manager's hot path never leaves C for them."""

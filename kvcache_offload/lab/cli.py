@@ -108,8 +108,10 @@ def result_json(
     }
 
 
-def plot_result(result: SweepResult, path: Path) -> None:
-    """Hit rate vs capacity per trace; percentage capacities on the x axis when given."""
+def plot_result(result: SweepResult, path: Path, default: str | None = None) -> None:
+    """Hit rate vs capacity per trace; percentage capacities on the x axis when given.
+
+    ``default`` (the service's default policy) is labelled as such in the legend."""
     from kvcache_offload.lab.plot import plot_hit_rates
 
     panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
@@ -117,7 +119,8 @@ def plot_result(result: SweepResult, path: Path) -> None:
     for p in result.points:
         x = p.capacity.value if all_percent else float(p.capacity_blocks)
         series = panels.setdefault(_short(p.trace), {})
-        series.setdefault(p.policy, []).append((x, p.counts.block_hit_rate))
+        label = f"{p.policy} (default)" if p.policy == default else p.policy
+        series.setdefault(label, []).append((x, p.counts.block_hit_rate))
         if p.belady is not None:
             bound = series.setdefault("belady", [])
             if (x, p.belady.block_hit_rate) not in bound:

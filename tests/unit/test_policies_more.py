@@ -23,7 +23,7 @@ from kvcache_offload.control.policies import (
 )
 from tests.unit._keys import key, key_ids, keys
 
-NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru"]
+NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru", "lru2", "adaptive"]
 
 
 def _make(policy: str | type[CachePolicy], capacity: int = 10) -> CachePolicy:

@@ -18,9 +18,11 @@ from kvcache_offload.control.policies.registry import (
 )
 
 if TYPE_CHECKING:
+    from kvcache_offload.control.policies.adaptive import AdaptiveCachePolicy
     from kvcache_offload.control.policies.alru import AdaptiveLRUCachePolicy
     from kvcache_offload.control.policies.arc import ARCCachePolicy
     from kvcache_offload.control.policies.lru import LRUCachePolicy
+    from kvcache_offload.control.policies.lru2 import LRU2CachePolicy
     from kvcache_offload.control.policies.s3fifo import (
         PrefixS3FIFOCachePolicy,
         S3FIFOCachePolicy,
@@ -30,9 +32,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCCachePolicy",
+    "AdaptiveCachePolicy",
     "AdaptiveLRUCachePolicy",
     "BlockStatus",
     "CachePolicy",
+    "LRU2CachePolicy",
     "LRUCachePolicy",
     "PrefixS3FIFOCachePolicy",
     "S3FIFOCachePolicy",
@@ -47,9 +51,11 @@ __all__ = [
 _LAZY = {
     name: f"{__name__}.{module}"
     for name, module in {
+        "AdaptiveCachePolicy": "adaptive",
         "AdaptiveLRUCachePolicy": "alru",
         "ARCCachePolicy": "arc",
         "LRUCachePolicy": "lru",
+        "LRU2CachePolicy": "lru2",
         "PrefixS3FIFOCachePolicy": "s3fifo",
         "S3FIFOCachePolicy": "s3fifo",
         "SIEVECachePolicy": "sieve",

@@ -54,6 +54,8 @@ _BUILTIN = {
     "s3fifo-prefix": ("kvcache_offload.control.policies.s3fifo", "PrefixS3FIFOCachePolicy"),
     "sieve": ("kvcache_offload.control.policies.sieve", "SIEVECachePolicy"),
     "slru": ("kvcache_offload.control.policies.slru", "SLRUCachePolicy"),
+    "lru2": ("kvcache_offload.control.policies.lru2", "LRU2CachePolicy"),
+    "adaptive": ("kvcache_offload.control.policies.adaptive", "AdaptiveCachePolicy"),
 }
 for _name, (_module, _cls) in _BUILTIN.items():
     register_cache_policy(_name, _module, _cls)

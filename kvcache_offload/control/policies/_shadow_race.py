@@ -1,0 +1,171 @@
+"""Miniature simulations of whole candidate policies, raced on a hashed sample of the keys.
+
+Waldspurger et al. (FAST'15 SHARDS, ATC'17 miniature simulation): a cache fed the keys whose
+hash falls below a threshold, scaled down by that sampling rate, shows the hit ratio of the
+full-size cache. Each candidate runs as a real policy object of ``rate x capacity`` blocks,
+driven per request as the manager drives the live one (hits up to the first miss, touch,
+store the misses, touch again, complete), and scores its prefix hits with exponentially
+decaying counts. The race names a new leader only when it beats the current one by a margin
+in two evaluations in a row (hysteresis), so sampling noise does not make the live policy
+flap. The hash uses other bits of the CRC than the miniatures inside the adaptive LRU, so a
+candidate's own sample is not a sample of this one.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
+
+__all__ = ["ShadowRace"]
+
+_HASH_SPACE = 1 << 16
+
+
+class _Runner:
+    """One candidate in miniature: its policy object, capacity and decaying hit count."""
+
+    __slots__ = ("capacity", "hits", "name", "policy", "score", "spread")
+
+    def __init__(self, name: str, policy: CachePolicy, capacity: int) -> None:
+        self.name = name
+        self.policy = policy
+        self.capacity = capacity
+        self.score = 0.0
+        self.hits = 0
+        # Decaying sum of squared per-request differences from the leader's hits.
+        self.spread = 0.0
+
+    def request(self, keys: list[OffloadKey]) -> int:
+        """Serve one request's sampled keys (distinct, prefix order); its prefix hits."""
+        policy = self.policy
+        get = policy.get
+        hits = 0
+        for key in keys:
+            if get(key) is None:
+                break
+            hits += 1
+        policy.touch(keys)
+        if hits == len(keys):
+            return hits
+        new = [key for key in keys[hits:] if get(key) is None]
+        need = len(policy) + len(new) - self.capacity
+        free: list[BlockStatus] = []
+        if need > 0:
+            victims = policy.evict(need, ())
+            if victims is None:
+                return hits
+            free = [block for _, block in victims]
+        pairs = []
+        for key in new:
+            block = free.pop() if free else BlockStatus(0)
+            block.ref_cnt = -1
+            pairs.append((key, block))
+        policy.insert_many(pairs)
+        policy.touch(keys)
+        for _, block in pairs:
+            block.ref_cnt = 0
+        return hits
+
+
+class ShadowRace:
+    """Runs every candidate in miniature and names the one the live cache should run.
+
+    ``window`` miniature capacities of sampled blocks make one evaluation; after each,
+    scores are halved. A challenger takes the lead once its score exceeds the leader's by
+    ``margin`` (relative) and by ``z`` standard deviations of the paired per-request
+    differences, in two evaluations in a row.
+    """
+
+    def __init__(
+        self,
+        cache_capacity: int,
+        candidates: Sequence[tuple[str, type[CachePolicy]]],
+        *,
+        shadow_blocks: int = 256,
+        margin: float = 0.05,
+        window: float = 4.0,
+        z: float = 2.0,
+    ) -> None:
+        rate = min(1.0, shadow_blocks / max(cache_capacity, 1))
+        self.rate = rate
+        self._threshold = max(1, round(rate * _HASH_SPACE))
+        capacity = max(1, round(rate * cache_capacity))
+        self._runners = [_Runner(name, cls(capacity), capacity) for name, cls in candidates]
+        self._window = max(1, round(window * capacity))
+        self._margin = margin
+        self._z = z
+        self._seen = 0
+        self._challenger = ""
+        self.leader = self._runners[0].name
+        self._leader_index = 0
+        self.evaluations = 0
+        self.switches = 0
+        self.sampled_blocks = 0
+
+    def sample(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The sampled keys of ``keys``, in order, without repeats."""
+        threshold = self._threshold
+        crc = zlib.crc32
+        sampled = [key for key in keys if (crc(key) >> 16) < threshold]
+        if len(sampled) > 1:
+            sampled = list(dict.fromkeys(sampled))
+        return sampled
+
+    def request(self, sampled: list[OffloadKey]) -> bool:
+        """Feed one request's sampled keys to every miniature; True when the leader changed."""
+        counts = [runner.request(sampled) for runner in self._runners]
+        lead = counts[self._leader_index]
+        for runner, hits in zip(self._runners, counts, strict=True):
+            runner.score += hits
+            runner.hits += hits
+            runner.spread += (hits - lead) * (hits - lead)
+        self._seen += len(sampled)
+        self.sampled_blocks += len(sampled)
+        if self._seen < self._window:
+            return False
+        self._seen = 0
+        return self._evaluate()
+
+    def _evaluate(self) -> bool:
+        self.evaluations += 1
+        runners = self._runners
+        best = runners[0]
+        current = runners[0]
+        for runner in runners:
+            if runner.score > best.score:
+                best = runner
+            if runner.name == self.leader:
+                current = runner
+        changed = False
+        lead = best.score - current.score
+        # The miniatures see the same requests: the lead must also exceed ``z`` standard
+        # deviations of the paired per-request differences (sampling noise).
+        noise = self._z * math.sqrt(best.spread)
+        if best is not current and lead > max(self._margin * current.score, noise):
+            if self._challenger == best.name:
+                self.leader = best.name
+                self._leader_index = runners.index(best)
+                self.switches += 1
+                self._challenger = ""
+                changed = True
+            else:
+                self._challenger = best.name
+        else:
+            self._challenger = ""
+        for runner in runners:
+            runner.score *= 0.5
+            runner.spread *= 0.5
+        return changed
+
+    def scores(self) -> dict[str, float]:
+        """Each candidate's decayed hit count (what the race compares)."""
+        return {runner.name: runner.score for runner in self._runners}
+
+    def hit_ratios(self) -> dict[str, float]:
+        """Each candidate's hit ratio in miniature since the start."""
+        n = max(1, self.sampled_blocks)
+        return {runner.name: runner.hits / n for runner in self._runners}

@@ -1,0 +1,154 @@
+"""An eviction policy that runs whichever candidate policy its miniature simulations favour.
+
+No single policy wins everywhere in the lab (``docs/policy-lab.md``): LRU-2 is far ahead in
+small caches under a flood of one-off prefixes, the adaptive LRU in most other places, and
+plain LRU where the cache holds nearly all the reuse. This policy serves with one candidate
+at a time (starting with the first, LRU) while every candidate runs in miniature on a hashed
+sample of the keys (:mod:`._shadow_race`); when another candidate's miniature has led by a
+margin twice in a row, the live cache switches to it.
+
+A switch hands the blocks over in the old policy's eviction order: the old policy is drained
+victim by victim (pinned and unfinished blocks last) and the new one takes each block as if
+it had been stored and then used in that order, so what the old policy valued most is what
+the new one keeps longest. It costs one pass over the cache, and switches are rare.
+
+The live policy sees every call the manager makes; the miniatures see the first ``touch`` of
+each request (the one after a store repeats it) reduced to its sampled keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
+
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._shadow_race import ShadowRace
+from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
+from kvcache_offload.control.policies.registry import get_cache_policy_cls
+
+__all__ = ["AdaptiveCachePolicy"]
+
+_NONE: frozenset[OffloadKey] = frozenset()
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
+class AdaptiveCachePolicy(CachePolicy):
+    """Serves with the candidate whose miniature hits most (see module doc)."""
+
+    name = "adaptive"
+    candidates: ClassVar[tuple[str, ...]] = ("alru", "lru2", "s3fifo-prefix", "lru")
+    """Registered policy names; the first one serves until the race names another."""
+    shadow_blocks: ClassVar[int] = 256
+    """Size of each miniature (the sampling rate is this over the capacity)."""
+    margin: ClassVar[float] = 0.05
+    """How much more a challenger's miniature must hit, relatively, to take over."""
+    window: ClassVar[float] = 4.0
+    """Sampled blocks per evaluation of the race, in miniature capacities."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self._classes = {name: get_cache_policy_cls(name) for name in self.candidates}
+        self._start()
+
+    def _start(self) -> None:
+        first = self.candidates[0]
+        self._live_name = first
+        self._live: CachePolicy = self._classes[first](self.cache_capacity)
+        self._race = ShadowRace(
+            self.cache_capacity,
+            list(self._classes.items()),
+            shadow_blocks=self.shadow_blocks,
+            margin=self.margin,
+            window=self.window,
+        )
+        self._last_stored: OffloadKey | None = None
+
+    @property
+    def live_policy(self) -> str:
+        """The candidate serving now."""
+        return self._live_name
+
+    # -- storage -------------------------------------------------------------------------
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self._blocks.get(key)
+
+    def block_table(self) -> dict[OffloadKey, BlockStatus]:
+        return self._blocks
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self._blocks[key] = block
+        self._live.insert(key, block)
+        self._last_stored = key
+
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        if not pairs:
+            return
+        self._blocks.update(pairs)
+        self._live.insert_many(pairs)
+        self._last_stored = pairs[-1][0]
+
+    def remove(self, key: OffloadKey) -> None:
+        del self._blocks[key]
+        self._live.remove(key)
+
+    # -- use and eviction ----------------------------------------------------------------
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self._live.touch(keys)
+        stored = self._last_stored
+        if stored is not None:
+            self._last_stored = None
+            block = self._blocks.get(stored)
+            if block is not None and block.ref_cnt == -1 and stored in keys:
+                return  # the touch after this request's store: the race saw the request
+        sampled = self._race.sample(keys)
+        if sampled and self._race.request(sampled):
+            self._switch(self._race.leader)
+
+    def evict(
+        self, n: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        victims = self._live.evict(n, protected)
+        if victims:
+            blocks = self._blocks
+            for key, _ in victims:
+                del blocks[key]
+        return victims
+
+    def _switch(self, name: str) -> None:
+        old = self._live
+        order: list[tuple[OffloadKey, BlockStatus]] = []
+        while True:
+            victim = old.evict(1, _NONE)
+            if not victim:
+                break
+            order.extend(victim)
+        drained = {key for key, _ in order}
+        order.extend((key, block) for key, block in self._blocks.items() if key not in drained)
+        new = self._classes[name](self.cache_capacity)
+        for pair in order:
+            new.insert_many([pair])
+            new.touch([pair[0]])
+        self._live = new
+        self._live_name = name
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._start()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "size": len(self),
+            "live": self._live_name,
+            "switches": self._race.switches,
+            "scores": self._race.scores(),
+            "shadow_hit_ratios": self._race.hit_ratios(),
+            "live_state": self._live.debug_state(),
+        }
