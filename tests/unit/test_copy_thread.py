@@ -61,3 +61,25 @@ def test_shutdown_finishes_the_running_copy_and_cancels_the_queued_ones():
         assert "shut down" in str(exc)
     else:
         raise AssertionError("a shut-down copy thread accepted a copy")
+
+
+def test_a_handler_dropped_without_shutdown_stops_its_copy_threads():
+    import gc
+
+    torch = __import__("pytest").importorskip("torch")
+    from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers
+    from tests._roundtrip import make_caches
+
+    kv = make_caches(
+        num_tensors=1, num_gpu_blocks=4, page=64, group_layers=[[(0, 64)]],
+        gen=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    before = {t for t in threading.enumerate() if t.name.startswith("kvoffload")}
+    handlers = CpuBackendOffloadingHandlers(kv, 1, 4)
+    started = {t for t in threading.enumerate() if t.name.startswith("kvoffload")} - before
+    assert started  # one copy thread per direction
+    del handlers
+    gc.collect()
+    for t in started:
+        t.join(5)
+    assert not any(t.is_alive() for t in started)

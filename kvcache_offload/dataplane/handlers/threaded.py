@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,7 +120,17 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._jobs: deque[_Job] = deque()
         self._pending: dict[int, _Job] = {}
         self._on_complete: Callable[[], None] | None = None
-        self._thread: CopyThread | None = CopyThread(thread_name, self._notify)
+        # The thread reaches the handler only weakly, so a handler dropped without
+        # shutdown() is collected and its thread stopped, as an executor's would be.
+        notify = weakref.WeakMethod(self._notify)
+
+        def on_done() -> None:
+            method = notify()
+            if method is not None:
+                method()
+
+        self._thread: CopyThread | None = CopyThread(thread_name, on_done)
+        weakref.finalize(self, self._thread.shutdown)
         self._can_batch = can_batch and prepare is None
         self._inline_max_bytes = inline_max_bytes if prepare is None else 0
         self._batching = False
