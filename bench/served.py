@@ -1,7 +1,7 @@
 """The service as users run it, against a bare FastAPI route, driven by an external load generator.
 
     python -m bench.served [--duration 8] [--connections 32] [--rounds 2] [--ready 32]
-                           [--also ../main] [--cpus 0,1]
+                           [--also ../main] [--cpus 0,1] [--wrk-cpus 2]
 
 Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned, on
 this checkout's sources: ``bench/_service.py``) and,
@@ -13,7 +13,8 @@ Prints requests/s, latency percentiles and the server's CPU time per request (us
 from /proc: on a shared machine it moves far less than the rate) per round, the ratios
 served/bare, and writes JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys
 first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds;
-``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host).
+``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host);
+``--wrk-cpus`` pins wrk elsewhere instead (the servers alone on ``--cpus``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         "--also", type=Path, metavar="CHECKOUT",
         help="also serve another checkout's sources (e.g. the main branch) in the same rounds",
     )  # fmt: skip
+    p.add_argument(
+        "--wrk-cpus", metavar="LIST",
+        help="run wrk under taskset -c LIST instead of on --cpus (e.g. 2: servers alone on 0,1)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         sys.exit("bench.served needs wrk (Debian: apt-get install wrk)")
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             f'local f = io.open("{tmpdir / "body.json"}")\nwrk.body = f:read("*a")\nf:close()\n'
         )
         pin = ["taskset", "-c", args.cpus] if args.cpus else []
+        wrk_cpus = args.wrk_cpus or args.cpus
+        wrk_pin = ["taskset", "-c", wrk_cpus] if wrk_cpus else []
         bare_port = free_port()
         bare = subprocess.Popen(
             [*pin, str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
@@ -155,11 +162,11 @@ def main(argv: list[str] | None = None) -> None:
                     if name != "bare FastAPI" and args.ready:
                         store_ready(port, args.ready)
                 for _, port, _ in targets:  # warm-up
-                    wrk(port, script, 2, args.connections, pin)
+                    wrk(port, script, 2, args.connections, wrk_pin)
                 for rnd in range(args.rounds):
                     for name, port, pid in targets:
                         cpu = cpu_seconds(pid)
-                        row = wrk(port, script, args.duration, args.connections, pin)
+                        row = wrk(port, script, args.duration, args.connections, wrk_pin)
                         cpu = cpu_seconds(pid) - cpu
                         row["server_cpu_us_per_request"] = (
                             cpu / (row["requests_per_s"] * args.duration) * 1e6
