@@ -4,17 +4,18 @@
                            [--also ../main] [--cpus 0,1] [--wrk-cpus 2]
 
 Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned, on
-this checkout's sources: ``bench/_service.py``) and,
-as the floor, a bare FastAPI app whose one route parses the same body into a pydantic model
-and decodes its 64 hex keys, both under uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk``
-(Debian package ``wrk``; one thread, ``--connections`` connections) sends ``POST /v1/lookup``
-with 64 hex keys to each in turn, ``--rounds`` times, so drifts in the machine hit both.
-Prints requests/s, latency percentiles and the server's CPU time per request (user + system,
-from /proc: on a shared machine it moves far less than the rate) per round, the ratios
-served/bare, and writes JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys
-first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds;
-``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host);
-``--wrk-cpus`` pins wrk elsewhere instead (the servers alone on ``--cpus``).
+this checkout's sources: ``bench/_service.py``) and, as the floor, a bare FastAPI app whose
+one route parses the same body into a pydantic model and decodes its 64 hex keys, both under
+uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk`` (Debian package ``wrk``; one thread,
+``--connections`` connections) sends ``POST /v1/lookup`` with 64 hex keys to each in turn,
+``--rounds`` times, so drifts in the machine hit both. Prints per round requests/s, latency
+percentiles, the server's CPU time per request (user + system, from /proc: on a shared
+machine it moves far less than the rate) and how many CPUs other work kept busy meanwhile
+(everything but that server and wrk, from /proc/stat), the ratios served/bare, and writes
+JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys first (``bench.http``
+uses 32); ``--also`` serves a second checkout in the same rounds; ``--cpus`` pins the servers
+and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host); ``--wrk-cpus`` pins wrk
+elsewhere instead (the servers alone on ``--cpus``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -60,6 +62,20 @@ def cpu_seconds(pid: int) -> float:
     shared machine does not inflate the way it inflates latency."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU time all processes of the machine used so far (Linux ``/proc/stat``: user, nice,
+    system, irq, softirq, steal), so a round can tell how much went to other work."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this process's waited-for children (the wrk runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def store_ready(port: int, count: int) -> None:
@@ -165,23 +181,32 @@ def main(argv: list[str] | None = None) -> None:
                     wrk(port, script, 2, args.connections, wrk_pin)
                 for rnd in range(args.rounds):
                     for name, port, pid in targets:
-                        cpu = cpu_seconds(pid)
+                        cpu, busy, load = (
+                            cpu_seconds(pid),
+                            busy_cpu_seconds(),
+                            children_cpu_seconds(),
+                        )
                         row = wrk(port, script, args.duration, args.connections, wrk_pin)
                         cpu = cpu_seconds(pid) - cpu
+                        load = children_cpu_seconds() - load
+                        busy = busy_cpu_seconds() - busy
                         row["server_cpu_us_per_request"] = (
                             cpu / (row["requests_per_s"] * args.duration) * 1e6
                         )
+                        # CPUs busy with anything but this server and wrk, on average.
+                        row["other_cpus"] = max(0.0, busy - cpu - load) / args.duration
                         rows.append({"round": rnd, "target": name, **row})
         finally:
             bare.terminate()
             bare.wait(timeout=20)
     print(f"{'round':>5}  {'target':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'CPU us/req':>10} {'non-2xx':>8}")  # fmt: skip
+          f"{'CPU us/req':>10} {'other CPUs':>10} {'non-2xx':>8}")  # fmt: skip
     nan = float("nan")
     for r in rows:
         print(f"{r['round']:>5}  {r['target']:<13} {r['requests_per_s']:>9.0f} "
               f"{r.get('p50_ms', nan):>8.2f} {r.get('p99_ms', nan):>8.2f} "
-              f"{r['server_cpu_us_per_request']:>10.0f} {r['non_2xx']:>8.0f}")  # fmt: skip
+              f"{r['server_cpu_us_per_request']:>10.0f} {r['other_cpus']:>10.2f} "
+              f"{r['non_2xx']:>8.0f}")  # fmt: skip
     ratios, cpu_ratios = [], []
     for rnd in range(args.rounds):
         s = next(r for r in rows if r["round"] == rnd and r["target"] == "served")
