@@ -10,7 +10,8 @@ uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk`` (Debian package ``wrk``; one 
 ``--connections`` connections) sends ``POST /v1/lookup`` with 64 hex keys to each in turn,
 ``--rounds`` times, so drifts in the machine hit both. Prints per round requests/s, latency
 percentiles, the server's CPU time per request (user + system, from /proc: on a shared
-machine it moves far less than the rate) and how many CPUs other work kept busy meanwhile
+machine it moves far less than the rate), wrk's CPU time per request (on a 2-CPU budget the
+client's share counts too) and how many CPUs other work kept busy meanwhile
 (everything but that server and wrk, from /proc/stat), the ratios served/bare, and writes
 JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys first (``bench.http``
 uses 32); ``--also`` serves a second checkout in the same rounds; ``--cpus`` pins the servers
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                         row["server_cpu_us_per_request"] = (
                             cpu / (row["requests_per_s"] * args.duration) * 1e6
                         )
+                        row["wrk_cpu_us_per_request"] = (
+                            load / (row["requests_per_s"] * args.duration) * 1e6
+                        )
                         # CPUs busy with anything but this server and wrk, on average.
                         row["other_cpus"] = max(0.0, busy - cpu - load) / args.duration
                         rows.append({"round": rnd, "target": name, **row})
@@ -200,12 +204,13 @@ def main(argv: list[str] | None = None) -> None:
             bare.terminate()
             bare.wait(timeout=20)
     print(f"{'round':>5}  {'target':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'CPU us/req':>10} {'other CPUs':>10} {'non-2xx':>8}")  # fmt: skip
+          f"{'CPU us/req':>10} {'wrk us/req':>10} {'other CPUs':>10} {'non-2xx':>8}")  # fmt: skip
     nan = float("nan")
     for r in rows:
         print(f"{r['round']:>5}  {r['target']:<13} {r['requests_per_s']:>9.0f} "
               f"{r.get('p50_ms', nan):>8.2f} {r.get('p99_ms', nan):>8.2f} "
-              f"{r['server_cpu_us_per_request']:>10.0f} {r['other_cpus']:>10.2f} "
+              f"{r['server_cpu_us_per_request']:>10.0f} {r['wrk_cpu_us_per_request']:>10.0f} "
+              f"{r['other_cpus']:>10.2f} "
               f"{r['non_2xx']:>8.0f}")  # fmt: skip
     ratios, cpu_ratios = [], []
     for rnd in range(args.rounds):
