@@ -7,10 +7,10 @@ neither, so whoever derives keys from token ids (the HTTP layer, an embedding ap
 hands the tokens over with :meth:`BlockTokens.remember`; the publisher takes them back once
 per published store. The memory is bounded: the oldest entries go first.
 
-Remembering runs on the event loop (the service calls it for every prepared store), so it
-costs one array copy of the blocks' tokens, never a Python object per token: 4M ids as
-Python ints took ~130-180 ms of the loop. The tokens stay a read-only int64 array until a
-store is published.
+The publisher wants Python ints (vLLM's wire format is a list of them), and making 4M of them
+holds the GIL for ~100-200 ms. :func:`token_blocks` makes them a slice at a time, so a caller
+with a large numpy array runs it in a worker thread and the event loop takes the GIL between
+slices; :meth:`BlockTokens.remember_blocks` then only files the blocks.
 """
 
 from __future__ import annotations
@@ -23,21 +23,39 @@ import numpy as np
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockTokenEntry", "BlockTokens"]
+__all__ = ["BlockTokenEntry", "BlockTokens", "token_blocks"]
+
+SLICE_IDS = 65_536
+"""Token ids turned into Python ints per step of :func:`token_blocks` (a few ms of GIL)."""
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+def token_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, count: int
+) -> list[tuple[int, ...]]:
+    """The first ``count`` full blocks of ``block_size`` ids, as tuples of Python ints.
+
+    Made ``SLICE_IDS`` ids per C call, so that in a worker thread it gives the event loop the
+    GIL between slices.
+    """
+    if block_size <= 0:
+        return []
+    flat = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    count = min(count, flat.size // block_size)
+    blocks = []
+    for i in range(count):
+        block: list[int] = []
+        for start in range(i * block_size, (i + 1) * block_size, SLICE_IDS):
+            block += flat[start : min(start + SLICE_IDS, (i + 1) * block_size)].tolist()
+        blocks.append(tuple(block))
+    return blocks
+
+
+@dataclass(frozen=True, slots=True)
 class BlockTokenEntry:
     parent: OffloadKey | None
     """The key of the block before this one in its prefix (None for the first block)."""
-    tokens: np.ndarray
-    """The block's token ids: a read-only int64 array of ``block_size`` ids."""
+    token_ids: tuple[int, ...]
     block_size: int
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The block's token ids as Python ints."""
-        return tuple(self.tokens.tolist())
 
 
 class BlockTokens:
@@ -62,14 +80,16 @@ class BlockTokens:
         block_size: int,
     ) -> None:
         """Keys ``keys[i]`` name tokens ``[i * block_size, (i + 1) * block_size)``, chained."""
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        count = min(len(keys), tokens.size // block_size) if block_size > 0 else 0
-        blocks = tokens[: count * block_size].reshape(count, block_size).copy()
-        blocks.flags.writeable = False  # one copy, shared read-only by the entries' rows
+        self.remember_blocks(keys, token_blocks(token_ids, block_size, len(keys)), block_size)
+
+    def remember_blocks(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[tuple[int, ...]], block_size: int
+    ) -> None:
+        """Keys ``keys[i]`` name the tokens ``blocks[i]`` (from :func:`token_blocks`), chained."""
         entries = self._entries
-        for i in range(count):
+        for i, block in enumerate(blocks[: len(keys)]):
             key = bytes(keys[i])
-            entries[key] = BlockTokenEntry(keys[i - 1] if i else None, blocks[i], block_size)
+            entries[key] = BlockTokenEntry(keys[i - 1] if i else None, block, block_size)
             entries.move_to_end(key)
         while len(entries) > self.capacity:
             entries.popitem(last=False)

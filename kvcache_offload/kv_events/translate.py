@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvcache_offload.aio.types import EngineEvent, EventType
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.kv_events.block_tokens import BlockTokenEntry, BlockTokens
@@ -144,12 +142,14 @@ class EventTranslator:
                 medium=medium,
                 group_idx=group,
             )
-        # A run never mixes known and unknown tokens; Python ints only now, for the wire.
-        tokens = [entry.tokens for _, entry in run if entry is not None]
+        token_ids: list[int] = []
+        for _, entry in run:  # a run never mixes known and unknown tokens
+            if entry is not None:
+                token_ids.extend(entry.token_ids)
         return self.codec.stored(
             hashes,
             parent_block_hash=None if first.parent is None else self._hash(first.parent),
-            token_ids=np.concatenate(tokens).tolist(),
+            token_ids=token_ids,
             block_size=first.block_size,
             medium=medium,
             group_idx=group,

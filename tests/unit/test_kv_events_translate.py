@@ -16,6 +16,7 @@ from kvcache_offload.kv_events import (
     WireCodec,
     external_block_hash,
     split_key,
+    token_blocks,
 )
 
 
@@ -126,6 +127,22 @@ def test_remembered_tokens_are_published_unchanged_from_a_list_or_the_services_a
         assert stored.token_ids == ids and all(type(i) is int for i in stored.token_ids)
         (decoded,) = codec.decode_batch(codec.encode_batch([stored])).events
         assert decoded.token_ids == ids
+
+
+def test_blocks_made_a_slice_at_a_time_are_the_same_ints(monkeypatch) -> None:
+    """The service turns a large body's ids into Python ints in a worker thread, a few
+    thousand per step; the blocks are the same whatever the step."""
+    from kvcache_offload.kv_events import block_tokens
+
+    ids = np.random.default_rng(3).integers(-(2**31), 2**31, 1000)
+    whole = token_blocks(ids, 96, 20)
+    monkeypatch.setattr(block_tokens, "SLICE_IDS", 7)  # steps that straddle the blocks
+    assert (
+        token_blocks(ids, 96, 20)
+        == whole
+        == [tuple(ids[i * 96 : (i + 1) * 96].tolist()) for i in range(10)]
+    )
+    assert all(type(i) is int for block in whole for i in block)
 
 
 def test_tokens_beyond_the_last_full_block_or_the_keys_are_not_remembered() -> None:
