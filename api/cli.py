@@ -87,6 +87,7 @@ def serve(
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
     from .app import create_app
+    from .heap import FrozenStartupHeap
     from .startup import OneLineStartupErrors, preflight
 
     if log_level.lower() not in _LOG_LEVELS:
@@ -119,30 +120,31 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
-    app = OneLineStartupErrors(create_app(config))
+    app = create_app(config)
+    guarded = OneLineStartupErrors(app)
     try:
-        _run(app, config, log_level, access_log)
+        _run(FrozenStartupHeap(guarded), app, config, log_level, access_log)
     except SystemExit:
-        if app.failed is not None:  # the one-line reason is already logged
+        if guarded.failed is not None:  # the one-line reason is already logged
             raise typer.Exit(2) from None
         raise
 
 
-def _run(app: Any, config: OffloadConfig, log_level: str, access_log: bool) -> None:
+def _run(asgi: Any, app: Any, config: OffloadConfig, log_level: str, access_log: bool) -> None:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
     from .serving import protocol_class
 
     def end_event_streams() -> None:
-        broadcaster = getattr(app.app.state, "broadcaster", None)
+        broadcaster = getattr(app.state, "broadcaster", None)
         if broadcaster is not None:
             broadcaster.end_streams()
 
     # Our drain ends the event streams cleanly; sse-starlette's own would cancel them.
     AppStatus.disable_automatic_graceful_drain()
     uvicorn.run(
-        app,
+        asgi,
         host=config.host,
         port=config.port,
         loop="uvloop",

@@ -6,6 +6,7 @@ still receiving a body and the event streams hold shutdown until the graceful ti
 then end with cancelled tasks and tracebacks. :func:`protocol_class` returns a subclass of
 uvicorn's httptools protocol that
 
+* writes each fixed-length response in one piece (:mod:`.held_headers`);
 * closes a connection whose request headers are not complete within ``header_timeout_s``
   of the connection opening or of the previous response (the request *body* has its own
   deadline: ``api/limits.py``);
@@ -21,6 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .held_headers import HeldHeaders
 from .responses import json_bytes
 
 __all__ = ["protocol_class"]
@@ -76,6 +78,9 @@ def protocol_class(header_timeout_s: float, on_drain: Callable[[], None]) -> typ
         def on_headers_complete(self) -> None:
             self._cancel_header_timer()
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.transport is self.transport:
+                cycle.transport = HeldHeaders(self.transport, cycle)  # type: ignore[assignment]
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

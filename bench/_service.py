@@ -1,8 +1,9 @@
 """The installed ``kvcache-offload serve`` as a subprocess, for benchmarks that drive it over HTTP.
 
-It runs this checkout's sources (``PYTHONPATH`` points at the repository root, so an editable
-install of another checkout does not stand in for it) with the defaults a user gets, plus
-whatever flags or ``KVCACHE_OFFLOAD_*`` variables the benchmark names.
+It runs this checkout's sources (``PYTHONPATH`` points at the repository root, and at a link
+``kvcache_offload_service`` -> its ``api/``, so an editable install of another checkout stands
+in for neither the library nor the service) with the defaults a user gets, plus whatever flags
+or ``KVCACHE_OFFLOAD_*`` variables the benchmark names.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,8 +40,13 @@ def wait_listening(port: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def service_env(extra: Mapping[str, str] | None = None, source: Path = ROOT) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
+def service_env(
+    extra: Mapping[str, str] | None = None, source: Path = ROOT, service_link: Path | None = None
+) -> dict[str, str]:
+    """The environment of a served process; ``service_link``: a folder holding the link
+    ``kvcache_offload_service`` -> ``source/api`` (``running_service`` makes one)."""
+    first = [str(service_link)] if service_link is not None else []
+    path = os.pathsep.join(p for p in (*first, str(source), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
@@ -57,9 +64,11 @@ def running_service(
     """
     port = free_port()
     command = str(Path(sys.executable).parent / "kvcache-offload")
+    links = tempfile.TemporaryDirectory(prefix="kvcache-offload-bench-")
+    (Path(links.name) / "kvcache_offload_service").symlink_to(Path(source).resolve() / "api")
     proc = subprocess.Popen(
         [*prefix, command, "serve", "--port", str(port), *args],
-        env=service_env(env, source),
+        env=service_env(env, source, Path(links.name)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -73,3 +82,4 @@ def running_service(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        links.cleanup()

@@ -1,6 +1,6 @@
 """How long ``/healthz`` waits while the service parses a large ``token_ids`` lookup.
 
-    python -m bench.loop_stall [--tokens 1000000,4000000,22000000] [--repeats 3]
+    python -m bench.loop_stall [--tokens 1000000,4000000,22000000] [--repeats 3] [--kv-events]
 
 Starts the installed ``kvcache-offload serve`` (defaults, this checkout's sources). A prober
 thread sends ``GET /healthz`` back to back on one keep-alive connection; the main thread posts
@@ -8,6 +8,9 @@ thread sends ``GET /healthz`` back to back on one keep-alive connection; the mai
 ``"block_size": 1048576`` so the key limit does not trigger, as in issue 13 item 6). For each
 size: the lookup's status and time, and the ``/healthz`` latencies that overlapped it (p50,
 p99, max). The floor is the same probe on the idle service, measured in the same run.
+``--kv-events`` serves with a shared region and a KV-event publisher and posts the ids to
+``POST /v1/store/prepare`` instead, which also hands them to the publisher (then rolls the
+lease back with ``success: false``, so nothing is published).
 Writes JSON to ``bench/out/loop_stall-*.json``.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
+import os
 import threading
 import time
 from typing import Any
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import write_json
-from bench._service import running_service
+from bench._service import free_port, running_service
 
 
 class _Prober(threading.Thread):
@@ -68,17 +73,32 @@ def _body(tokens: int, rng: np.random.Generator) -> bytes:
     )
 
 
+def _roll_back(conn: http.client.HTTPConnection, lease_id: str) -> None:
+    body = json.dumps({"lease_id": lease_id, "success": False})
+    conn.request("POST", "/v1/store/complete", body, {"Content-Type": "application/json"})
+    conn.getresponse().read()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.loop_stall", description=__doc__)
     p.add_argument("--tokens", default="1000000,4000000,22000000")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-json", action="store_true")
+    p.add_argument(
+        "--kv-events", action="store_true",
+        help="prepare stores (shared region, KV events on) instead of looking up",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    path, serve_args = "/v1/lookup", []
+    if args.kv_events:
+        path = "/v1/store/prepare"
+        serve_args = ["--shared-region", "--region-name", f"loop-stall-{os.getpid()}",
+                      "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"]  # fmt: skip
     rng = np.random.default_rng(6)
     sizes = [int(t) for t in args.tokens.split(",")]
     bodies = {n: _body(n, rng) for n in sizes}
     rows: list[dict[str, Any]] = []
-    with running_service() as (port, _proc):
+    with running_service(serve_args) as (port, _proc):
         prober = _Prober(port)
         prober.start()
         time.sleep(1.0)
@@ -92,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 status: int | str
                 try:
-                    conn.request("POST", "/v1/lookup", body, {"Content-Type": "application/json"})
+                    conn.request("POST", path, body, {"Content-Type": "application/json"})
                     response = conn.getresponse()
                     answer = response.read()
                     status = response.status
@@ -104,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                 if closed:
                     conn.close()
                     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                elif args.kv_events and status == 200:
+                    _roll_back(conn, json.loads(answer)["lease_id"])
                 rows.append({
                     "body": f"{n:,} token ids ({len(body) / 1e6:.1f} MB)", "repeat": rep,
                     "status": status, "lookup_ms": (t1 - t0) * 1e3,
@@ -114,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         prober.stop.set()
         prober.join()
         conn.close()
-    print(f"{'body':<34} {'status':>6} {'lookup ms':>10} {'probes':>7} {'p50 ms':>8} "
+    print(f"{'body':<34} {'status':>6} {'call ms':>10} {'probes':>7} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'max ms':>8}")  # fmt: skip
     nan = float("nan")
     for r in rows:
@@ -124,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.get('max_ms', nan):>8.1f}"
         )
     if not args.no_json:
-        path = write_json("loop_stall", {"args": vars(args), "rows": rows})
-        print(f"wrote {path}")
+        out = write_json("loop_stall", {"args": vars(args), "rows": rows})
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,22 @@
 """The service as users run it, against a bare FastAPI route, driven by an external load generator.
 
     python -m bench.served [--duration 8] [--connections 32] [--rounds 2] [--ready 32]
-                           [--also ../main] [--cpus 0,1]
+                           [--also ../main] [--cpus 0,1] [--wrk-cpus 2]
 
 Starts ``kvcache-offload serve`` with its defaults (the installed command, nothing tuned, on
-this checkout's sources: ``bench/_service.py``) and,
-as the floor, a bare FastAPI app whose one route parses the same body into a pydantic model
-and decodes its 64 hex keys, both under uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk``
-(Debian package ``wrk``; one thread, ``--connections`` connections) sends ``POST /v1/lookup``
-with 64 hex keys to each in turn, ``--rounds`` times, so drifts in the machine hit both.
-Prints requests/s, latency percentiles and the server's CPU time per request (user + system,
-from /proc: on a shared machine it moves far less than the rate) per round, the ratios
-served/bare, and writes JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys
-first (``bench.http`` uses 32); ``--also`` serves a second checkout in the same rounds;
-``--cpus`` pins the servers and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host).
+this checkout's sources: ``bench/_service.py``) and, as the floor, a bare FastAPI app whose
+one route parses the same body into a pydantic model and decodes its 64 hex keys, both under
+uvicorn (uvloop + httptools) on 127.0.0.1. ``wrk`` (Debian package ``wrk``; one thread,
+``--connections`` connections) sends ``POST /v1/lookup`` with 64 hex keys to each in turn,
+``--rounds`` times, so drifts in the machine hit both. Prints per round requests/s, latency
+percentiles, the server's CPU time per request (user + system, from /proc: on a shared
+machine it moves far less than the rate), wrk's CPU time per request (on a 2-CPU budget the
+client's share counts too) and how many CPUs other work kept busy meanwhile
+(everything but that server and wrk, from /proc/stat), the ratios served/bare, and writes
+JSON to ``bench/out/served.json``. ``--ready`` stores some of the keys first (``bench.http``
+uses 32); ``--also`` serves a second checkout in the same rounds; ``--cpus`` pins the servers
+and wrk to those CPUs (a 2-vCPU budget on a larger, quiet host); ``--wrk-cpus`` pins wrk
+elsewhere instead (the servers alone on ``--cpus``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -59,6 +63,20 @@ def cpu_seconds(pid: int) -> float:
     shared machine does not inflate the way it inflates latency."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU time all processes of the machine used so far (Linux ``/proc/stat``: user, nice,
+    system, irq, softirq, steal), so a round can tell how much went to other work."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this process's waited-for children (the wrk runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def store_ready(port: int, count: int) -> None:
@@ -117,6 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         "--also", type=Path, metavar="CHECKOUT",
         help="also serve another checkout's sources (e.g. the main branch) in the same rounds",
     )  # fmt: skip
+    p.add_argument(
+        "--wrk-cpus", metavar="LIST",
+        help="run wrk under taskset -c LIST instead of on --cpus (e.g. 2: servers alone on 0,1)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         sys.exit("bench.served needs wrk (Debian: apt-get install wrk)")
@@ -131,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             f'local f = io.open("{tmpdir / "body.json"}")\nwrk.body = f:read("*a")\nf:close()\n'
         )
         pin = ["taskset", "-c", args.cpus] if args.cpus else []
+        wrk_cpus = args.wrk_cpus or args.cpus
+        wrk_pin = ["taskset", "-c", wrk_cpus] if wrk_cpus else []
         bare_port = free_port()
         bare = subprocess.Popen(
             [*pin, str(bindir / "uvicorn"), "bare_app:app", "--port", str(bare_port),
@@ -155,26 +179,39 @@ def main(argv: list[str] | None = None) -> None:
                     if name != "bare FastAPI" and args.ready:
                         store_ready(port, args.ready)
                 for _, port, _ in targets:  # warm-up
-                    wrk(port, script, 2, args.connections, pin)
+                    wrk(port, script, 2, args.connections, wrk_pin)
                 for rnd in range(args.rounds):
                     for name, port, pid in targets:
-                        cpu = cpu_seconds(pid)
-                        row = wrk(port, script, args.duration, args.connections, pin)
+                        cpu, busy, load = (
+                            cpu_seconds(pid),
+                            busy_cpu_seconds(),
+                            children_cpu_seconds(),
+                        )
+                        row = wrk(port, script, args.duration, args.connections, wrk_pin)
                         cpu = cpu_seconds(pid) - cpu
+                        load = children_cpu_seconds() - load
+                        busy = busy_cpu_seconds() - busy
                         row["server_cpu_us_per_request"] = (
                             cpu / (row["requests_per_s"] * args.duration) * 1e6
                         )
+                        row["wrk_cpu_us_per_request"] = (
+                            load / (row["requests_per_s"] * args.duration) * 1e6
+                        )
+                        # CPUs busy with anything but this server and wrk, on average.
+                        row["other_cpus"] = max(0.0, busy - cpu - load) / args.duration
                         rows.append({"round": rnd, "target": name, **row})
         finally:
             bare.terminate()
             bare.wait(timeout=20)
     print(f"{'round':>5}  {'target':<13} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'CPU us/req':>10} {'non-2xx':>8}")  # fmt: skip
+          f"{'CPU us/req':>10} {'wrk us/req':>10} {'other CPUs':>10} {'non-2xx':>8}")  # fmt: skip
     nan = float("nan")
     for r in rows:
         print(f"{r['round']:>5}  {r['target']:<13} {r['requests_per_s']:>9.0f} "
               f"{r.get('p50_ms', nan):>8.2f} {r.get('p99_ms', nan):>8.2f} "
-              f"{r['server_cpu_us_per_request']:>10.0f} {r['non_2xx']:>8.0f}")  # fmt: skip
+              f"{r['server_cpu_us_per_request']:>10.0f} {r['wrk_cpu_us_per_request']:>10.0f} "
+              f"{r['other_cpus']:>10.2f} "
+              f"{r['non_2xx']:>8.0f}")  # fmt: skip
     ratios, cpu_ratios = [], []
     for rnd in range(args.rounds):
         s = next(r for r in rows if r["round"] == rnd and r["target"] == "served")

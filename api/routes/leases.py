@@ -37,7 +37,7 @@ async def prepare_store(request: Request) -> FastJSONResponse:
         )
     body, keys = await parse_keys(await request.body(), PrepareRequest, config.max_keys_per_request)
     engine = engine_of(request)
-    remember_block_tokens(engine, body, keys)
+    await remember_block_tokens(engine, body, keys)
     lease = await engine.prepare_store(keys, request_context(body), ttl_s=body.ttl_s)
     return FastJSONResponse(to_wire(lease))
 

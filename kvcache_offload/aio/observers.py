@@ -40,8 +40,11 @@ logger = logging.getLogger(__name__)
 
 _MAX_QUEUED = 4096
 """Requests waiting for the estimators; beyond this the newest are left out."""
-_SLICE_S = 0.002
-"""Longest stretch the estimators run before the loop gets control back."""
+_SLICE_S = 0.0005
+"""Longest stretch the estimators run before the loop gets control back (at least one
+request is fed: ~0.3-0.6 ms of CPU for 64 keys through the MRC and four shadow policies).
+Every request that is ready meanwhile waits for the slice, so it adds to the served tail;
+2 ms slices added up to ~2.5 ms."""
 
 
 def _is_estimator(obs: object) -> bool:

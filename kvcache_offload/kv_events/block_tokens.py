@@ -6,6 +6,11 @@ recipe, which is how they match blocks across engines whose block hashes differ.
 neither, so whoever derives keys from token ids (the HTTP layer, an embedding application)
 hands the tokens over with :meth:`BlockTokens.remember`; the publisher takes them back once
 per published store. The memory is bounded: the oldest entries go first.
+
+The publisher wants Python ints (vLLM's wire format is a list of them), and making 4M of them
+holds the GIL for ~100-200 ms. :func:`token_blocks` makes them a slice at a time, so a caller
+with a large numpy array runs it in a worker thread and the event loop takes the GIL between
+slices; :meth:`BlockTokens.remember_blocks` then only files the blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +23,31 @@ import numpy as np
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockTokenEntry", "BlockTokens"]
+__all__ = ["BlockTokenEntry", "BlockTokens", "token_blocks"]
+
+SLICE_IDS = 65_536
+"""Token ids turned into Python ints per step of :func:`token_blocks` (a few ms of GIL)."""
+
+
+def token_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, count: int
+) -> list[tuple[int, ...]]:
+    """The first ``count`` full blocks of ``block_size`` ids, as tuples of Python ints.
+
+    Made ``SLICE_IDS`` ids per C call, so that in a worker thread it gives the event loop the
+    GIL between slices.
+    """
+    if block_size <= 0:
+        return []
+    flat = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    count = min(count, flat.size // block_size)
+    blocks = []
+    for i in range(count):
+        block: list[int] = []
+        for start in range(i * block_size, (i + 1) * block_size, SLICE_IDS):
+            block += flat[start : min(start + SLICE_IDS, (i + 1) * block_size)].tolist()
+        blocks.append(tuple(block))
+    return blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +80,17 @@ class BlockTokens:
         block_size: int,
     ) -> None:
         """Keys ``keys[i]`` name tokens ``[i * block_size, (i + 1) * block_size)``, chained."""
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        self.remember_blocks(keys, token_blocks(token_ids, block_size, len(keys)), block_size)
+
+    def remember_blocks(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[tuple[int, ...]], block_size: int
+    ) -> None:
+        """Keys ``keys[i]`` name the tokens ``blocks[i]`` (from :func:`token_blocks`), chained."""
         entries = self._entries
-        for i, key in enumerate(keys):
-            chunk = tokens[i * block_size : (i + 1) * block_size]
-            if chunk.size != block_size:
-                break
-            parent = keys[i - 1] if i else None
-            entries[bytes(key)] = BlockTokenEntry(parent, tuple(chunk.tolist()), block_size)
-            entries.move_to_end(bytes(key))
+        for i, block in enumerate(blocks[: len(keys)]):
+            key = bytes(keys[i])
+            entries[key] = BlockTokenEntry(keys[i - 1] if i else None, block, block_size)
+            entries.move_to_end(key)
         while len(entries) > self.capacity:
             entries.popitem(last=False)
 

@@ -267,6 +267,13 @@ class KVEventPublisher:
         """Tell the publisher which tokens ``keys`` (derived from ``token_ids``) stand for."""
         self.tokens.remember(keys, token_ids, block_size)
 
+    def remember_token_blocks(
+        self, keys: Sequence[Any], blocks: Sequence[tuple[int, ...]], block_size: int
+    ) -> None:
+        """The same with the blocks already made by
+        :func:`~kvcache_offload.kv_events.block_tokens.token_blocks` (e.g. in a worker thread)."""
+        self.tokens.remember_blocks(keys, blocks, block_size)
+
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._router):
             if sock is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from kvcache_offload.dataplane.memory.region_files import run_files
 from tests._regions import region_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,13 +104,11 @@ def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Se
             # On a timeout stop() kills it; the region's reaper then removes the file.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.stop(timeout=10)
-        _wait_gone(
-            Path("/dev/shm") / f"kvcache_offload_{full_env['KVCACHE_OFFLOAD_REGION_NAME']}.mmap"
-        )
+        _wait_gone(full_env["KVCACHE_OFFLOAD_REGION_NAME"])
 
 
-def _wait_gone(path: Path, timeout: float = 10.0) -> None:
+def _wait_gone(region: str, timeout: float = 10.0) -> None:
     """A killed server's region file is removed by its reaper child, a moment later."""
     deadline = time.monotonic() + timeout
-    while path.exists() and time.monotonic() < deadline:
+    while run_files("/dev/shm", region) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -120,3 +120,34 @@ def test_a_late_sidecar_write_after_lease_expiry_never_reaches_another_keys_bloc
             assert client.get(f"/v1/blocks/{k}").content == bytes([i % 250 + 1]) * BLOCK_BYTES
         done = client.post("/v1/store/complete", json={"lease_id": lease["lease_id"]})
         assert done.status_code == 410
+
+
+def test_a_stale_writer_reopening_the_old_runs_region_path_cannot_reach_the_new_run() -> None:
+    """A sidecar client that kept ``/v1/region``'s path and slot numbers from before a service
+    restart, and opens that path again to write, never lands in the new run's blocks."""
+    name = region_name("api-rerun")
+    env = {"KVCACHE_OFFLOAD_REGION_NAME": name}
+    with running_server("--shared-region", env=env) as old_run:
+        old = httpx.get(f"{old_run.url}/v1/region", timeout=10).json()
+    key = (7).to_bytes(8, "big").hex() + "00000000"
+    with (
+        running_server("--shared-region", env=env) as new_run,
+        httpx.Client(base_url=new_run.url, timeout=10) as client,
+    ):
+        new = client.get("/v1/region").json()
+        block = bytes(range(256)) * (new["row_stride"] // 256) + bytes(new["row_stride"] % 256)
+        stored = client.put(
+            "/v1/blocks", params={"keys": key}, content=block,
+            headers={"Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+        assert stored.status_code == 200, stored.text
+        try:  # the stale client: every slot of the old run, through the old path
+            with (
+                open(old["path"], "r+b") as f,
+                mmap.mmap(f.fileno(), old["total_size_bytes"]) as mm,
+            ):
+                mm[old["data_offset"] :] = b"\xee" * (old["total_size_bytes"] - old["data_offset"])
+        except FileNotFoundError:
+            pass  # the old run's file is gone: nothing to write into
+        assert client.get(f"/v1/blocks/{key}").content == block
+        assert new["path"] != old["path"]

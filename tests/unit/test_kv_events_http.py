@@ -72,3 +72,26 @@ async def test_http_stores_evictions_and_resets_are_published_in_order() -> None
             assert f"kvcache_offload_kv_events_published_total {float(len(expected))}" in metrics
         finally:
             sub.close()
+
+
+async def test_a_large_token_id_store_publishes_exactly_its_tokens() -> None:
+    """Over 64 KiB of ids, the service parses them into an array and makes the publisher's
+    Python ints in a worker thread; the published blocks are still exactly the ids sent."""
+    config = small_config(
+        kv_events_endpoint=ANY_PORT, kv_events_replay_endpoint=ANY_PORT, kv_events_topic="kv"
+    )
+    tokens = [(i * 7919) % 152_000 for i in range(70_000)]  # two blocks of 32,768, a tail
+    async with served(config) as s:
+        pub = s.engine.kv_events
+        assert pub is not None and pub.replay_endpoint is not None
+        sub = DocSubscriber(pub.endpoint, pub.replay_endpoint, "kv")
+        try:
+            body = {"token_ids": tokens, "block_size": 32_768}
+            prepared = (await s.client.post("/v1/store/prepare", json=body)).json()
+            assert len(prepared["keys_to_store"]) == 2
+            await s.client.post("/v1/store/complete", json={"lease_id": prepared["lease_id"]})
+            await sub.collect(lambda got: len(got.events) >= 1)
+            (stored,) = sub.events
+            assert describe(stored)[3] == tokens[: 2 * 32_768]
+        finally:
+            sub.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvcache_offload.aio.types import EngineEvent, EventType
 from kvcache_offload.contracts.offload_key import (
     OffloadKey,
@@ -14,6 +16,7 @@ from kvcache_offload.kv_events import (
     WireCodec,
     external_block_hash,
     split_key,
+    token_blocks,
 )
 
 
@@ -105,3 +108,48 @@ def test_block_tokens_memory_is_bounded_and_forgets_published_keys() -> None:
     entry = memory.take(keys[2])
     assert entry is not None and entry.parent == keys[1] and entry.token_ids == tuple(range(32, 48))
     assert memory.take(keys[2]) is None
+
+
+def test_remembered_tokens_are_published_unchanged_from_a_list_or_the_services_array() -> None:
+    """The service hands large bodies' ids over as one int64 array (kept as an array, not as
+    Python ints on the loop): the published ids are the same Python ints, also at the extremes
+    keys allow (int32), and a later change to the caller's array does not reach them."""
+    ids = [0, 1, 151_999, 2**31 - 1, -(2**31), 65_536] * 8  # 48 ids: three blocks of 16
+    keys = token_block_keys(ids, 16)
+    codec = WireCodec("map")
+    for given in (list(ids), np.asarray(ids, dtype=np.int64)):
+        memory = BlockTokens()
+        memory.remember(keys, given, 16)
+        if isinstance(given, np.ndarray):
+            given[:] = -1
+        t = EventTranslator(codec, block_sizes=(16,), tokens=memory)
+        (stored,) = t.translate(event(EventType.STORED, keys))
+        assert stored.token_ids == ids and all(type(i) is int for i in stored.token_ids)
+        (decoded,) = codec.decode_batch(codec.encode_batch([stored])).events
+        assert decoded.token_ids == ids
+
+
+def test_blocks_made_a_slice_at_a_time_are_the_same_ints(monkeypatch) -> None:
+    """The service turns a large body's ids into Python ints in a worker thread, a few
+    thousand per step; the blocks are the same whatever the step."""
+    from kvcache_offload.kv_events import block_tokens
+
+    ids = np.random.default_rng(3).integers(-(2**31), 2**31, 1000)
+    whole = token_blocks(ids, 96, 20)
+    monkeypatch.setattr(block_tokens, "SLICE_IDS", 7)  # steps that straddle the blocks
+    assert (
+        token_blocks(ids, 96, 20)
+        == whole
+        == [tuple(ids[i * 96 : (i + 1) * 96].tolist()) for i in range(10)]
+    )
+    assert all(type(i) is int for block in whole for i in block)
+
+
+def test_tokens_beyond_the_last_full_block_or_the_keys_are_not_remembered() -> None:
+    keys = [key(i) for i in range(4)]
+    memory = BlockTokens()
+    memory.remember(keys, list(range(40)), 16)  # two full blocks, eight ids left over
+    assert len(memory) == 2
+    memory.remember(keys[:1], list(range(100, 164)), 16)  # one key for four blocks' ids
+    entry = memory.take(keys[0])
+    assert entry is not None and entry.token_ids == tuple(range(100, 116))

@@ -4,11 +4,13 @@ What it fixes compared with vLLM:
 
 * The *creator* is the process that binds the abstract Unix socket named after the region
   (Linux; released by the kernel when the process dies, SIGKILL included, so it never
-  leaks). It checks ``/dev/shm`` free space first (vLLM #46949), removes a stale file left
+  leaks). It checks ``/dev/shm`` free space first (vLLM #46949), removes stale files left
   by a crashed run (there is no live creator, so it is stale: #54002), creates the file with
   ``O_CREAT | O_EXCL``, sizes it and writes the header.
-* *Joiners* open the file, wait for the header to be ready, check that the geometry matches
-  theirs, and register in the header under a ``lockf`` lock (rank bitmap + counter).
+* *Joiners* open the newest file of the region's name (each run has its own:
+  :mod:`kvcache_offload.dataplane.memory.region_files`), wait for the header to be ready,
+  check that the geometry matches theirs, and register in the header under a ``lockf``
+  lock (rank bitmap + counter).
 * When the counter reaches the expected number of mappers, whoever completed it unlinks
   the file: every process keeps its mapping, and from then on a SIGKILL of any of them, the
   creator included, leaves nothing in ``/dev/shm`` (vLLM #51579, #54002, #57303). The
@@ -45,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcache_offload.dataplane.memory.region_files import run_files, stale_files
 from kvcache_offload.dataplane.memory.region_os import (
     bind_name,
     free_bytes,
@@ -119,18 +122,23 @@ class RegionHandshake:
                 self._create()
                 return
             try:
-                fd = os.open(self.path, os.O_RDWR)
+                newest = run_files(self.shm_dir, self.name)[:1]
+                if not newest:
+                    raise FileNotFoundError
+                fd = os.open(newest[0], os.O_RDWR)
             except FileNotFoundError:
                 if self._held("sealed"):
                     raise RegionError(self._late_message()) from None
                 if time.monotonic() > deadline:
                     raise RegionError(
-                        f"region {self.path} did not appear within {timeout_s:.0f}s although "
+                        f"region {self.name!r} did not appear in {self.shm_dir} within "
+                        f"{timeout_s:.0f}s although "
                         f"its creator is alive; if all expected workers already joined, it was "
                         f"unlinked (sealed) and this process is too late"
                     ) from None
                 time.sleep(_POLL_S)
                 continue
+            self.path = newest[0]
             self._fd = fd
             self._join(deadline, timeout_s)
             return
@@ -148,8 +156,8 @@ class RegionHandshake:
         return self.num_workers + (1 if self.rank is None else 0)
 
     def _create(self) -> None:
-        if os.path.lexists(self.path):
-            self._remove_stale()
+        for stale in stale_files(self.shm_dir, self.name):
+            self._remove_stale(stale)
         try:
             free = free_bytes(self.shm_dir)
         except OSError as exc:
@@ -196,11 +204,13 @@ class RegionHandshake:
             self.cpu_page_size,
         )  # fmt: skip
 
-    def _remove_stale(self) -> None:
-        """The file exists but no live process holds the creator name: a crashed run."""
+    @staticmethod
+    def _remove_stale(path: str) -> None:
+        """A file of the region exists but no live process holds the creator name: a crashed
+        run (its reaper was killed too) or an older version's file."""
         info = ""
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 raw = f.read(_HEADER.size)
             if len(raw) == _HEADER.size and raw[:8] == _MAGIC:
                 fields = _HEADER.unpack(raw)
@@ -209,13 +219,13 @@ class RegionHandshake:
                 info = f" (creator pid {pid}, {'still running' if alive else 'gone'})"
         except OSError:
             pass
-        logger.warning("replacing stale region file %s left by a crashed run%s", self.path, info)
+        logger.warning("removing stale region file %s left by a crashed run%s", path, info)
         try:
-            os.unlink(self.path)
+            os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise RegionError(f"cannot remove stale region file {self.path}: {exc}") from exc
+            raise RegionError(f"cannot remove stale region file {path}: {exc}") from exc
 
     def _join(self, deadline: float, timeout_s: float) -> None:
         assert self._fd is not None

@@ -8,6 +8,7 @@ pre-faults only its own cells (``MADV_POPULATE_WRITE``, or touching one byte per
 kernels without it), so pages land on its NUMA node and a full ``/dev/shm`` fails here with
 a :class:`RegionError` instead of a ``SIGBUS`` later.
 
+Each run of a region has its own file name (:mod:`kvcache_offload.dataplane.memory.region_files`).
 How processes create, join, seal and unlink the file without leaking it, SIGKILL included,
 is the handshake in :mod:`kvcache_offload.dataplane.memory.region_handshake`; the OS probes
 it relies on are in :mod:`kvcache_offload.dataplane.memory.region_os`. A region
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvcache_offload.dataplane.memory.region_files import new_run_file, stable_stem
 from kvcache_offload.dataplane.memory.region_handshake import MAX_RANKS, PAGE_SIZE, RegionHandshake
 from kvcache_offload.dataplane.memory.region_os import free_bytes, gib
 from kvcache_offload.errors import RegionError
@@ -98,7 +100,8 @@ class SharedOffloadRegion(RegionHandshake):
         self.num_workers = int(num_workers)
         self.rank = rank
         self.shm_dir = str(shm_dir)
-        self.path = os.path.join(self.shm_dir, f"kvcache_offload_{name}.mmap")
+        self.path = new_run_file(self.shm_dir, name)
+        """This run's file: made here by the creator, the newest one of ``name`` for a joiner."""
         self.row_stride = self.cpu_page_size * self.num_workers
         self.data_offset = PAGE_SIZE
         data = self.num_blocks * self.row_stride
@@ -123,7 +126,7 @@ class SharedOffloadRegion(RegionHandshake):
             self._area_end = (rank + 1) * self.cpu_page_size
         else:
             self._cursor = self._area_end = 0
-        key = hashlib.sha1(os.path.realpath(self.path).encode()).hexdigest()[:32]
+        key = hashlib.sha1(stable_stem(self.shm_dir, name).encode()).hexdigest()[:32]
         self._sock_base = f"kvcache_offload/{key}"
         try:
             self._open(timeout_s)
