@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from kvcache_offload.contracts.offload_key import (
     OffloadKey,
     make_offload_key,
@@ -80,14 +82,22 @@ async def test_flipped_bits_are_a_miss(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+@pytest.mark.parametrize("where", ["alone", "mid-batch"])
 async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
-    tmp_path: Path,
+    tmp_path: Path, where: str
 ) -> None:
-    """The checks on the read path guard every byte of a file: header, key, length, payload."""
+    """The checks on the read path guard every byte of a file: header, key, length, payload.
+
+    Read alone, the file is checked by the reading thread; in the middle of a batch, by the
+    check thread while the next file is read: both must catch every byte.
+    """
     payload = bytes(range(64))
     tier = DiskTier(tmp_path, 1 << 20, FP)
     await tier.open()
-    await tier.put([(key(1), payload)])
+    await tier.put([(key(1), payload), (key(0), block(0)), (key(2), block(2))])
+    batch = [key(1)] if where == "alone" else [key(0), key(1), key(2)]
+    intact = [None] if where == "alone" else [block(0), None, block(2)]
+    whole = [payload] if where == "alone" else [block(0), payload, block(2)]
     path = tier._file(key(1))
     good = path.read_bytes()
     damaged = [good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1 :] for i in range(len(good))]
@@ -95,11 +105,12 @@ async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
     for data in damaged:
         await tier.put([(key(1), payload)])  # again, after the last read removed it
         path.write_bytes(data)
-        assert await tier.get([key(1)]) == [None]
+        assert await tier.get(batch) == intact
         assert not path.exists()
     assert tier.stats().corrupt_blocks == len(damaged)
     await tier.put([(key(1), payload)])
-    assert await tier.get([key(1)]) == [payload]
+    assert await tier.get(batch) == whole
+    await tier.aclose()
 
 
 async def test_stale_partial_writes_are_removed_on_open(tmp_path: Path) -> None:
