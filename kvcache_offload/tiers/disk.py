@@ -38,7 +38,10 @@ _PART = ".part"
 class DiskTier(SecondaryTier):
     """A local directory holding at most ``capacity_bytes`` of block files."""
 
-    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
+    def __init__(
+        self, path: str | Path, capacity_bytes: int, fingerprint: str, *, check_thread: bool = True
+    ) -> None:
+        """``check_thread=False`` checks every block on the reading thread (for comparison)."""
         if capacity_bytes <= 0:
             raise ConfigError(f"disk_bytes must be > 0, got {capacity_bytes}")
         self.name = "disk"
@@ -53,6 +56,7 @@ class DiskTier(SecondaryTier):
         self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
         self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
         self._checks = OverlappedChecks(self.name)
+        self.check_thread = check_thread
 
     # -- files -------------------------------------------------------------------------------
 
@@ -214,7 +218,7 @@ class DiskTier(SecondaryTier):
                 out[i] = _CORRUPT
                 continue
             if found is not None:
-                last = i == len(keys) - 1
+                last = i == len(keys) - 1 or not self.check_thread
                 checks[i] = self._checks.start(_verified, key, *found, last=last)
         for i, check in checks.items():
             out[i] = check.result()

@@ -82,9 +82,10 @@ async def test_flipped_bits_are_a_miss(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+@pytest.mark.parametrize("check_thread", [True, False])
 @pytest.mark.parametrize("where", ["alone", "mid-batch"])
 async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, check_thread: bool
 ) -> None:
     """The checks on the read path guard every byte of a file: header, key, length, payload.
 
@@ -92,7 +93,7 @@ async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
     check thread while the next file is read: both must catch every byte.
     """
     payload = bytes(range(64))
-    tier = DiskTier(tmp_path, 1 << 20, FP)
+    tier = DiskTier(tmp_path, 1 << 20, FP, check_thread=check_thread)
     await tier.open()
     await tier.put([(key(1), payload), (key(0), block(0)), (key(2), block(2))])
     batch = [key(1)] if where == "alone" else [key(0), key(1), key(2)]
