@@ -15,15 +15,17 @@
 # copied to $OUT when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DEV=.devbin
+DEV=${DEVBIN:-.devbin}
 PYVER=${PYVER:-3.12}
-# What bench.tiers imports that the device image lacks (it has numpy, anyio, rich, typer,
-# xxhash, mypy_extensions): the project's own dependencies and the Redis client.
-WHEELS=(redis pydantic pydantic-settings msgspec pyzmq)
+# What bench.tiers imports: the project's dependencies and the Redis client. The device image
+# has numpy, anyio, rich, typer, xxhash and mypy_extensions; pip keeps those (the venv sees
+# the system's packages) and installs the rest from the carried wheels.
+WHEELS=(redis pydantic pydantic-settings msgspec pyzmq
+  numpy anyio rich typer xxhash mypy_extensions)
 
 prepare() {
   local server lib
-  server=$(command -v redis-server) || { echo "install the redis-server package first" >&2; exit 1; }
+  server=$(command -v redis-server) || { echo "install redis-server first" >&2; exit 1; }
   rm -rf "$DEV/redis" "$DEV/wheels"
   mkdir -p "$DEV/redis/lib" "$DEV/wheels"
   cp -L "$server" "$DEV/redis/redis-server"  # a symlink to redis-check-rdb: argv[0] decides
@@ -37,7 +39,7 @@ prepare() {
 }
 
 run() {
-  local venv=/tmp/kvo-bench-venv port pid i args=("$@")
+  local venv=/tmp/kvo-bench-venv port i args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--repeat 5 --lookups 2000)
   python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install -q --no-index --find-links "$DEV/wheels" "${WHEELS[@]}"
@@ -46,8 +48,8 @@ run() {
     --library-path "$DEV/redis/lib" "$DEV/redis/redis-server" --port "$port" \
     --bind 127.0.0.1 --save "" --appendonly no --dir /tmp --maxmemory 2gb \
     --maxmemory-policy allkeys-lru >/tmp/kvo-bench-redis.log 2>&1 &
-  pid=$!
-  trap 'kill "$pid" 2>/dev/null || true' EXIT
+  SERVER_PID=$!
+  trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT
   "$venv/bin/python" - "$port" <<'PY'
 import socket, sys, time
 deadline = time.monotonic() + 20
@@ -62,6 +64,7 @@ while True:
             sys.exit(open("/tmp/kvo-bench-redis.log").read()[-2000:] or "redis did not start")
         time.sleep(0.05)
 PY
+  kill -0 "$SERVER_PID" || { echo "port $port is taken by another server" >&2; exit 1; }
   nproc
   for i in $(seq "${ROUNDS:-3}"); do
     echo "== run $i, load: $(cut -d' ' -f1-3 /proc/loadavg)"
