@@ -182,7 +182,7 @@ async def bench_lookup(url: str, args: Any) -> dict:
     """
     import redis.asyncio as aioredis
 
-    from kvcache_offload.tiers.redis_tier import _EXISTS_EACH
+    from kvcache_offload.tiers.redis_tier import EXISTS_EACH_SCRIPT
 
     block = 4096
     ks = [make_offload_key(f"lookup-{i}".encode(), 0) for i in range(64)]
@@ -218,7 +218,7 @@ async def bench_lookup(url: str, args: Any) -> dict:
         assert sum(await pipe.execute()) == len(names)
 
     async def bare_script() -> None:
-        found = await bare.execute_command("EVAL", _EXISTS_EACH, len(names), *names)
+        found = await bare.execute_command("EVAL", EXISTS_EACH_SCRIPT, len(names), *names)
         assert found == b"1" * len(names)
 
     async def set_lookup() -> None:

@@ -10,7 +10,8 @@
 #
 # The server is started through the carried loader (ld-linux) with the carried libraries, so
 # it does not depend on the host's glibc. The two sides never share a core (taskset), so the
-# 64-key lookup's p99 is the round trip and the client, not a neighbour's scheduling. ARGS go
+# 64-key lookup's p99 is the round trip and the client, not a neighbour's scheduling. The
+# client gets four cores (the disk tier's check thread is on from four), the server one. ARGS go
 # to bench.tiers (default: --repeat 5 --lookups 2000). Results: bench/out/tiers-*.json, also
 # copied to $OUT when it is set.
 set -euo pipefail
@@ -68,7 +69,7 @@ PY
   nproc
   for i in $(seq "${ROUNDS:-3}"); do
     echo "== run $i, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-    taskset -c "${CLIENT_CPUS:-4-5}" env PYTHONPATH=. "$venv/bin/python" -m bench.tiers \
+    taskset -c "${CLIENT_CPUS:-4-7}" env PYTHONPATH=. "$venv/bin/python" -m bench.tiers \
       --redis-url "redis://127.0.0.1:$port/0" --dir /tmp "${args[@]}"
   done
   if [ -n "${OUT:-}" ]; then

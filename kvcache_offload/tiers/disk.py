@@ -39,9 +39,18 @@ class DiskTier(SecondaryTier):
     """A local directory holding at most ``capacity_bytes`` of block files."""
 
     def __init__(
-        self, path: str | Path, capacity_bytes: int, fingerprint: str, *, check_thread: bool = True
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        fingerprint: str,
+        *,
+        check_thread: bool | None = None,
     ) -> None:
-        """``check_thread=False`` checks every block on the reading thread (for comparison)."""
+        """``check_thread``: verify a batch's blocks on a second thread while the next is read
+        (:mod:`~kvcache_offload.tiers._overlapped_checks`). By default only where the process
+        may run on at least four CPUs: on two busy vCPUs the check thread found no idle core,
+        and verifying on the reading thread was faster (0.72-0.74x of a plain read vs
+        0.63-0.68x)."""
         if capacity_bytes <= 0:
             raise ConfigError(f"disk_bytes must be > 0, got {capacity_bytes}")
         self.name = "disk"
@@ -56,7 +65,7 @@ class DiskTier(SecondaryTier):
         self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
         self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
         self._checks = OverlappedChecks(self.name)
-        self.check_thread = check_thread
+        self.check_thread = _cpus() >= 4 if check_thread is None else check_thread
 
     # -- files -------------------------------------------------------------------------------
 
@@ -339,6 +348,14 @@ def _read_exactly(fd: int, length: int) -> bytes | None:
         parts.append(more)
         missing -= len(more)
     return b"".join(parts)
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _unlink(path: str | Path) -> None:

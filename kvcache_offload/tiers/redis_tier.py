@@ -36,14 +36,14 @@ from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
-__all__ = ["RedisTier", "redis_key_prefix"]
+__all__ = ["EXISTS_EACH_SCRIPT", "RedisTier", "redis_key_prefix"]
 
 logger = logging.getLogger(__name__)
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _HEADER, _DATA = b"h", b"d"
-_EXISTS_EACH = (
+EXISTS_EACH_SCRIPT = (
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
     "return table.concat(r)"
 )
@@ -148,7 +148,9 @@ class RedisTier(SecondaryTier):
 
         start = time.perf_counter()
         try:
-            found = await self._connect().execute_command("EVAL", _EXISTS_EACH, len(names), *names)
+            found = await self._connect().execute_command(
+                "EVAL", EXISTS_EACH_SCRIPT, len(names), *names
+            )
         except ResponseError as exc:  # the server answered, but did not run the script
             self._script_after = time.monotonic() + _SCRIPT_RETRY_S
             logger.info("redis at %s refused the lookup script (%s); pipelining", self.url, exc)
