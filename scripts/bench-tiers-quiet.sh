@@ -39,13 +39,22 @@ prepare() {
   du -sh "$DEV"
 }
 
+pinned() {  # the taskset prefix for CPUS, or none (and said so) where taskset is refused
+  if taskset -c "$1" true 2>/dev/null; then
+    echo "taskset -c $1"
+  else
+    echo "taskset -c $1 refused here: running unpinned" >&2
+  fi
+}
+
 run() {
   local venv=/tmp/kvo-bench-venv port i args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--repeat 5 --lookups 2000)
   python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install -q --no-index --find-links "$DEV/wheels" "${WHEELS[@]}"
   port=${PORT:-6399}
-  taskset -c "${SERVER_CPUS:-2}" "$DEV"/redis/lib/ld-linux-x86-64.so.2 \
+  # shellcheck disable=SC2046  # the prefix is meant to split into words
+  $(pinned "${SERVER_CPUS:-2}") "$DEV"/redis/lib/ld-linux-x86-64.so.2 \
     --library-path "$DEV/redis/lib" "$DEV/redis/redis-server" --port "$port" \
     --bind 127.0.0.1 --save "" --appendonly no --dir /tmp --maxmemory 2gb \
     --maxmemory-policy allkeys-lru >/tmp/kvo-bench-redis.log 2>&1 &
@@ -69,7 +78,8 @@ PY
   nproc
   for i in $(seq "${ROUNDS:-3}"); do
     echo "== run $i, load: $(cut -d' ' -f1-3 /proc/loadavg)"
-    taskset -c "${CLIENT_CPUS:-4-7}" env PYTHONPATH=. "$venv/bin/python" -m bench.tiers \
+    # shellcheck disable=SC2046
+    $(pinned "${CLIENT_CPUS:-4-7}") env PYTHONPATH=. "$venv/bin/python" -m bench.tiers \
       --redis-url "redis://127.0.0.1:$port/0" --dir /tmp "${args[@]}"
   done
   if [ -n "${OUT:-}" ]; then
