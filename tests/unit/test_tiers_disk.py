@@ -156,3 +156,15 @@ def test_a_frame_of_another_key_does_not_verify() -> None:
     assert not verify(key(8), header, payload)
     assert not verify(key(9), header, payload[:-1])
     assert not verify(key(9), header[:10], payload)
+
+
+def test_the_check_thread_is_on_only_where_four_cpus_are_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two busy vCPUs give a check thread no idle core: there the reading thread verifies."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert not DiskTier(tmp_path, 1 << 20, FP).check_thread
+    assert DiskTier(tmp_path, 1 << 20, FP, check_thread=True).check_thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert DiskTier(tmp_path, 1 << 20, FP).check_thread
+    assert not DiskTier(tmp_path, 1 << 20, FP, check_thread=False).check_thread
