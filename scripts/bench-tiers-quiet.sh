@@ -18,9 +18,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=${DEVBIN:-.devbin}
 PYVER=${PYVER:-3.12}
-# What bench.tiers imports: the project's dependencies and the Redis client. The device image
-# has numpy, anyio, rich, typer, xxhash and mypy_extensions; pip keeps those (the venv sees
-# the system's packages) and installs the rest from the carried wheels.
+# What bench.tiers imports (no torch): the project's dependencies and the Redis client, with
+# their own dependencies. All of them are installed from the carried wheels into one folder put
+# first on PYTHONPATH, so the run does not depend on what the host's python3 (there itself a
+# venv) happens to hold.
 WHEELS=(redis pydantic pydantic-settings msgspec pyzmq
   numpy anyio rich typer xxhash mypy_extensions)
 
@@ -48,10 +49,10 @@ pinned() {  # the taskset prefix for CPUS, or none (and said so) where taskset i
 }
 
 run() {
-  local venv=/tmp/kvo-bench-venv port i args=("$@")
+  local deps=/tmp/kvo-bench-deps port i args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--repeat 5 --lookups 2000)
-  python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install -q --no-index --find-links "$DEV/wheels" "${WHEELS[@]}"
+  rm -rf "$deps"
+  python3 -m pip install -q --no-index --find-links "$DEV/wheels" --target "$deps" "${WHEELS[@]}"
   port=${PORT:-6399}
   # shellcheck disable=SC2046  # the prefix is meant to split into words
   $(pinned "${SERVER_CPUS:-2}") "$DEV"/redis/lib/ld-linux-x86-64.so.2 \
@@ -60,7 +61,7 @@ run() {
     --maxmemory-policy allkeys-lru >/tmp/kvo-bench-redis.log 2>&1 &
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true' EXIT
-  "$venv/bin/python" - "$port" <<'PY'
+  python3 - "$port" <<'PY'
 import socket, sys, time
 deadline = time.monotonic() + 20
 while True:
@@ -79,7 +80,7 @@ PY
   for i in $(seq "${ROUNDS:-3}"); do
     echo "== run $i, load: $(cut -d' ' -f1-3 /proc/loadavg)"
     # shellcheck disable=SC2046
-    $(pinned "${CLIENT_CPUS:-4-7}") env PYTHONPATH=. "$venv/bin/python" -m bench.tiers \
+    $(pinned "${CLIENT_CPUS:-4-7}") env PYTHONPATH="$deps:." python3 -m bench.tiers \
       --redis-url "redis://127.0.0.1:$port/0" --dir /tmp "${args[@]}"
   done
   if [ -n "${OUT:-}" ]; then
