@@ -52,6 +52,16 @@ _CLOSE_DRAIN_S = 5.0
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
 
 
+_READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
+
+
+def _index(states: list[KeyState], state: KeyState, default: int) -> int:
+    try:
+        return states.index(state)
+    except ValueError:
+        return default
+
+
 def _ids(spec: object) -> list[int]:
     if isinstance(spec, BlockIDsLoadStoreSpec):
         return [int(b) for b in spec.block_ids]
@@ -192,24 +202,28 @@ class EngineTiers:
             return self.cpu_answer(cpu)
         await self.tier_set.open()
         lookup = self._manager.lookup
-        tail = [lookup(k, _CTX) for k in keys[hits:]]
-        absent = [k for k, found in zip(keys[hits:], tail, strict=True) if found is False]
+        rest = keys[hits:]
+        tail = [lookup(k, _CTX) for k in rest]
+        absent = [k for k, found in zip(rest, tail, strict=True) if found is False]
         below = await self.tier_set.lookup(absent) if absent else {}
-        states = list(cpu.states[:hits])
+        # Comprehensions and list.index, as in lookup_now: this runs for every lookup that
+        # reaches below the CPU tier. A key held below is ready (the load promotes it).
+        where_rest = [
+            CPU_TIER if found else below.get(k) if found is False else None
+            for k, found in zip(rest, tail, strict=True)
+        ]
+        states_rest = [
+            _READY if tier is not None else _WRITING if found is None else _ABSENT
+            for tier, found in zip(where_rest, tail, strict=True)
+        ]
+        if prefix_only and _ABSENT in states_rest:  # the walk stops at the first key held nowhere
+            stop = states_rest.index(_ABSENT) + 1
+            del where_rest[stop:], states_rest[stop:]
+        states = cpu.states[:hits] + states_rest
         where: list[str | None] = [CPU_TIER] * hits
-        for key, found in zip(keys[hits:], tail, strict=True):
-            tier = CPU_TIER if found else below.get(key) if found is False else None
-            if tier is not None:
-                states.append(KeyState.READY)  # below: loadable, promoted by the load
-            elif found is None:
-                states.append(KeyState.WRITING)
-            else:
-                states.append(KeyState.ABSENT)
-            where.append(tier)
-            if prefix_only and tier is None and found is False:
-                break
-        first_absent = next((i for i, s in enumerate(states) if s is KeyState.ABSENT), n)
-        first_writing = next((i for i, s in enumerate(states) if s is KeyState.WRITING), n)
+        where += where_rest
+        first_absent = _index(states, _ABSENT, n)
+        first_writing = _index(states, _WRITING, n)
         new_hits = min(first_absent, first_writing)
         pending = first_writing < first_absent
         return LookupResult(new_hits, pending, states, where)

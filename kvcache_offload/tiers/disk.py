@@ -26,6 +26,7 @@ import anyio
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
+from kvcache_offload.tiers._overlapped_checks import OverlappedChecks
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
 __all__ = ["DiskTier"]
@@ -37,11 +38,24 @@ _PART = ".part"
 class DiskTier(SecondaryTier):
     """A local directory holding at most ``capacity_bytes`` of block files."""
 
-    def __init__(self, path: str | Path, capacity_bytes: int, fingerprint: str) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        fingerprint: str,
+        *,
+        check_thread: bool | None = None,
+    ) -> None:
+        """``check_thread``: verify a batch's blocks on a second thread while the next is read
+        (:mod:`~kvcache_offload.tiers._overlapped_checks`). By default only where the process
+        may run on at least four CPUs: on two busy vCPUs the check thread found no idle core,
+        and verifying on the reading thread was faster (0.72-0.74x of a plain read vs
+        0.63-0.68x)."""
         if capacity_bytes <= 0:
             raise ConfigError(f"disk_bytes must be > 0, got {capacity_bytes}")
         self.name = "disk"
         self.root = Path(path) / fingerprint
+        self._root = str(self.root)
         self.capacity_bytes = int(capacity_bytes)
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()
         self._used = 0
@@ -50,12 +64,18 @@ class DiskTier(SecondaryTier):
         self._opened = False
         self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
         self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
+        self._checks = OverlappedChecks(self.name)
+        self.check_thread = _cpus() >= 4 if check_thread is None else check_thread
 
     # -- files -------------------------------------------------------------------------------
 
     def _file(self, key: OffloadKey) -> Path:
+        return Path(self._path(key))
+
+    def _path(self, key: OffloadKey) -> str:
+        # A string, not a Path: joining Paths cost ~10 us a block on the read path.
         hexkey = key.hex()
-        return self.root / hexkey[:2] / (hexkey + _SUFFIX)
+        return f"{self._root}/{hexkey[:2]}/{hexkey}{_SUFFIX}"
 
     def _scan(self) -> list[tuple[OffloadKey, int, float]]:
         """Every complete block file with its size and mtime; partial or torn files go.
@@ -122,16 +142,16 @@ class DiskTier(SecondaryTier):
         os.replace(part, final)
         return len(header) + len(payload)
 
-    def _read(self, key: OffloadKey) -> bytes | None:
-        """The verified payload, or None when the file is gone; a bad file is removed.
+    def _read(self, key: OffloadKey) -> tuple[str, bytes, bytes] | None:
+        """The file's path, header and payload, unverified; None when the file is gone.
 
         Three syscalls and one copy: ``fstat`` (the file's length must be exactly header +
         declared payload: a truncated or extended file fails here, before any payload is
         read), the header, then the payload straight into the bytes object that is returned
-        (unbuffered, so no read-ahead buffer sits between). The checksum runs over that same
-        object, so every payload byte is checked and none is copied again.
+        (unbuffered, so no read-ahead buffer sits between). A file that fails here is removed
+        and raises :class:`_Corrupt`; the checksum is :func:`_verified`'s.
         """
-        path = self._file(key)
+        path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -146,10 +166,10 @@ class DiskTier(SecondaryTier):
                 payload = _read_exactly(fd, parsed[1])
         finally:
             os.close(fd)
-        if payload is not None and frame.verify(key, header, payload):
-            return payload
-        _unlink(path)
-        raise _Corrupt
+        if payload is None:
+            _unlink(path)
+            raise _Corrupt
+        return path, header, payload
 
     # -- contract ----------------------------------------------------------------------------
 
@@ -193,12 +213,24 @@ class DiskTier(SecondaryTier):
         return [by_key.get(k) for k in keys]
 
     def _read_all(self, keys: list[OffloadKey]) -> list[bytes | object | None]:
-        out: list[bytes | object | None] = []
-        for key in keys:
+        """Each key's verified payload, None (gone) or ``_CORRUPT`` (removed).
+
+        Each payload's checksum runs on the check thread while the next file is read (the
+        last one's here): :mod:`kvcache_offload.tiers._overlapped_checks` says why.
+        """
+        out: list[bytes | object | None] = [None] * len(keys)
+        checks = {}
+        for i, key in enumerate(keys):
             try:
-                out.append(self._read(key))
+                found = self._read(key)
             except _Corrupt:
-                out.append(_CORRUPT)
+                out[i] = _CORRUPT
+                continue
+            if found is not None:
+                last = i == len(keys) - 1 or not self.check_thread
+                checks[i] = self._checks.start(_verified, key, *found, last=last)
+        for i, check in checks.items():
+            out[i] = check.result()
         return out
 
     async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
@@ -252,6 +284,9 @@ class DiskTier(SecondaryTier):
             }
         )
 
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self._checks.close)
+
     # -- eviction ----------------------------------------------------------------------------
 
     def _forget(self, key: OffloadKey) -> bool:
@@ -287,6 +322,14 @@ _CORRUPT = object()
 """What :meth:`DiskTier._read_all` reports for a corrupt file."""
 
 
+def _verified(key: OffloadKey, path: str, header: bytes, payload: bytes) -> bytes | object:
+    """``payload`` if its frame checks out, else ``_CORRUPT`` (and the file is removed)."""
+    if frame.verify(key, header, payload):
+        return payload
+    _unlink(path)
+    return _CORRUPT
+
+
 def _read_exactly(fd: int, length: int) -> bytes | None:
     """``length`` bytes from ``fd``'s position, or None if the file ends first.
 
@@ -307,9 +350,17 @@ def _read_exactly(fd: int, length: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _unlink(path: Path) -> None:
+def _cpus() -> int:
+    """CPUs this process may run on."""
     try:
-        path.unlink()
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _unlink(path: str | Path) -> None:
+    try:
+        os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError:

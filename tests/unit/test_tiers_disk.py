@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from kvcache_offload.contracts.offload_key import (
     OffloadKey,
     make_offload_key,
@@ -80,14 +82,23 @@ async def test_flipped_bits_are_a_miss(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+@pytest.mark.parametrize("check_thread", [True, False])
+@pytest.mark.parametrize("where", ["alone", "mid-batch"])
 async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
-    tmp_path: Path,
+    tmp_path: Path, where: str, check_thread: bool
 ) -> None:
-    """The checks on the read path guard every byte of a file: header, key, length, payload."""
+    """The checks on the read path guard every byte of a file: header, key, length, payload.
+
+    Read alone, the file is checked by the reading thread; in the middle of a batch, by the
+    check thread while the next file is read: both must catch every byte.
+    """
     payload = bytes(range(64))
-    tier = DiskTier(tmp_path, 1 << 20, FP)
+    tier = DiskTier(tmp_path, 1 << 20, FP, check_thread=check_thread)
     await tier.open()
-    await tier.put([(key(1), payload)])
+    await tier.put([(key(1), payload), (key(0), block(0)), (key(2), block(2))])
+    batch = [key(1)] if where == "alone" else [key(0), key(1), key(2)]
+    intact = [None] if where == "alone" else [block(0), None, block(2)]
+    whole = [payload] if where == "alone" else [block(0), payload, block(2)]
     path = tier._file(key(1))
     good = path.read_bytes()
     damaged = [good[:i] + bytes([good[i] ^ 0x01]) + good[i + 1 :] for i in range(len(good))]
@@ -95,11 +106,12 @@ async def test_any_changed_byte_or_an_extra_byte_is_a_miss_never_wrong_bytes(
     for data in damaged:
         await tier.put([(key(1), payload)])  # again, after the last read removed it
         path.write_bytes(data)
-        assert await tier.get([key(1)]) == [None]
+        assert await tier.get(batch) == intact
         assert not path.exists()
     assert tier.stats().corrupt_blocks == len(damaged)
     await tier.put([(key(1), payload)])
-    assert await tier.get([key(1)]) == [payload]
+    assert await tier.get(batch) == whole
+    await tier.aclose()
 
 
 async def test_stale_partial_writes_are_removed_on_open(tmp_path: Path) -> None:
@@ -144,3 +156,15 @@ def test_a_frame_of_another_key_does_not_verify() -> None:
     assert not verify(key(8), header, payload)
     assert not verify(key(9), header, payload[:-1])
     assert not verify(key(9), header[:10], payload)
+
+
+def test_the_check_thread_is_on_only_where_four_cpus_are_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two busy vCPUs give a check thread no idle core: there the reading thread verifies."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert not DiskTier(tmp_path, 1 << 20, FP).check_thread
+    assert DiskTier(tmp_path, 1 << 20, FP, check_thread=True).check_thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert DiskTier(tmp_path, 1 << 20, FP).check_thread
+    assert not DiskTier(tmp_path, 1 << 20, FP, check_thread=False).check_thread
