@@ -90,6 +90,10 @@ class EngineTiers:
         self._preparing: dict[OffloadKey, int] = {}
         """CPU slot of each key whose store is prepared but not completed yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
+        self._parked: dict[OffloadKey, bytes] = {}
+        """Bytes of evicted keys queued for the tiers and not written yet: lookups and
+        promotions find them here, so a key is never held nowhere between its eviction and
+        its write landing."""
         self._from_tier: set[OffloadKey] = set()
         self.promoted_blocks = 0
 
@@ -171,15 +175,24 @@ class EngineTiers:
                 # On the loop on purpose: the evicting store reuses the slot right after.
                 items.append((key, memory.read(slot)))
         if items:
+            parked = self._parked
+            parked.update(items)
 
             async def source() -> list[tuple[OffloadKey, bytes]]:
                 return items
 
-            self.tier_set.offer(len(items), source)
+            def landed() -> None:  # written below, or dropped: either way no longer ours
+                for key, blob in items:
+                    if parked.get(key) is blob:
+                        del parked[key]
+
+            if not self.tier_set.offer(len(items), source, landed):
+                landed()
 
     def on_reset(self) -> None:
         self._slots.clear()
         self._preparing.clear()
+        self._parked.clear()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -206,6 +219,11 @@ class EngineTiers:
         tail = [lookup(k, _CTX) for k in rest]
         absent = [k for k, found in zip(rest, tail, strict=True) if found is False]
         below = await self.tier_set.lookup(absent) if absent else {}
+        if self._parked:  # on their way to the first tier: reported there
+            first = self.tier_set.tiers[0].name
+            for k in absent:
+                if k in self._parked and k not in below:
+                    below[k] = first
         # Comprehensions and list.index, as in lookup_now: this runs for every lookup that
         # reaches below the CPU tier. A key held below is ready (the load promotes it).
         where_rest = [
@@ -258,7 +276,11 @@ class EngineTiers:
         futures = {k: loop.create_future() for k in keys}
         self._promoting.update(futures)
         try:
-            got = await self.tier_set.get(keys)
+            parked = self._parked
+            got = {k: (parked[k], "parked") for k in keys if k in parked}
+            rest = [k for k in keys if k not in got]
+            if rest:
+                got.update(await self.tier_set.get(rest))
             fetched = [k for k in keys if k in got and self._manager.lookup(k, _CTX) is False]
             if fetched:
                 self._from_tier.update(fetched)

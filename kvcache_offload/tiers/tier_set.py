@@ -121,7 +121,7 @@ class TierSet:
         self.write_timeout_s = write_timeout_s
         self._on_event = on_event
         self._health = {t.name: _Health() for t in self.tiers}
-        self._queue: deque[tuple[int, BlockSource]] = deque()
+        self._queue: deque[tuple[int, BlockSource, Callable[[], None] | None]] = deque()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -215,15 +215,19 @@ class TierSet:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def offer(self, num_blocks: int, source: BlockSource) -> bool:
-        """Queue a write of ``num_blocks`` blocks; False (and counted) when the queue is full."""
+    def offer(
+        self, num_blocks: int, source: BlockSource, done: Callable[[], None] | None = None
+    ) -> bool:
+        """Queue a write of ``num_blocks`` blocks; False (and counted) when the queue is full.
+
+        ``done`` runs on the loop once the write ended, landed or not (not when refused)."""
         if num_blocks <= 0:
             return True
         if len(self._queue) >= self.queue_size:
             for health in self._health.values():
                 health.counts.writes_dropped += num_blocks
             return False
-        self._queue.append((num_blocks, source))
+        self._queue.append((num_blocks, source, done))
         self.writes_queued += num_blocks
         self._idle.clear()
         self._wakeup.set()
@@ -237,7 +241,7 @@ class TierSet:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            num_blocks, source = self._queue.popleft()
+            num_blocks, source, done = self._queue.popleft()
             self._writing = True
             try:
                 await self._write_job(num_blocks, source)
@@ -245,6 +249,8 @@ class TierSet:
                 logger.exception("a tier write job failed; dropped")
             finally:
                 self._writing = False
+                if done is not None:
+                    done()
 
     async def _write_job(self, num_blocks: int, source: BlockSource) -> None:
         now = time.monotonic()
