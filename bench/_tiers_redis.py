@@ -16,11 +16,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.tiers import RedisTier, TierSet
-from kvcache_offload.tiers.redis_tier import redis_key_prefix
+from kvcache_offload.tiers.redis_tier import _encode_headers, redis_block_names
 
 
 def _free_port() -> int:
@@ -87,13 +89,19 @@ def median(values: list[float]) -> float:
 async def bench_redis(url: str, keys: list[OffloadKey], values: list[bytes], args: Any) -> dict:
     """PUT and GET through the tier against a bare pipeline of SET / GET, batch for batch.
 
-    Each round times all batches of both paths, alternating; the ratio is best bare round /
-    best tier round, and each round's own ratio is kept to show the spread.
+    Each round times all batches of every path, the order rotating by round; the ratio is best
+    bare round / best tier round, and each round's own ratio is kept to show the spread. PUT is
+    also timed through a tier with the other ``overlap_checksums`` than this machine's default
+    (hashing a put's blocks while the first ones are sent, on from four CPUs), and as the tier's
+    value format 1 wrote it, for a before/after in one run: the batch's headers hashed in one
+    worker-thread hop, then one ``HSET`` of fields ``h`` and ``d`` per block (the server copies
+    each value into the hash).
     """
     import redis.asyncio as aioredis
 
     bare = aioredis.Redis.from_url(url)
     tier = RedisTier(url, "bench" + "0" * 11)
+    other = RedisTier(url, "bench" + "0" * 11, overlap_checksums=not tier.overlap_checksums)
     batches = [
         (keys[i : i + args.batch], values[i : i + args.batch])
         for i in range(0, len(keys), args.batch)
@@ -108,9 +116,18 @@ async def bench_redis(url: str, keys: list[OffloadKey], values: list[bytes], arg
                 pipe.set(n, v)
             await pipe.execute()
 
-    async def tier_put() -> None:
+    async def tier_put(through: RedisTier = tier) -> None:
         for ks, vals in batches:
-            await tier.put(list(zip(ks, vals, strict=True)))
+            await through.put(list(zip(ks, vals, strict=True)))
+
+    async def format_1_put() -> None:
+        for ks, vals in batches:
+            items = list(zip(ks, vals, strict=True))
+            headers = await anyio.to_thread.run_sync(_encode_headers, items)
+            pipe = bare.pipeline(transaction=False)
+            for (k, v), h in zip(items, headers, strict=True):
+                pipe.hset(b"format1:" + k.hex().encode(), mapping={b"h": h, b"d": v})
+            await pipe.execute()
 
     async def bare_get() -> None:
         for ns in name_batches:
@@ -131,23 +148,40 @@ async def bench_redis(url: str, keys: list[OffloadKey], values: list[bytes], arg
         # Warm both paths (connections, server allocations), then interleave the repeats.
         await bare_put()
         await tier_put()
-        for op, bare_fn, tier_fn in (("put", bare_put, tier_put), ("get", bare_get, tier_get)):
-            b_times, t_times = [], []
+        await tier_put(other)
+        await format_1_put()
+        paths: dict[str, list[Callable[[], Awaitable[object]]]] = {
+            "put": [bare_put, tier_put, partial(tier_put, other), format_1_put],
+            "get": [bare_get, tier_get],
+        }
+        for op, fns in paths.items():
+            times: list[list[float]] = [[] for _ in fns]
             for i in range(args.repeat):
-                pair = [(b_times, bare_fn), (t_times, tier_fn)]
-                for times, fn in pair if i % 2 == 0 else pair[::-1]:
-                    times.append(await timed(fn))
-            b, t = min(b_times), min(t_times)
-            out[op] = {
-                "bare_gbps": total / b / 1e9,
-                "tier_gbps": total / t / 1e9,
-                "ratio": b / t,
-                "round_ratios": [x / y for x, y in zip(b_times, t_times, strict=True)],
-            }
+                order = list(range(len(fns)))
+                order = order[i % len(fns) :] + order[: i % len(fns)]
+                for j in order:
+                    times[j].append(await timed(fns[j]))
+            out[op] = _throughput(total, times[0], times[1])
+            if op == "put":
+                out[op]["overlap_checksums"] = tier.overlap_checksums
+                out[op]["other_way"] = _throughput(total, times[0], times[2])
+                out[op]["format_1"] = _throughput(total, times[0], times[3])
     finally:
         await tier.aclose()
+        await other.aclose()
         await bare.aclose()
     return out
+
+
+def _throughput(total: int, floor: list[float], path: list[float]) -> dict[str, Any]:
+    """Best round of each (GB/s), their ratio, and each round's own ratio."""
+    b, t = min(floor), min(path)
+    return {
+        "bare_gbps": total / b / 1e9,
+        "tier_gbps": total / t / 1e9,
+        "ratio": b / t,
+        "round_ratios": [x / y for x, y in zip(floor, path, strict=True)],
+    }
 
 
 def _latency(lat: dict[str, list[float]], floor: str, path: str, rounds: int) -> dict:
@@ -208,7 +242,7 @@ async def bench_lookup(url: str, args: Any) -> dict:
     tier = RedisTier(url, fingerprint)
     tier_set = TierSet([tier], read_timeout_s=5.0)
     bare = aioredis.Redis.from_url(url)
-    names = [redis_key_prefix(fingerprint) + k.hex().encode() for k in ks]
+    names = [redis_block_names(fingerprint, k)[0] for k in ks]
     short = 0
 
     async def bare_pipeline() -> None:

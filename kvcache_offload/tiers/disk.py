@@ -26,6 +26,7 @@ import anyio
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
+from kvcache_offload.tiers._cpus import SPARE_CORE_CPUS, usable_cpus
 from kvcache_offload.tiers._overlapped_checks import OverlappedChecks
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
@@ -65,7 +66,9 @@ class DiskTier(SecondaryTier):
         self._stats = TierStats(self.name, "disk", capacity_bytes=self.capacity_bytes)
         self._hist = {op: LatencyHistogram() for op in ("get", "put", "delete")}
         self._checks = OverlappedChecks(self.name)
-        self.check_thread = _cpus() >= 4 if check_thread is None else check_thread
+        self.check_thread = (
+            usable_cpus() >= SPARE_CORE_CPUS if check_thread is None else check_thread
+        )
 
     # -- files -------------------------------------------------------------------------------
 
@@ -348,14 +351,6 @@ def _read_exactly(fd: int, length: int) -> bytes | None:
         parts.append(more)
         missing -= len(more)
     return b"".join(parts)
-
-
-def _cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _unlink(path: str | Path) -> None:

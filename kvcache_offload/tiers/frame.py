@@ -10,8 +10,9 @@ XXH3 rather than CRC-32: at ~18 GB/s against ~1.3 GB/s it costs a 2 MiB block ~0
 of ~1.6 ms, which is the difference between a tier that keeps up with loopback Redis and an
 NVMe disk and one that halves them.
 
-Tiers keep the header and the payload apart where they can (Redis hash fields) and together
-where they cannot (one file), so the 2 MiB payload is never copied just to prepend 22 bytes.
+Tiers keep the header and the payload apart where they can (two Redis keys written by one
+``MSET``) and together where they cannot (one file), so the 2 MiB payload is never copied just to
+prepend 22 bytes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,25 @@
 """RedisTier: blocks in a Redis or Valkey server (standalone or Cluster) shared by many hosts.
 
-Each block is one hash under ``kvo:<fingerprint>:<key hex>`` with two fields: ``h`` (the
-frame header: key, length, checksum) and ``d`` (the block's bytes), written with one ``HSET`` so
-a reader never sees half a block. Every batch call is one round trip on a standalone server,
-one per node holding a slot of the batch on a cluster (a pipeline). A lookup on a standalone
+Each block is two string keys that share one hash tag, so one cluster slot:
+``kvo:v2:<fingerprint>:{<key hex>}`` holds the block's bytes and the same name plus ``:h`` the
+frame header (key, length, checksum). One ``MSET`` writes both, so a reader never sees half a
+block, and the server keeps the 2 MiB argument it received as the value; a hash field (the
+``HSET`` of format 1, keys ``kvo:<fingerprint>:...``) made it copy every value: a fifth more
+server CPU per PUT. Where the process has a core to spare, a put hashes its blocks in a worker
+thread while the blocks already hashed are sent (chunks of 1, 1, 2, 4, ... blocks, each its own
+pipeline), so the checksum is not paid in full before the first byte leaves. A reader
+fetches both keys with one ``MGET``; a header without bytes or bytes without a header (Redis
+evicted one of them) is a miss and both are deleted, as is a value that fails its checks. The
+``v2`` in the prefix keeps format-1 and format-2 instances from ever reading each other's values.
+
+Every batch read is one round trip on a standalone server, one per node holding a slot of the
+batch on a cluster (a pipeline). A lookup on a standalone
 server is one ``EVAL`` of a script that answers ``EXISTS`` per key: the same answer and round
 trip as a pipeline of ``EXISTS``, but one command to pack and one reply to parse instead of one
 per key (the client's per-command and per-reply costs, not the server's, dominated a 64-key
 lookup); its answer is one string of ``0`` and ``1``, not an array of 64 replies. A server
 that refuses the script (ACLs, scripting disabled, busy) is asked with the pipeline instead,
-and the script is tried again a minute later. A value that fails
-its checks is a miss and is deleted. Capacity and eviction are Redis's: run it with
+and the script is tried again a minute later. Capacity and eviction are Redis's: run it with
 ``maxmemory`` and ``maxmemory-policy allkeys-lru``; a key Redis evicted is simply a miss.
 
 URLs: ``redis://`` / ``rediss://`` (TLS) / ``unix://`` for a standalone server (``/DB``
@@ -26,7 +35,7 @@ import contextlib
 import logging
 import time
 from binascii import hexlify
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -34,15 +43,18 @@ import anyio
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
 from kvcache_offload.tiers import frame
+from kvcache_offload.tiers._cpus import SPARE_CORE_CPUS, usable_cpus
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
-__all__ = ["EXISTS_EACH_SCRIPT", "RedisTier", "redis_key_prefix"]
+__all__ = ["EXISTS_EACH_SCRIPT", "RedisTier", "redis_block_names", "redis_key_prefix"]
 
 logger = logging.getLogger(__name__)
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
-_HEADER, _DATA = b"h", b"d"
+_FORMAT = 2
+"""The value format, named in every key: instances of different formats never share a key."""
+_HEADER_SUFFIX = b":h"
 EXISTS_EACH_SCRIPT = (
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end "
     "return table.concat(r)"
@@ -54,8 +66,30 @@ _SCRIPT_RETRY_S = 60.0
 
 
 def redis_key_prefix(fingerprint: str) -> bytes:
-    """Every key of one layout starts with this (``kvo:<fingerprint>:``)."""
-    return f"kvo:{fingerprint}:".encode()
+    """Every key of one layout and value format starts with this (``kvo:v2:<fingerprint>:``)."""
+    return f"kvo:v{_FORMAT}:{fingerprint}:".encode()
+
+
+def redis_block_names(fingerprint: str, key: OffloadKey) -> tuple[bytes, bytes]:
+    """The names of a block's bytes and of its header: one hash tag, so one cluster slot."""
+    data = redis_key_prefix(fingerprint) + b"{" + hexlify(key) + b"}"
+    return data, data + _HEADER_SUFFIX
+
+
+def _growing_chunks(
+    items: Sequence[tuple[OffloadKey, bytes]],
+) -> Iterator[Sequence[tuple[OffloadKey, bytes]]]:
+    """Chunks of 1, 1, 2, 4, ... items: the first send waits for one checksum only, and a batch
+    of n blocks is about log2(n) + 1 pipelines (connections) in flight, not n."""
+    start, size = 0, 1
+    while start < len(items):
+        yield items[start : start + size]
+        start += size
+        size = start
+
+
+def _encode_headers(items: Sequence[tuple[OffloadKey, bytes]]) -> list[bytes]:
+    return [frame.encode_header(key, data) for key, data in items]
 
 
 class RedisTier(SecondaryTier):
@@ -66,7 +100,13 @@ class RedisTier(SecondaryTier):
     connect_timeout_s: float = 0.5
     """A dead server costs this much per retry after its back-off, not a TCP timeout."""
 
-    def __init__(self, url: str, fingerprint: str) -> None:
+    def __init__(
+        self, url: str, fingerprint: str, *, overlap_checksums: bool | None = None
+    ) -> None:
+        """``overlap_checksums``: send a put's first blocks while the rest are hashed (chunks
+        of 1, 1, 2, 4, ...). By default only where the process may run on at least four CPUs:
+        with one core for the loop and the hash, the extra pipelines and thread hops cost
+        more client CPU than they hide."""
         scheme, sep, rest = url.partition("://")
         if not sep or (scheme not in _PLAIN_SCHEMES and scheme not in _CLUSTER_SCHEMES):
             raise ConfigError(
@@ -81,6 +121,9 @@ class RedisTier(SecondaryTier):
         self._script_after = float("inf") if self.cluster else 0.0
         """Look up with one script from this monotonic time on (never on a cluster: a batch's
         keys span slots, which one script cannot)."""
+        self.overlap_checksums = (
+            usable_cpus() >= SPARE_CORE_CPUS if overlap_checksums is None else overlap_checksums
+        )
         self._stats = TierStats(self.name, "redis-cluster" if self.cluster else "redis")
         self._hist = {op: LatencyHistogram() for op in ("contains", "get", "put", "delete")}
 
@@ -91,7 +134,8 @@ class RedisTier(SecondaryTier):
         return f"{scheme}://{rest.rpartition('@')[2]}"
 
     def _redis_key(self, key: OffloadKey) -> bytes:
-        return self._prefix + hexlify(key)
+        """The name of the block's bytes; its header's is this plus ``:h``."""
+        return self._prefix + b"{" + hexlify(key) + b"}"
 
     def _connect(self) -> Any:
         if self._client is not None:
@@ -117,7 +161,7 @@ class RedisTier(SecondaryTier):
             raise ConfigError(f"bad remote_url {self.url!r}: {exc}") from exc
         return self._client
 
-    async def _pipeline(self, op: str, queue: Any) -> list[Any]:
+    async def _pipeline(self, op: str, queue: Any, timed: bool = True) -> list[Any]:
         """Run one pipeline built by ``queue(pipe)``; any client failure is a TierError."""
         from redis.exceptions import RedisClusterException, RedisError
 
@@ -132,7 +176,8 @@ class RedisTier(SecondaryTier):
             # URL's node and the first primary of the slot map, and stay down while either is.
             self._stats.errors += 1
             raise TierError(f"redis {op} at {self.url} failed: {exc!r}") from exc
-        self._hist[op].observe(time.perf_counter() - start)
+        if timed:
+            self._hist[op].observe(time.perf_counter() - start)
         return results
 
     async def _drop_client(self) -> None:
@@ -182,11 +227,11 @@ class RedisTier(SecondaryTier):
         names = [self._redis_key(k) for k in keys]
 
         def queue(pipe: Any) -> None:
-            for name in names:
-                pipe.hmget(name, [_HEADER, _DATA])
+            for name in names:  # commands by name: a cluster client splits mget() by slot
+                pipe.execute_command("MGET", name, name + _HEADER_SUFFIX)
 
         replies = await self._pipeline("get", queue)
-        frames = [(reply[0], reply[1]) if reply else (None, None) for reply in replies]
+        frames = [(reply[1], reply[0]) for reply in replies]
 
         def check() -> list[bool]:
             return [frame.verify(k, h, d) for k, (h, d) in zip(keys, frames, strict=True)]
@@ -208,7 +253,7 @@ class RedisTier(SecondaryTier):
 
             def queue_delete(pipe: Any) -> None:
                 for name in corrupt:
-                    pipe.delete(name)
+                    pipe.execute_command("DEL", name, name + _HEADER_SUFFIX)
 
             # Still a miss if this fails; it will be found corrupt again and deleted then.
             with contextlib.suppress(TierError):
@@ -218,17 +263,31 @@ class RedisTier(SecondaryTier):
     async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
         if not items:
             return
+        start = time.perf_counter()
+        failed: list[TierError] = []
 
-        def headers() -> list[bytes]:
-            return [frame.encode_header(k, data) for k, data in items]
+        async def send(chunk: Sequence[tuple[OffloadKey, bytes]], headers: list[bytes]) -> None:
+            def queue(pipe: Any) -> None:
+                for (key, data), header in zip(chunk, headers, strict=True):
+                    name = self._redis_key(key)
+                    pipe.execute_command("MSET", name, data, name + _HEADER_SUFFIX, header)
 
-        encoded = await anyio.to_thread.run_sync(headers)
+            try:
+                await self._pipeline("put", queue, timed=False)
+            except TierError as exc:
+                failed.append(exc)
 
-        def queue(pipe: Any) -> None:
-            for (key, data), header in zip(items, encoded, strict=True):
-                pipe.hset(self._redis_key(key), mapping={_HEADER: header, _DATA: data})
-
-        await self._pipeline("put", queue)
+        # Hash chunk i + 1 in a worker thread while chunk i is on the wire.
+        chunks = _growing_chunks(items) if self.overlap_checksums else [items]
+        async with anyio.create_task_group() as tg:
+            for chunk in chunks:
+                if failed:
+                    break
+                headers = await anyio.to_thread.run_sync(_encode_headers, chunk)
+                tg.start_soon(send, chunk, headers)
+        if failed:
+            raise failed[0]
+        self._hist["put"].observe(time.perf_counter() - start)
         self._stats.put_blocks += len(items)
         self._stats.put_bytes += sum(len(data) for _, data in items)
 
@@ -239,7 +298,7 @@ class RedisTier(SecondaryTier):
 
         def queue(pipe: Any) -> None:
             for name in names:
-                pipe.delete(name)
+                pipe.execute_command("DEL", name, name + _HEADER_SUFFIX)
 
         await self._pipeline("delete", queue)
         self._stats.deleted_blocks += len(keys)

@@ -21,6 +21,7 @@ from kvcache_offload.aio import EngineEvent, KeyState, OffloadEngine
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import BlockStateError, TierError
 from kvcache_offload.tiers import RedisTier
+from kvcache_offload.tiers.redis_tier import redis_block_names
 from tests._redis import (
     RedisServer,
     redis_cluster,
@@ -246,10 +247,10 @@ async def test_a_corrupt_redis_value_is_a_miss_and_is_deleted(tmp_path: Path) ->
         try:
             await tier.put([(k, data(7))])
             assert await tier.get([k]) == [data(7)]
-            name = f"kvo:{'f' * 16}:{k.hex()}"
-            assert server.cli("hset", name, "d", "garbage") == "0"
+            name, header = (n.decode() for n in redis_block_names("f" * 16, k))
+            assert server.cli("set", name, "garbage") == "OK"
             assert await tier.get([k]) == [None]
-            assert server.cli("exists", name) == "0"
+            assert server.cli("exists", name, header) == "0"
             assert tier.stats().corrupt_blocks == 1
         finally:
             await tier.aclose()
@@ -301,7 +302,8 @@ async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path)
         try:
             await tier.put([(k, data(i)) for i, k in enumerate(ks)])
             seed = cluster.nodes[0]
-            on_seed = [seed.cli("exists", f"kvo:{'c' * 16}:{k.hex()}") == "1" for k in ks]
+            names = [redis_block_names("c" * 16, k)[0].decode() for k in ks]
+            on_seed = [seed.cli("exists", name) == "1" for name in names]
             assert 0 < sum(on_seed) < len(ks)
             seed.kill()
             with pytest.raises(TierError):  # a batch with keys on the dead node fails whole,
