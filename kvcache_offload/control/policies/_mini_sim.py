@@ -14,15 +14,18 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["WeightDuel"]
 
 _HASH_SPACE = 1 << 16
 
 
+@final
 class _MiniCache:
     """The adaptive LRU in miniature, without pinning: new keys on probation, reused ones
     and recently evicted ones (ghosts) in main.
@@ -63,16 +66,24 @@ class _MiniCache:
             probation[key] = now
         if len(probation) + len(main) <= self.capacity:
             return False
-        if probation and (
-            not main
-            or (now - next(iter(probation.values()))) * self.weight
-            >= now - next(iter(main.values()))
-        ):
-            victim, _ = probation.popitem(last=False)
+        # The queues' heads are read by loops that stop at once: compiled, ``next`` and
+        # ``popitem(last=False)`` are slow generic calls.
+        victim: OffloadKey | None = None
+        for head, stamp in probation.items():
+            victim = head
+            for _, main_stamp in main.items():
+                if (now - stamp) * self.weight < now - main_stamp:
+                    victim = None  # the main head is older, weight included
+                break
+            break
+        if victim is not None:
+            del probation[victim]
             self.ghost.remember(victim)
-        else:
-            victim, _ = main.popitem(last=False)
-            self.main_ghost.remember(victim)
+            return False
+        for oldest in main:
+            del main[oldest]  # then stop: the changed dict is not read again
+            self.main_ghost.remember(oldest)
+            break
         return False
 
     def __len__(self) -> int:
@@ -105,6 +116,21 @@ class WeightDuel:
         """Whether ``key`` is in the sample (a deterministic hash, so replays repeat)."""
         return (zlib.crc32(key) & 0xFFFF) < self._threshold
 
+    def sample(
+        self, keys: Sequence[OffloadKey], blocks: dict[OffloadKey, BlockStatus]
+    ) -> list[OffloadKey]:
+        """The sampled ``keys`` in order, less those of ``blocks`` being written (a store
+        just prepared is not an access): one loop instead of two calls per key."""
+        threshold = self._threshold
+        crc = zlib.crc32
+        out: list[OffloadKey] = []
+        for key in keys:
+            if (crc(key) & 0xFFFF) < threshold:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    out.append(key)
+        return out
+
     def access(self, keys: Sequence[OffloadKey]) -> None:
         """The sampled keys of one request, in prefix order.
 
@@ -113,12 +139,11 @@ class WeightDuel:
         ``decay_every`` sampled keys the weight is re-chosen.
         """
         for cache in self._caches:
-            hit_flags = [cache.access(key) for key in reversed(keys)]
+            # Hits since the last miss, tail first: the hits before the first miss in
+            # prefix order.
             score = 0
-            for hit in reversed(hit_flags):
-                if not hit:
-                    break
-                score += 1
+            for key in reversed(keys):
+                score = score + 1 if cache.access(key) else 0
             cache.hits += score
         self._steps += len(keys)
         if self._steps >= self._decay_every:
