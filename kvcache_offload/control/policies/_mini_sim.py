@@ -12,12 +12,12 @@ as many ghost keys per queue, like the policy it models.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["WeightDuel"]
@@ -39,8 +39,10 @@ class _MiniCache:
     def __init__(self, weight: float, capacity: int) -> None:
         self.weight = weight
         self.capacity = capacity
-        self.probation: OrderedDict[OffloadKey, int] = OrderedDict()
-        self.main: OrderedDict[OffloadKey, int] = OrderedDict()
+        # key -> stamp: insertion time on probation, last use in main (StampQueue: cheaper
+        # than an OrderedDict when compiled, same order).
+        self.probation = StampQueue()
+        self.main = StampQueue()
         self.ghost = GhostList(capacity)
         self.main_ghost = GhostList(capacity)
         self.now = 0
@@ -51,39 +53,27 @@ class _MiniCache:
         self.now += 1
         now = self.now
         main = self.main
-        if key in main:
-            main[key] = now
-            main.move_to_end(key)
+        if key in main.stamps:
+            main.push(key, now)
             return True
         probation = self.probation
-        if key in probation:
-            del probation[key]
-            main[key] = now
+        if key in probation.stamps:
+            probation.remove(key)
+            main.push(key, now)
             return True
         if self.ghost.recall(key) or self.main_ghost.recall(key):
-            main[key] = now
+            main.push(key, now)
         else:
-            probation[key] = now
-        if len(probation) + len(main) <= self.capacity:
+            probation.push(key, now)
+        if len(probation.stamps) + len(main.stamps) <= self.capacity:
             return False
-        # The queues' heads are read by loops that stop at once: compiled, ``next`` and
-        # ``popitem(last=False)`` are slow generic calls.
-        victim: OffloadKey | None = None
-        for head, stamp in probation.items():
-            victim = head
-            for _, main_stamp in main.items():
-                if (now - stamp) * self.weight < now - main_stamp:
-                    victim = None  # the main head is older, weight included
-                break
-            break
-        if victim is not None:
-            del probation[victim]
-            self.ghost.remember(victim)
-            return False
-        for oldest in main:
-            del main[oldest]  # then stop: the changed dict is not read again
-            self.main_ghost.remember(oldest)
-            break
+        if probation.oldest() is not None and (
+            main.oldest() is None
+            or (now - probation.oldest_stamp()) * self.weight >= now - main.oldest_stamp()
+        ):
+            self.ghost.remember(probation.pop_oldest())
+        else:
+            self.main_ghost.remember(main.pop_oldest())
         return False
 
     def __len__(self) -> int:
