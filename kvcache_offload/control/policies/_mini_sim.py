@@ -12,17 +12,20 @@ as many ghost keys per queue, like the policy it models.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
+from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._stamp_queue import StampQueue
+from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["WeightDuel"]
 
 _HASH_SPACE = 1 << 16
 
 
+@final
 class _MiniCache:
     """The adaptive LRU in miniature, without pinning: new keys on probation, reused ones
     and recently evicted ones (ghosts) in main.
@@ -36,8 +39,10 @@ class _MiniCache:
     def __init__(self, weight: float, capacity: int) -> None:
         self.weight = weight
         self.capacity = capacity
-        self.probation: OrderedDict[OffloadKey, int] = OrderedDict()
-        self.main: OrderedDict[OffloadKey, int] = OrderedDict()
+        # key -> stamp: insertion time on probation, last use in main (StampQueue: cheaper
+        # than an OrderedDict when compiled, same order).
+        self.probation = StampQueue()
+        self.main = StampQueue()
         self.ghost = GhostList(capacity)
         self.main_ghost = GhostList(capacity)
         self.now = 0
@@ -48,31 +53,27 @@ class _MiniCache:
         self.now += 1
         now = self.now
         main = self.main
-        if key in main:
-            main[key] = now
-            main.move_to_end(key)
+        if key in main.stamps:
+            main.push(key, now)
             return True
         probation = self.probation
-        if key in probation:
-            del probation[key]
-            main[key] = now
+        if key in probation.stamps:
+            probation.remove(key)
+            main.push(key, now)
             return True
         if self.ghost.recall(key) or self.main_ghost.recall(key):
-            main[key] = now
+            main.push(key, now)
         else:
-            probation[key] = now
-        if len(probation) + len(main) <= self.capacity:
+            probation.push(key, now)
+        if len(probation.stamps) + len(main.stamps) <= self.capacity:
             return False
-        if probation and (
-            not main
-            or (now - next(iter(probation.values()))) * self.weight
-            >= now - next(iter(main.values()))
+        if probation.oldest() is not None and (
+            main.oldest() is None
+            or (now - probation.oldest_stamp()) * self.weight >= now - main.oldest_stamp()
         ):
-            victim, _ = probation.popitem(last=False)
-            self.ghost.remember(victim)
+            self.ghost.remember(probation.pop_oldest())
         else:
-            victim, _ = main.popitem(last=False)
-            self.main_ghost.remember(victim)
+            self.main_ghost.remember(main.pop_oldest())
         return False
 
     def __len__(self) -> int:
@@ -105,6 +106,21 @@ class WeightDuel:
         """Whether ``key`` is in the sample (a deterministic hash, so replays repeat)."""
         return (zlib.crc32(key) & 0xFFFF) < self._threshold
 
+    def sample(
+        self, keys: Sequence[OffloadKey], blocks: dict[OffloadKey, BlockStatus]
+    ) -> list[OffloadKey]:
+        """The sampled ``keys`` in order, less those of ``blocks`` being written (a store
+        just prepared is not an access): one loop instead of two calls per key."""
+        threshold = self._threshold
+        crc = zlib.crc32
+        out: list[OffloadKey] = []
+        for key in keys:
+            if (crc(key) & 0xFFFF) < threshold:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    out.append(key)
+        return out
+
     def access(self, keys: Sequence[OffloadKey]) -> None:
         """The sampled keys of one request, in prefix order.
 
@@ -113,12 +129,11 @@ class WeightDuel:
         ``decay_every`` sampled keys the weight is re-chosen.
         """
         for cache in self._caches:
-            hit_flags = [cache.access(key) for key in reversed(keys)]
+            # Hits since the last miss, tail first: the hits before the first miss in
+            # prefix order.
             score = 0
-            for hit in reversed(hit_flags):
-                if not hit:
-                    break
-                score += 1
+            for key in reversed(keys):
+                score = score + 1 if cache.access(key) else 0
             cache.hits += score
         self._steps += len(keys)
         if self._steps >= self._decay_every:

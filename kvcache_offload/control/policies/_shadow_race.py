@@ -42,16 +42,15 @@ class _Runner:
     def request(self, keys: list[OffloadKey]) -> int:
         """Serve one request's sampled keys (distinct, prefix order); its prefix hits."""
         policy = self.policy
-        get = policy.get
         hits = 0
         for key in keys:
-            if get(key) is None:
+            if policy.get(key) is None:  # a native call; a bound ``get`` is a generic one
                 break
             hits += 1
         policy.touch(keys)
         if hits == len(keys):
             return hits
-        new = [key for key in keys[hits:] if get(key) is None]
+        new = [key for key in keys[hits:] if policy.get(key) is None]
         need = len(policy) + len(new) - self.capacity
         free: list[BlockStatus] = []
         if need > 0:

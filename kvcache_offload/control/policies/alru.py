@@ -41,9 +41,16 @@ _DEMOTED = -(1 << 62)
 """Stamp of a demoted block: older than anything, so it is the first to go."""
 
 
-def _being_written(blocks: dict[OffloadKey, BlockStatus], key: OffloadKey) -> bool:
-    block = blocks.get(key)
-    return block is not None and block.ref_cnt == -1
+def _next_idle(
+    queue: Iterator[tuple[OffloadKey, int]],
+    blocks: dict[OffloadKey, BlockStatus],
+    protected: Collection[OffloadKey],
+) -> tuple[OffloadKey, int] | None:
+    """The next evictable (key, stamp) of a queue's walk, or None at its end."""
+    for key, stamp in queue:
+        if blocks[key].ref_cnt == 0 and key not in protected:
+            return key, stamp
+    return None
 
 
 class _TailStats:
@@ -95,6 +102,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._main_ghost = GhostList(cache_capacity)
         # Store tails still on probation (a dict used as an ordered set).
         self._tails: dict[OffloadKey, None] = {}
+        self._dead_tail_ratio = self.dead_tail_ratio  # read once (a lookup when compiled)
         self._now = 0
         self._reset_learning()
 
@@ -132,7 +140,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         super()._flush_batch()
         if tail in self._probation:
             self._tails[tail] = None
-            self._demote_tails = stats.tails_are_dead(self.dead_tail_ratio)
+            self._demote_tails = stats.tails_are_dead(self._dead_tail_ratio)
             if self._demote_tails:
                 self._probation[tail] = _DEMOTED
                 self._probation.move_to_end(tail, last=False)
@@ -144,63 +152,59 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         blocks, probation, main = self._blocks, self._probation, self._main
         duel = self._duel
         # The miniature caches see the request's sampled keys, except stores just prepared.
-        sampled = [key for key in keys if duel.sampled(key) and not _being_written(blocks, key)]
+        sampled = duel.sample(keys, blocks)
         if sampled:
             duel.access(sampled)
+        now, tails = self._now, self._tails  # the clock in a local, stored back at the end
         for key in reversed(keys):
             block = blocks.get(key)
-            if block is not None and block.ref_cnt == -1:
+            if block is None:
+                continue
+            if block.ref_cnt == -1:
                 # A store just prepared is not an access: refresh its recency only (a
                 # demoted tail stays demoted).
                 if probation.get(key, _DEMOTED) != _DEMOTED:
-                    self._now += 1
-                    probation[key] = self._now
+                    now += 1
+                    probation[key] = now
                     probation.move_to_end(key)
                 continue
-            if block is None:
-                continue
-            self._now += 1
+            now += 1
             if key in main:
-                main[key] = self._now
+                main[key] = now
                 main.move_to_end(key)
             else:
                 del probation[key]
-                main[key] = self._now
-                tail = key in self._tails
+                main[key] = now
+                tail = key in tails
                 if tail:
-                    del self._tails[key]
+                    del tails[key]
                 self._tail_stats.add_use(tail)
+        self._now = now
 
     # -- eviction ------------------------------------------------------------------------
-
-    def _candidates(
-        self, queue: OrderedDict[OffloadKey, int], protected: Collection[OffloadKey]
-    ) -> Iterator[tuple[OffloadKey, int]]:
-        blocks = self._blocks
-        for key, stamp in queue.items():
-            if blocks[key].ref_cnt == 0 and key not in protected:
-                yield key, stamp
 
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        on_probation = self._candidates(self._probation, protected)
-        in_main = self._candidates(self._main, protected)
-        p = next(on_probation, None)
-        m = next(in_main, None)
+        # Plain iterators and a function, not generators: cheaper when compiled.
+        blocks = self._blocks
+        on_probation = iter(self._probation.items())
+        in_main = iter(self._main.items())
+        p = _next_idle(on_probation, blocks, protected)
+        m = _next_idle(in_main, blocks, protected)
         # (key, came from probation), in the order chosen: victims are returned in that order.
         selected: list[tuple[OffloadKey, bool]] = []
         now, weight = self._now, self._duel.weight
         for _ in range(n):
             if p is not None and (m is None or (now - p[1]) * weight >= now - m[1]):
                 selected.append((p[0], True))
-                p = next(on_probation, None)
+                p = _next_idle(on_probation, blocks, protected)
             elif m is not None:
                 selected.append((m[0], False))
-                m = next(in_main, None)
+                m = _next_idle(in_main, blocks, protected)
             else:
                 return None
-        blocks, tails = self._blocks, self._tails
+        tails = self._tails
         ghost, main_ghost = self._ghost, self._main_ghost
         victims = []
         for key, on_probation_queue in selected:

@@ -17,9 +17,9 @@ heap keyed by their second-last access, with stale entries skipped and compacted
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from heapq import heapify, heappop, heappush
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -47,13 +47,13 @@ class _Heap:
         self.entries: list[_Entry] = []
 
     def push(self, entry: _Entry) -> None:
-        heapq.heappush(self.entries, entry)
+        heappush(self.entries, entry)
 
     def pop(self) -> _Entry:
-        return heapq.heappop(self.entries)
+        return heappop(self.entries)
 
     def rebuild(self, entries: list[_Entry]) -> None:
-        heapq.heapify(entries)
+        heapify(entries)
         self.entries = entries
 
     def clear(self) -> None:
@@ -107,17 +107,18 @@ class LRU2CachePolicy(QueuePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, probation, main = self._blocks, self._probation, self._main
+        blocks, probation, main, heap = self._blocks, self._probation, self._main, self._heap
+        now = self._now  # in a local, stored back at the end
         for key in reversed(keys):
             block = blocks.get(key)
             if block is None or block.ref_cnt == -1:
                 continue
-            self._now += 1
+            now += 1
             stamps = main.get(key)
-            if stamps is not None:
-                self._to_main(key, stamps[1])
-            else:
-                self._to_main(key, probation.pop(key))
+            previous = stamps[1] if stamps is not None else probation.pop(key)
+            main[key] = (previous, now)
+            heap.push((previous, now, key))
+        self._now = now
         if len(self._heap) > 2 * len(main) + 64:
             self._heap.rebuild([(s, t, k) for k, (s, t) in main.items()])
 

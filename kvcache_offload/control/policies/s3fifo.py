@@ -9,7 +9,7 @@ reinsertion while a small use counter lasts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -23,6 +23,21 @@ from kvcache_offload.control.policies.base import BlockStatus
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
 _MAX_FREQ = 3
+
+
+def _next_idle(
+    keys: Iterator[OffloadKey],
+    blocks: dict[OffloadKey, BlockStatus],
+    protected: Collection[OffloadKey],
+) -> OffloadKey | None:
+    """The next evictable key of a queue's walk, or None at its end (a loop, not ``next``:
+    cheaper when compiled)."""
+    for key in keys:
+        if blocks[key].ref_cnt == 0 and key not in protected:
+            return key
+    return None
+
+
 _SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
 
 
@@ -51,6 +66,10 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
         self._small_target = 0.0
+        # The tunables, read once: compiled, a class attribute costs a lookup on every read.
+        self._adaptive = self.adaptive
+        self._adapt_gain = self.adapt_gain
+        self._main_lru = self.main_lru
         self._reset_learning()
         # The ghosts of the small queue: as many keys as the main queue may hold.
         ghost_limit = (
@@ -69,13 +88,13 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._freq[key] = 0
         ghost, main_ghost = self._ghost, self._main_ghost
         if key in ghost:
-            if self.adaptive:
-                step = self.adapt_gain * max(1.0, len(main_ghost) / len(ghost))
+            if self._adaptive:
+                step = self._adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
             ghost.recall(key)
             self._main[key] = None
         elif key in main_ghost:
-            step = self.adapt_gain * max(1.0, len(ghost) / len(main_ghost))
+            step = self._adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
             main_ghost.recall(key)
             self._main[key] = None
@@ -85,7 +104,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, freq, main = self._blocks, self._freq, self._main
-        main_lru = self.main_lru
+        main_lru = self._main_lru
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
@@ -112,14 +131,12 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         new_freq: dict[OffloadKey, int] = {}
         steps: list[tuple[int, OffloadKey]] = []
         small_len = len(self._small)
-        reinsert = not self.main_lru
+        reinsert = not self._main_lru
         victims = 0
         small_done = main_done = False
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
-                key = next(small_keys, None)
-                while key is not None and (blocks[key].ref_cnt != 0 or key in protected):
-                    key = next(small_keys, None)
+                key = _next_idle(small_keys, blocks, protected)
                 if key is not None:
                     small_len -= 1
                     if freq[key] > 0:
@@ -157,7 +174,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
         blocks, freq = self._blocks, self._freq
         small, main, ghost = self._small, self._main, self._ghost
-        main_ghost = self._main_ghost if self.adaptive else None
+        main_ghost = self._main_ghost if self._adaptive else None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         for step, key in steps:
             if step == _SMALL_TO_MAIN:
