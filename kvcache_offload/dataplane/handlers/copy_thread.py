@@ -31,6 +31,23 @@ class QueuedCopy:
         self._seconds = 0.0
         self._error: BaseException | None = None
 
+    @classmethod
+    def ran_now(cls, fn: Callable[..., Any], *args: Any) -> QueuedCopy:
+        """A copy run on the calling thread, finished when this returns."""
+        item = cls(fn, args)
+        item.run()
+        item._done = True
+        return item
+
+    def run(self) -> None:
+        """Run the copy, keeping its time or its error (a failed copy is a failed job)."""
+        start = time.perf_counter()
+        try:
+            self.fn(*self.args)
+            self._seconds = time.perf_counter() - start
+        except Exception as exc:
+            self._error = exc
+
     def done(self) -> bool:
         return self._done
 
@@ -90,10 +107,8 @@ class CopyThread:
                     cv.wait()
                     self._idle = False
                 item = self._queue.popleft()
-            start = time.perf_counter()
             try:
-                item.fn(*item.args)
-                item._seconds = time.perf_counter() - start
+                item.run()
             except BaseException as exc:  # reported as a failed job, never raised here
                 item._error = exc
             with cv:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -54,35 +53,11 @@ GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
 
 
-class _Finished:
-    """The outcome of a copy done inline, read like a :class:`QueuedCopy`."""
-
-    __slots__ = ("_error", "_seconds")
-
-    def __init__(self, seconds: float, error: BaseException | None = None) -> None:
-        self._seconds = seconds
-        self._error = error
-
-    def done(self) -> bool:
-        return True
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> float:
-        if self._error is not None:
-            raise self._error
-        return self._seconds
-
-
 @dataclass
 class _Job:
     job_id: int
     num_bytes: int
-    future: QueuedCopy | _Finished
+    future: QueuedCopy
 
 
 class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
@@ -168,11 +143,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _run_inline(self, job_id: int, plan: TransferPlan) -> None:
         """Copy now on this thread (the copy thread is idle, so order is kept); the job is
         reported by the next ``get_finished`` like any other, after the completion callback."""
-        try:
-            outcome = _Finished(self._execute(plan, None))
-        except Exception as exc:
-            outcome = _Finished(0.0, exc)
-        job = _Job(job_id, plan.num_bytes, outcome)
+        job = _Job(job_id, plan.num_bytes, QueuedCopy.ran_now(self._run_plan, plan, None))
         self._jobs.append(job)
         self._pending[job_id] = job
         self._notify()
@@ -204,11 +175,6 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
             except Exception:
                 logger.exception("completion callback raised; ignored")
 
-    def _execute(self, plan: TransferPlan, token: Any) -> float:
-        start = time.perf_counter()
-        self._run_plan(plan, token)
-        return time.perf_counter() - start
-
     def get_finished(self) -> list[TransferResult]:
         results = []
         with self._lock:
@@ -233,11 +199,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.flush()
         with self._lock:
             thread = self._thread
-            copies = [
-                f
-                for j in job_ids
-                if j in self._pending and isinstance(f := self._pending[j].future, QueuedCopy)
-            ]
+            copies = [self._pending[j].future for j in job_ids if j in self._pending]
         if copies and thread is not None:
             thread.wait(copies)
 
