@@ -7,6 +7,7 @@ would use. Readiness is awaited by polling ``PING`` / ``CLUSTER INFO``, never by
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -105,6 +106,20 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         return _cli(self.port, *args)
+
+    def command_calls(self, command: str) -> int:
+        """Times the server ran ``command`` (``INFO commandstats``; script calls included)."""
+        stats = self.cli("info", "commandstats")
+        found = re.search(rf"^cmdstat_{command}:calls=(\d+)", stats, re.M)
+        return int(found.group(1)) if found else 0
+
+
+@pytest.fixture
+def standalone_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server for one test (skips where the OS package is missing)."""
+    skip_without_redis()
+    with redis_server(tmp_path) as running:
+        yield running
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,12 +255,6 @@ async def test_a_corrupt_redis_value_is_a_miss_and_is_deleted(tmp_path: Path) ->
             await tier.aclose()
 
 
-def _exists_calls(server: RedisServer) -> int:
-    """``EXISTS`` commands the server has executed (``INFO commandstats``)."""
-    found = re.search(r"^cmdstat_exists:calls=(\d+)", server.cli("info", "commandstats"), re.M)
-    return int(found.group(1)) if found else 0
-
-
 async def test_a_64_key_lookup_all_in_redis_is_one_round_trip(
     standalone: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,14 +275,14 @@ async def test_a_64_key_lookup_all_in_redis_is_one_round_trip(
         await first.write_blocks(ks, [data(i) for i in range(64)])
         await written(first, "redis", 64)
         await second.lookup(ks[:1])  # connects: the handshake is not the lookup's
-        before = _exists_calls(standalone)
+        before = standalone.command_calls("exists")
         monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
         result = await second.lookup(ks)
         monkeypatch.undo()
         assert result.hits == 64
         assert result.tiers == ["redis"] * 64
         assert len(sends) == 1  # one write (one script call for the 64 keys), then its reply
-        assert _exists_calls(standalone) - before == 64
+        assert standalone.command_calls("exists") - before == 64
 
 
 async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path) -> None:

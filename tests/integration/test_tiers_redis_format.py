@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
@@ -21,7 +18,7 @@ from redis.crc import key_slot
 from kvcache_offload.errors import TierError
 from kvcache_offload.tiers import RedisTier, frame
 from kvcache_offload.tiers.redis_tier import _growing_chunks, redis_block_names
-from tests._redis import RedisServer, free_port, redis_server, skip_without_redis
+from tests._redis import RedisServer, free_port, skip_without_redis, standalone_redis
 from tests.unit._keys import key, keys
 
 FINGERPRINT = "m" * 16
@@ -31,16 +28,7 @@ def block(i: int, size: int = 4096) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(size))
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    skip_without_redis()
-    with redis_server(tmp_path) as running:
-        yield running
-
-
-def _calls(server: RedisServer, command: str) -> int:
-    found = re.search(rf"^cmdstat_{command}:calls=(\d+)", server.cli("info", "commandstats"), re.M)
-    return int(found.group(1)) if found else 0
+server = standalone_redis
 
 
 def test_a_put_is_sent_in_chunks_of_1_1_2_4_and_so_on() -> None:
@@ -66,8 +54,8 @@ async def test_each_block_is_one_mset_of_two_keys_in_one_slot(
     ks = keys(*range(13))
     try:
         await tier.put([(k, block(i)) for i, k in enumerate(ks)])
-        assert _calls(server, "mset") == 13
-        assert _calls(server, "hset") == 0
+        assert server.command_calls("mset") == 13
+        assert server.command_calls("hset") == 0
         for k in ks:
             name, header = redis_block_names(FINGERPRINT, k)
             assert key_slot(name) == key_slot(header)

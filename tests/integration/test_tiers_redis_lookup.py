@@ -6,31 +6,14 @@ a server that refuses scripts must still get a correct per-key answer, from the 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from kvcache_offload.tiers import RedisTier
-from tests._redis import RedisServer, redis_server, skip_without_redis
+from tests._redis import RedisServer, standalone_redis
 from tests.unit._keys import keys
 
 FINGERPRINT = "l" * 16
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    skip_without_redis()
-    with redis_server(tmp_path) as running:
-        yield running
-
-
-def _calls(server: RedisServer, command: str) -> int:
-    """Times the server ran ``command`` (``INFO commandstats``; script calls included)."""
-    stats = server.cli("info", "commandstats")
-    found = re.search(rf"^cmdstat_{command}:calls=(\d+)", stats, re.M)
-    return int(found.group(1)) if found else 0
+server = standalone_redis
 
 
 async def _lookup_every_other_key(tier: RedisTier) -> list[bool]:
@@ -42,10 +25,10 @@ async def _lookup_every_other_key(tier: RedisTier) -> list[bool]:
 async def test_a_lookup_is_one_script_call_answering_each_key(server: RedisServer) -> None:
     tier = RedisTier(server.url, FINGERPRINT)
     try:
-        evals, exists = _calls(server, "eval"), _calls(server, "exists")
+        evals, exists = server.command_calls("eval"), server.command_calls("exists")
         assert await _lookup_every_other_key(tier) == [i % 2 == 0 for i in range(10)]
-        assert _calls(server, "eval") - evals == 1
-        assert _calls(server, "exists") - exists == 10
+        assert server.command_calls("eval") - evals == 1
+        assert server.command_calls("exists") - exists == 10
     finally:
         await tier.aclose()
 
@@ -55,9 +38,9 @@ async def test_a_server_refusing_scripts_is_asked_with_a_pipeline(server: RedisS
     tier = RedisTier(server.url, FINGERPRINT)
     try:
         assert await _lookup_every_other_key(tier) == [i % 2 == 0 for i in range(10)]
-        exists = _calls(server, "exists")
+        exists = server.command_calls("exists")
         assert await tier.contains(keys(0, 1)) == [True, False]  # not asked by script again
-        assert _calls(server, "exists") - exists == 2
+        assert server.command_calls("exists") - exists == 2
         assert tier.stats().errors == 0
     finally:
         await tier.aclose()
