@@ -49,23 +49,6 @@ class HostCopier:
         self._keep = sides
         self.src_geom, self.dst_geom = sides.geometry()
         self._table = np.empty((3, 0), dtype=np.int64)
-        self._ref_columns: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}
-
-    def _columns(self, tensors: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Both sides' base, row stride and sub-block bytes of ``tensors``, 1-D and contiguous;
-        gathered once per ref array (a handler's groups pass the same arrays job after job)."""
-        hit = self._ref_columns.get(id(tensors))
-        if hit is not None and hit[0] is tensors:
-            return hit[1]
-        src, dst = self.src_geom, self.dst_geom
-        cols = tuple(
-            np.ascontiguousarray(side[tensors], dtype=np.int64)
-            for side in (src.base, src.row_stride, src.sub_bytes, dst.base, dst.row_stride,
-                         dst.sub_bytes)
-        )  # fmt: skip
-        if len(self._ref_columns) < 64:
-            self._ref_columns[id(tensors)] = (tensors, cols)
-        return cols
 
     def run(self, plan: TransferPlan) -> None:
         """Copy every fragment of ``plan``; returns when the bytes are in place."""
@@ -77,7 +60,8 @@ class HostCopier:
             for g in plan.groups:
                 if len(g.ref_tensors) == 0 or len(g.src_units) == 0:
                     continue
-                sb, sst, ssub, db, dst, dsub = self._columns(g.ref_tensors)
+                sb, sst, ssub = self.src_geom.of_refs(g.ref_tensors).flat
+                db, dst, dsub = self.dst_geom.of_refs(g.ref_tensors).flat
                 _copy_units(
                     sb, sst, ssub, sf, db, dst, dsub, df,
                     np.ascontiguousarray(g.ref_sizes, dtype=np.int64),

@@ -62,6 +62,8 @@ class _RefColumns:
     base: np.ndarray
     stride: np.ndarray
     sub: np.ndarray
+    flat: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """Base, row stride and sub-block bytes as 1-D contiguous int64 arrays (for C callers)."""
     base_list: list[int]
     stride_list: list[int]
     sub_list: list[int]
@@ -83,8 +85,8 @@ class SideGeometry:
     """Sub-blocks per row: 1 on the GPU side, ``block_size_factor`` on the CPU side."""
 
     def of_refs(self, tensors: np.ndarray) -> _RefColumns:
-        """Base, row stride and sub-block bytes of the refs' tensors, as ``(R, 1)`` columns
-        and as Python lists (for jobs too small to amortise numpy calls).
+        """Base, row stride and sub-block bytes of the refs' tensors, as ``(R, 1)`` columns,
+        as flat arrays and as Python lists (for jobs too small to amortise numpy calls).
 
         A handler's groups pass the same ref arrays job after job, so the gathers are done
         once per array and kept (the array is kept with them, so its id stays valid)."""
@@ -95,8 +97,8 @@ class SideGeometry:
             return hit[1]
         base, stride, sub = self.base[tensors], self.row_stride[tensors], self.sub_bytes[tensors]
         cols = _RefColumns(
-            base[:, None], stride[:, None], sub[:, None], base.tolist(), stride.tolist(),
-            sub.tolist(),
+            base[:, None], stride[:, None], sub[:, None], (base, stride, sub), base.tolist(),
+            stride.tolist(), sub.tolist(),
         )  # fmt: skip
         if len(cache) < 64:
             cache[id(tensors)] = (tensors, cols)
