@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,9 +172,30 @@ class TransferPoller:
         if not job.future.done():  # the awaiting coroutine may have been cancelled
             job.future.set_result(result)
 
+    def _completion_fd_ready(self, fd: int) -> None:
+        """A handler's copy thread announced an end on its descriptor: clear it, look."""
+        try:
+            os.read(fd, 8)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:  # closed under us (shutdown): stop watching it
+            asyncio.get_running_loop().remove_reader(fd)
+        self._waker.wake()
+
     async def run(self) -> None:
         """The poller task: runs until cancelled."""
-        self._waker.bind(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self._waker.bind(loop)
+        fds = self.worker.completion_fds()
+        for fd in fds:
+            loop.add_reader(fd, self._completion_fd_ready, fd)
+        try:
+            await self._run()
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+
+    async def _run(self) -> None:
         while True:
             if not self._jobs:
                 self._spinning = False

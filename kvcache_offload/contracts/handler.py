@@ -18,6 +18,7 @@ __all__ = [
     "BatchesJobs",
     "NotifiesCompletion",
     "OffloadingHandler",
+    "SignalsCompletionFd",
     "TransferResult",
     "TransferSpec",
     "TransferType",
@@ -72,6 +73,21 @@ class NotifiesCompletion(Protocol):
     """
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None: ...
+
+
+@runtime_checkable
+class SignalsCompletionFd(Protocol):
+    """A notifying handler whose copy thread announces ends on a file descriptor instead.
+
+    Calling back into Python from a copy thread needs the GIL, which a busy event loop holds:
+    the thread would wait for it before it could start the next copy. ``completion_fd()``
+    returns a descriptor (an eventfd) that becomes readable when a job ended; the caller
+    watches it (``loop.add_reader``), reads it to clear it and then calls ``get_finished``.
+    The callback of :class:`NotifiesCompletion` still reports what ends on other threads
+    (e.g. a copy done inline). ``None``: no descriptor now (shut down).
+    """
+
+    def completion_fd(self) -> int | None: ...
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -319,3 +320,46 @@ async def test_copies_are_watched_only_once_the_poller_stops_looking() -> None:
         task.cancel()
         for thread in handler.threads:
             thread.join()
+
+
+class _FdHandler(FakeHandler):
+    """Announces ends only on a descriptor (as the native copy queue does), never by callback."""
+
+    def __init__(self) -> None:
+        super().__init__(auto=False)
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+
+    def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
+        pass  # ends are announced on the descriptor only
+
+    def completion_fd(self) -> int | None:
+        return self.read_fd
+
+    def end_all(self) -> None:
+        self.release()
+        os.write(self.write_fd, b"\x01")
+
+
+async def test_poller_wakes_on_a_handlers_completion_descriptor() -> None:
+    handler = _FdHandler()
+    # A backstop of a minute: only the descriptor can wake the poller within the test.
+    poller = TransferPoller(_worker(handler), backstop_s=60.0)
+    assert poller.pushed
+    task = asyncio.create_task(poller.run())
+    loop = asyncio.get_running_loop()
+    try:
+        fut = poller.submit(SPEC, lambda r: None)
+        await asyncio.sleep(0.05)  # the poller is asleep now
+        assert not fut.done()
+        loop.call_later(0.01, handler.end_all)
+        result = await asyncio.wait_for(fut, 5)
+        assert result.success
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    # Stopping the poller stops watching the descriptor.
+    assert not loop.remove_reader(handler.read_fd)
+    os.close(handler.read_fd)
+    os.close(handler.write_fd)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kvcache_offload.dataplane.handlers.copy_thread import CopyThread
 
 
@@ -63,23 +65,50 @@ def test_shutdown_finishes_the_running_copy_and_cancels_the_queued_ones():
         raise AssertionError("a shut-down copy thread accepted a copy")
 
 
-def test_a_handler_dropped_without_shutdown_stops_its_copy_threads():
-    import gc
+def _threads_named(prefix: str) -> set[str]:
+    """Every thread of this process whose name starts with ``prefix``: Python threads by
+    their Python name, native ones by their OS name."""
+    import os
 
-    torch = __import__("pytest").importorskip("torch")
+    names = {f"py:{t.ident}:{t.name}" for t in threading.enumerate() if t.name.startswith(prefix)}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # ended meanwhile
+            continue
+        if name.startswith(prefix):
+            names.add(f"{tid}:{name}")
+    return names
+
+
+@pytest.mark.parametrize("native_queue", [False, True], ids=["python-thread", "native-queue"])
+def test_a_handler_dropped_without_shutdown_stops_its_copy_threads(native_queue):
+    import gc
+    import os
+    import time
+
+    torch = pytest.importorskip("torch")
     from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers
+    from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue
     from tests._roundtrip import make_caches
 
+    if native_queue and not HostCopyQueue.available():
+        pytest.skip("the host-copy extension is not built")
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc to see OS threads")
     kv = make_caches(
         num_tensors=1, num_gpu_blocks=4, page=64, group_layers=[[(0, 64)]],
         gen=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    before = {t for t in threading.enumerate() if t.name.startswith("kvoffload")}
-    handlers = CpuBackendOffloadingHandlers(kv, 1, 4)
-    started = {t for t in threading.enumerate() if t.name.startswith("kvoffload")} - before
-    assert started  # one copy thread per direction
+    before = _threads_named("kvoffload")
+    handlers = CpuBackendOffloadingHandlers(kv, 1, 4, native_queue=native_queue)
+    assert handlers.native_queue is native_queue
+    started = _threads_named("kvoffload") - before
+    assert len(started) == 2  # one copy thread per direction
     del handlers
-    gc.collect()
-    for t in started:
-        t.join(5)
-    assert not any(t.is_alive() for t in started)
+    deadline = time.monotonic() + 5
+    while started & _threads_named("kvoffload") and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert not started & _threads_named("kvoffload")

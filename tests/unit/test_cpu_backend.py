@@ -18,6 +18,7 @@ from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
     CpuBackendOffloadingHandlers,
     ThreadedOffloadingHandler,
 )
+from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue  # noqa: E402
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker  # noqa: E402
 from kvcache_offload.dataplane.memory import shared_offload_region  # noqa: E402
 from kvcache_offload.dataplane.memory.block_memory import (  # noqa: E402
@@ -49,13 +50,21 @@ def _caches(seed: int, page: int = 512, groups=None, num_gpu_blocks: int = 64):
     )
 
 
+NATIVE = pytest.mark.skipif(
+    not HostCopyQueue.available(), reason="the host-copy extension is not built"
+)
+QUEUES = [pytest.param(True, id="native-queue", marks=NATIVE), pytest.param(False, id="py-thread")]
+
+
+@pytest.mark.parametrize("native_queue", QUEUES)
 @pytest.mark.parametrize("inline_max_bytes", [0, HOST_INLINE_MAX_BYTES])
 @pytest.mark.parametrize("factor", [1, 2, 5])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(
-    factor, seed, inline_max_bytes
+    factor, seed, inline_max_bytes, native_queue
 ):
-    # Both the copy thread (inline 0) and the inline copy of a small job on an idle handler.
+    # The native copy queue and the Python copy thread (inline 0), and the inline copy of a
+    # small job on an idle handler.
     kv = _caches(seed)
     job = random_job(
         np.random.default_rng(seed),
@@ -65,7 +74,10 @@ def test_round_trip_is_byte_exact_with_groups_skip_counts_and_padding(
         num_gpu_blocks=64,
         num_cpu_blocks=30,
     )
-    h = CpuBackendOffloadingHandlers(kv, factor, 30, inline_max_bytes=inline_max_bytes)
+    h = CpuBackendOffloadingHandlers(
+        kv, factor, 30, inline_max_bytes=inline_max_bytes, native_queue=native_queue
+    )
+    assert h.native_queue is native_queue
     try:
         store, load = round_trip(h, kv, job)
         assert (store.success, load.success) == (True, True)
@@ -113,9 +125,10 @@ def test_small_staging_splits_a_job_into_batches_and_stays_exact():
         h.shutdown()
 
 
-def test_jobs_complete_in_submission_order_and_wait_ignores_unknown_ids():
+@pytest.mark.parametrize("native_queue", QUEUES)
+def test_jobs_complete_in_submission_order_and_wait_ignores_unknown_ids(native_queue):
     kv = _caches(5)
-    h = CpuBackendOffloadingHandlers(kv, 1, 64)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=0, native_queue=native_queue)
     store = h.gpu_to_cpu_handler
     rng = np.random.default_rng(5)
     try:
@@ -209,13 +222,18 @@ def _one_block_spec():
 
 
 def _gated_handler(
-    gate: threading.Event, fail: bool = False, inline_max_bytes: int = 0
+    gate: threading.Event,
+    fail: bool = False,
+    inline_max_bytes: int = 0,
+    started: threading.Event | None = None,
 ) -> ThreadedOffloadingHandler:
     gpu = [torch.zeros((4, 64), dtype=torch.int8)]
     cpu = [torch.zeros((4, 64), dtype=torch.int8)]
     from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 
     def run(plan, token):
+        if started is not None:
+            started.set()
         if not gate.wait(10):
             raise AssertionError("gate never opened")
         if fail:
@@ -258,10 +276,11 @@ def test_a_copy_that_raises_is_reported_as_failed_in_order():
 
 
 def test_shutdown_with_jobs_in_flight_waits_for_the_running_one_and_drops_the_rest():
-    gate = threading.Event()
-    h = _gated_handler(gate)
+    gate, started = threading.Event(), threading.Event()
+    h = _gated_handler(gate, started=started)
     for j in range(1, 6):
         assert h.transfer_async(j, _one_block_spec())
+    assert started.wait(10)  # job 1 runs (else shutdown would rightly cancel it unstarted)
     done = threading.Event()
     t = threading.Thread(target=lambda: (h.shutdown(), done.set()))
     t.start()
@@ -275,9 +294,10 @@ def test_shutdown_with_jobs_in_flight_waits_for_the_running_one_and_drops_the_re
     h.shutdown()  # idempotent
 
 
-def test_loads_and_stores_run_concurrently_and_both_stay_exact():
+@pytest.mark.parametrize("native_queue", QUEUES)
+def test_loads_and_stores_run_concurrently_and_both_stay_exact(native_queue):
     kv = _caches(8, page=2048, groups=[[(0, 2048), (1, 2048), (2, 2048)]], num_gpu_blocks=128)
-    h = CpuBackendOffloadingHandlers(kv, 1, 128)
+    h = CpuBackendOffloadingHandlers(kv, 1, 128, inline_max_bytes=0, native_queue=native_queue)
     try:
         rng = np.random.default_rng(8)
         perm_g, perm_c = rng.permutation(128), rng.permutation(128)
@@ -482,3 +502,49 @@ def test_a_small_job_on_an_idle_handler_is_reported_when_submitted():
         assert [r.job_id for r in finish(h.gpu_to_cpu_handler, [2])] == [2]
     finally:
         h.shutdown()
+
+
+@NATIVE
+def test_the_native_queue_announces_each_end_on_its_descriptor_not_the_callback():
+    import select
+
+    kv = _caches(11)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=0)
+    store = h.gpu_to_cpu_handler
+    called = threading.Event()
+    store.set_completion_callback(called.set)  # only inline copies call back
+    fd = store.completion_fd()
+    assert fd is not None
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, store)
+    assert worker.completion_fds() == [fd]
+    try:
+        job = random_job(
+            np.random.default_rng(11), group_sizes=[5, 0, 0, 0], block_indices=[0, 0, 0, 0],
+            factor=1, num_gpu_blocks=64, num_cpu_blocks=64,
+        )  # fmt: skip
+        assert store.transfer_async(1, (job.gpu_spec, job.cpu_spec))
+        readable, _, _ = select.select([fd], [], [], 10)
+        assert readable == [fd]
+        [result] = store.get_finished()
+        assert (result.job_id, result.success) == (1, True)
+        assert not called.is_set()
+    finally:
+        h.shutdown()
+    assert store.completion_fd() is None
+
+
+@NATIVE
+def test_shutting_down_the_native_queue_drops_queued_jobs_and_refuses_new_ones():
+    kv = _caches(12, page=1 << 16, groups=[[(0, 1 << 16), (1, 1 << 16), (2, 1 << 16)]])
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=0)
+    store = h.gpu_to_cpu_handler
+    spec = (GPULoadStoreSpec(np.arange(64), [64], [0]), CPULoadStoreSpec(np.arange(64)))
+    for j in range(1, 40):  # 12 MiB each: most are still queued at shutdown
+        assert store.transfer_async(j, spec)
+    h.shutdown()
+    assert store.get_finished() == []
+    assert store.num_pending == 0
+    with pytest.raises(TransferError, match="shut down"):
+        store.transfer_async(99, spec)
+    h.shutdown()  # idempotent

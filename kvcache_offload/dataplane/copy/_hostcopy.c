@@ -6,10 +6,19 @@
  * addresses. Releasing the GIL for the whole job is the point: a per-fragment call from
  * Python would take the GIL back after every fragment and queue behind the event loop.
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/eventfd.h>
+#endif
 
 static PyObject *copy_fragments(PyObject *self, PyObject *args) {
     Py_buffer src, dst, sizes;
@@ -50,6 +59,20 @@ done:
  * entries) and unit i (int64 buffers of K entries), ref-major like the table:
  *   src = src_base[r] + (su[i] / src_factor) * src_stride[r] + (su[i] % src_factor) * src_sub[r]
  * and the same for the destination; size[r] bytes each. */
+/* The copy of copy_units and of the queue's jobs; runs without the GIL. */
+static void copy_unit_run(const int64_t *a_b, const int64_t *a_st, const int64_t *a_sub,
+                          int64_t sf, const int64_t *b_b, const int64_t *b_st,
+                          const int64_t *b_sub, int64_t df, const int64_t *n, Py_ssize_t refs,
+                          const int64_t *u_s, const int64_t *u_d, Py_ssize_t units) {
+    for (Py_ssize_t r = 0; r < refs; r++) {
+        for (Py_ssize_t i = 0; i < units; i++) {
+            int64_t s = a_b[r] + (u_s[i] / sf) * a_st[r] + (u_s[i] % sf) * a_sub[r];
+            int64_t d = b_b[r] + (u_d[i] / df) * b_st[r] + (u_d[i] % df) * b_sub[r];
+            memcpy((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)n[r]);
+        }
+    }
+}
+
 static int same_len(Py_buffer *b, Py_ssize_t n, const char *what) {
     if (b->len != n * 8) {
         PyErr_Format(PyExc_ValueError, "copy_units: %s holds %zd bytes, expected %zd", what,
@@ -84,13 +107,7 @@ static PyObject *copy_units(PyObject *self, PyObject *args) {
         const int64_t *b_b = db.buf, *b_st = dst.buf, *b_sub = dsub.buf;
         const int64_t *n = sizes.buf, *u_s = su.buf, *u_d = du.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t r = 0; r < refs; r++) {
-            for (Py_ssize_t i = 0; i < units; i++) {
-                int64_t s = a_b[r] + (u_s[i] / sf) * a_st[r] + (u_s[i] % sf) * a_sub[r];
-                int64_t d = b_b[r] + (u_d[i] / df) * b_st[r] + (u_d[i] % df) * b_sub[r];
-                memcpy((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)n[r]);
-            }
-        }
+        copy_unit_run(a_b, a_st, a_sub, sf, b_b, b_st, b_sub, df, n, refs, u_s, u_d, units);
         Py_END_ALLOW_THREADS
     }
     result = Py_None;
@@ -108,6 +125,392 @@ done:
     return result;
 }
 
+/* ---- CopyQueue: a direction's copies run in order by a thread that never takes the GIL ----
+ *
+ * A Python copy thread has to take the GIL back after every copy (to mark it done and to wake
+ * the event loop), and while the loop thread runs Python it gets it only at the next switch
+ * interval: the copies of a busy engine then wait on the loop instead of overlapping it. This
+ * thread only touches memory: jobs are plain structs (units copied in at submit), a finished
+ * job goes to a list the loop takes with take_finished(), and each completion is announced on
+ * a file descriptor (an eventfd; a pipe elsewhere) that the loop watches with add_reader.
+ *
+ * CopyQueue(name=None)  the thread's name (Linux: shown by top -H), at most 15 bytes
+ * add_group(src_base, src_stride, src_sub, src_factor, dst_base, dst_stride, dst_sub,
+ *           dst_factor, sizes) -> group id   (the buffers are held until the queue is freed)
+ * submit([(group id, src_units, dst_units), ...]) -> sequence number (1, 2, ...)
+ * take_finished() -> [(seq, seconds, cancelled), ...] in order
+ * wait(seq)        blocks (GIL released) until job seq finished or was cancelled
+ * fileno()         readable after a job finished
+ * close()          cancels the jobs not started, lets the running one end, joins the thread
+ */
+
+typedef struct {
+    Py_buffer bufs[7]; /* src base, stride, sub; dst base, stride, sub; sizes */
+    int64_t sf, df;
+    Py_ssize_t refs;
+} QGroup;
+
+typedef struct {
+    QGroup *group;
+    Py_ssize_t units;
+    int64_t *su, *du;
+} QPart;
+
+typedef struct QJob {
+    struct QJob *next;
+    uint64_t seq;
+    int cancelled;
+    double seconds;
+    Py_ssize_t nparts;
+    QPart *parts;
+} QJob;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work;
+    pthread_cond_t finished;
+    pthread_t thread;
+    int running, closing, idle, waiters;
+    QJob *head, *tail, *fin_head, *fin_tail;
+    uint64_t next_seq, done_seq;
+    int fd_read, fd_write;
+    QGroup **groups;
+    Py_ssize_t ngroups, cap;
+} CopyQueue;
+
+static double monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void queue_announce(CopyQueue *q) {
+    if (q->fd_write < 0) return;
+#ifdef __linux__
+    uint64_t one = 1;
+    ssize_t r = write(q->fd_write, &one, sizeof one);
+#else
+    char one = 1;
+    ssize_t r = write(q->fd_write, &one, 1);
+#endif
+    (void)r; /* EAGAIN: a wake is already pending, which is all the reader needs */
+}
+
+static void queue_finish_locked(CopyQueue *q, QJob *job) {
+    job->next = NULL;
+    if (q->fin_tail) q->fin_tail->next = job; else q->fin_head = job;
+    q->fin_tail = job;
+    q->done_seq = job->seq;
+    if (q->waiters) pthread_cond_broadcast(&q->finished);
+}
+
+static void *queue_thread(void *arg) {
+    CopyQueue *q = (CopyQueue *)arg;
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while (!q->head && !q->closing) {
+            q->idle = 1;
+            pthread_cond_wait(&q->work, &q->mu);
+            q->idle = 0;
+        }
+        QJob *job = q->head;
+        if (!job) break; /* closing, nothing queued */
+        q->head = job->next;
+        if (!q->head) q->tail = NULL;
+        pthread_mutex_unlock(&q->mu);
+        double start = monotonic_s();
+        for (Py_ssize_t p = 0; p < job->nparts; p++) {
+            QPart *part = &job->parts[p];
+            QGroup *g = part->group;
+            copy_unit_run(g->bufs[0].buf, g->bufs[1].buf, g->bufs[2].buf, g->sf, g->bufs[3].buf,
+                          g->bufs[4].buf, g->bufs[5].buf, g->df, g->bufs[6].buf, g->refs,
+                          part->su, part->du, part->units);
+        }
+        job->seconds = monotonic_s() - start;
+        pthread_mutex_lock(&q->mu);
+        queue_finish_locked(q, job);
+        queue_announce(q);
+    }
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    (void)args;
+    (void)kwds;
+    CopyQueue *q = (CopyQueue *)type->tp_alloc(type, 0);
+    if (q) q->fd_read = q->fd_write = -1; /* never fd 0: dealloc closes these */
+    return (PyObject *)q;
+}
+
+static int queue_init(CopyQueue *q, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"name", NULL};
+    const char *name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|z", kwlist, &name)) return -1;
+    if (q->running || q->fd_read >= 0) {
+        PyErr_SetString(PyExc_RuntimeError, "CopyQueue is already initialised");
+        return -1;
+    }
+#ifdef __linux__
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
+    q->fd_read = q->fd_write = fd;
+#else
+    int fds[2];
+    if (pipe(fds) != 0) { PyErr_SetFromErrno(PyExc_OSError); return -1; }
+    for (int i = 0; i < 2; i++) {
+        fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) | O_NONBLOCK);
+        fcntl(fds[i], F_SETFD, FD_CLOEXEC);
+    }
+    q->fd_read = fds[0];
+    q->fd_write = fds[1];
+#endif
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->work, NULL);
+    pthread_cond_init(&q->finished, NULL);
+    int rc = pthread_create(&q->thread, NULL, queue_thread, q);
+    if (rc != 0) {
+        errno = rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    q->running = 1;
+#ifdef __linux__
+    if (name) { /* shown by top -H and /proc/<pid>/task/<tid>/comm; at most 15 bytes */
+        char short_name[16];
+        strncpy(short_name, name, 15);
+        short_name[15] = 0;
+        pthread_setname_np(q->thread, short_name);
+    }
+#endif
+    return 0;
+}
+
+/* Cancel what is queued, let the running copy end, join the thread. Idempotent. */
+static void queue_stop(CopyQueue *q) {
+    if (!q->running) return;
+    pthread_mutex_lock(&q->mu);
+    q->closing = 1;
+    while (q->head) {
+        QJob *job = q->head;
+        q->head = job->next;
+        job->cancelled = 1;
+        queue_finish_locked(q, job);
+    }
+    q->tail = NULL;
+    pthread_cond_broadcast(&q->work);
+    pthread_mutex_unlock(&q->mu);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(q->thread, NULL);
+    Py_END_ALLOW_THREADS
+    q->running = 0;
+    queue_announce(q);
+}
+
+static PyObject *queue_close(CopyQueue *q, PyObject *unused) {
+    (void)unused;
+    queue_stop(q);
+    Py_RETURN_NONE;
+}
+
+static void queue_dealloc(CopyQueue *q) {
+    queue_stop(q);
+    QJob *lists[2] = {q->head, q->fin_head};
+    for (int l = 0; l < 2; l++) {
+        for (QJob *job = lists[l]; job;) {
+            QJob *next = job->next;
+            PyMem_RawFree(job);
+            job = next;
+        }
+    }
+    for (Py_ssize_t i = 0; i < q->ngroups; i++) {
+        for (int b = 0; b < 7; b++) PyBuffer_Release(&q->groups[i]->bufs[b]);
+        PyMem_RawFree(q->groups[i]);
+    }
+    PyMem_RawFree(q->groups);
+    if (q->fd_read >= 0) close(q->fd_read);
+    if (q->fd_write >= 0 && q->fd_write != q->fd_read) close(q->fd_write);
+    if (q->fd_read >= 0 || q->running) {
+        pthread_mutex_destroy(&q->mu);
+        pthread_cond_destroy(&q->work);
+        pthread_cond_destroy(&q->finished);
+    }
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static PyObject *queue_add_group(CopyQueue *q, PyObject *args) {
+    QGroup *g = PyMem_RawCalloc(1, sizeof(QGroup));
+    if (!g) return PyErr_NoMemory();
+    Py_buffer *b = g->bufs;
+    Py_ssize_t sf, df;
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*y*y*ny*", &b[0], &b[1], &b[2], &sf, &b[3], &b[4], &b[5],
+                          &df, &b[6])) {
+        PyMem_RawFree(g);
+        return NULL;
+    }
+    g->refs = b[6].len / 8;
+    g->sf = sf;
+    g->df = df;
+    const char *names[6] = {"src_base", "src_stride", "src_sub", "dst_base", "dst_stride",
+                            "dst_sub"};
+    int ok = sf >= 1 && df >= 1;
+    if (!ok) PyErr_SetString(PyExc_ValueError, "CopyQueue.add_group: factors must be >= 1");
+    for (int i = 0; ok && i < 6; i++) ok = same_len(&b[i], g->refs, names[i]);
+    if (ok && q->ngroups == q->cap) {
+        Py_ssize_t cap = q->cap ? 2 * q->cap : 4;
+        QGroup **grown = PyMem_RawRealloc(q->groups, (size_t)cap * sizeof(QGroup *));
+        if (!grown) { PyErr_NoMemory(); ok = 0; }
+        else { q->groups = grown; q->cap = cap; }
+    }
+    if (!ok) {
+        for (int i = 0; i < 7; i++) PyBuffer_Release(&b[i]);
+        PyMem_RawFree(g);
+        return NULL;
+    }
+    q->groups[q->ngroups] = g;
+    return PyLong_FromSsize_t(q->ngroups++);
+}
+
+static PyObject *queue_submit(CopyQueue *q, PyObject *parts_arg) {
+    PyObject *parts = PySequence_Fast(parts_arg, "CopyQueue.submit needs a sequence of parts");
+    if (!parts) return NULL;
+    Py_ssize_t nparts = PySequence_Fast_GET_SIZE(parts);
+    PyObject **items = PySequence_Fast_ITEMS(parts);
+    Py_buffer *bufs = PyMem_Calloc((size_t)(2 * nparts + 1), sizeof(Py_buffer));
+    Py_ssize_t *groups = PyMem_Calloc((size_t)(nparts + 1), sizeof(Py_ssize_t));
+    Py_ssize_t parsed = 0, total_units = 0;
+    PyObject *result = NULL;
+    QJob *job = NULL;
+    if (!bufs || !groups) { PyErr_NoMemory(); goto done; }
+    for (; parsed < nparts; parsed++) {
+        if (!PyArg_ParseTuple(items[parsed], "ny*y*", &groups[parsed], &bufs[2 * parsed],
+                              &bufs[2 * parsed + 1])) {
+            goto done;
+        }
+        Py_buffer *su = &bufs[2 * parsed], *du = &bufs[2 * parsed + 1];
+        if (groups[parsed] < 0 || groups[parsed] >= q->ngroups) {
+            PyErr_Format(PyExc_ValueError, "CopyQueue.submit: no group %zd", groups[parsed]);
+            parsed++;
+            goto done;
+        }
+        if (su->len != du->len || su->len % 8 != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "CopyQueue.submit: unit buffers of %zd and %zd bytes (int64, one length)",
+                         su->len, du->len);
+            parsed++;
+            goto done;
+        }
+        total_units += su->len / 8;
+    }
+    size_t size = sizeof(QJob) + (size_t)nparts * sizeof(QPart) + (size_t)total_units * 16;
+    job = PyMem_RawMalloc(size);
+    if (!job) { PyErr_NoMemory(); goto done; }
+    memset(job, 0, sizeof(QJob));
+    job->nparts = nparts;
+    job->parts = (QPart *)(job + 1);
+    int64_t *units = (int64_t *)(job->parts + nparts);
+    for (Py_ssize_t p = 0; p < nparts; p++) {
+        Py_ssize_t n = bufs[2 * p].len / 8;
+        QPart *part = &job->parts[p];
+        part->group = q->groups[groups[p]];
+        part->units = n;
+        part->su = units;
+        part->du = units + n;
+        memcpy(part->su, bufs[2 * p].buf, (size_t)n * 8);
+        memcpy(part->du, bufs[2 * p + 1].buf, (size_t)n * 8);
+        units += 2 * n;
+    }
+    pthread_mutex_lock(&q->mu);
+    if (!q->running || q->closing) {
+        pthread_mutex_unlock(&q->mu);
+        PyErr_SetString(PyExc_RuntimeError, "the copy queue is closed");
+        goto done;
+    }
+    job->seq = ++q->next_seq;
+    if (q->tail) q->tail->next = job; else q->head = job;
+    q->tail = job;
+    if (q->idle) pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->mu);
+    result = PyLong_FromUnsignedLongLong(job->seq);
+    job = NULL;
+done:
+    if (job) PyMem_RawFree(job);
+    for (Py_ssize_t i = 0; i < 2 * parsed; i++) {
+        if (bufs[i].obj || bufs[i].buf) PyBuffer_Release(&bufs[i]);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(groups);
+    Py_DECREF(parts);
+    return result;
+}
+
+static PyObject *queue_take_finished(CopyQueue *q, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&q->mu);
+    QJob *job = q->fin_head;
+    q->fin_head = q->fin_tail = NULL;
+    pthread_mutex_unlock(&q->mu);
+    PyObject *out = PyList_New(0);
+    while (job) {
+        QJob *next = job->next;
+        if (out) {
+            PyObject *item = Py_BuildValue("(KdO)", (unsigned long long)job->seq, job->seconds,
+                                           job->cancelled ? Py_True : Py_False);
+            if (!item || PyList_Append(out, item) < 0) Py_CLEAR(out);
+            Py_XDECREF(item);
+        }
+        PyMem_RawFree(job);
+        job = next;
+    }
+    return out;
+}
+
+static PyObject *queue_wait(CopyQueue *q, PyObject *arg) {
+    unsigned long long seq = PyLong_AsUnsignedLongLong(arg);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->mu);
+    q->waiters++;
+    while (q->done_seq < seq && q->running && seq <= q->next_seq) {
+        pthread_cond_wait(&q->finished, &q->mu);
+    }
+    q->waiters--;
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_fileno(CopyQueue *q, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLong(q->fd_read);
+}
+
+static PyMethodDef queue_methods[] = {
+    {"add_group", (PyCFunction)queue_add_group, METH_VARARGS,
+     "add_group(src_base, src_stride, src_sub, src_factor, dst_base, dst_stride, dst_sub, "
+     "dst_factor, sizes) -> group id"},
+    {"submit", (PyCFunction)queue_submit, METH_O,
+     "submit([(group, src_units, dst_units), ...]) -> sequence number"},
+    {"take_finished", (PyCFunction)queue_take_finished, METH_NOARGS,
+     "take_finished() -> [(seq, seconds, cancelled), ...]"},
+    {"wait", (PyCFunction)queue_wait, METH_O, "wait(seq): block until job seq ended"},
+    {"fileno", (PyCFunction)queue_fileno, METH_NOARGS, "readable after a job finished"},
+    {"close", (PyCFunction)queue_close, METH_NOARGS, "cancel queued jobs, join the thread"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvcache_offload.dataplane.copy._hostcopy.CopyQueue",
+    .tp_basicsize = sizeof(CopyQueue),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A direction's host copies, run in order by a thread that never takes the GIL.",
+    .tp_new = queue_new,
+    .tp_init = (initproc)queue_init,
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_methods = queue_methods,
+};
+
 static PyMethodDef methods[] = {
     {"copy_fragments", copy_fragments, METH_VARARGS,
      "copy_fragments(src, dst, sizes): memcpy each fragment, GIL released."},
@@ -120,4 +523,15 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvcache_offload.dataplane.copy._hostcopy", NULL, -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__hostcopy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hostcopy(void) {
+    if (PyType_Ready(&CopyQueueType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&CopyQueueType);
+    if (PyModule_AddObject(m, "CopyQueue", (PyObject *)&CopyQueueType) < 0) {
+        Py_DECREF(&CopyQueueType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -22,12 +22,14 @@ from kvcache_offload.dataplane.copy.plan import (
     TransferPlan,
 )
 
-__all__ = ["HostCopier", "native_available"]
+__all__ = ["HostCopier", "NativeCopyQueue", "native_available"]
 
 try:
+    from kvcache_offload.dataplane.copy._hostcopy import CopyQueue as NativeCopyQueue
     from kvcache_offload.dataplane.copy._hostcopy import copy_fragments as _copy_fragments
     from kvcache_offload.dataplane.copy._hostcopy import copy_units as _copy_units
 except ImportError:  # pragma: no cover - exercised where the extension is not built
+    NativeCopyQueue = None
     _copy_fragments = None
     _copy_units = None
 

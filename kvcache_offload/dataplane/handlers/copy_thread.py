@@ -39,6 +39,12 @@ class QueuedCopy:
         item._done = True
         return item
 
+    def finish(self, seconds: float, cancelled: bool = False) -> None:
+        """Mark a copy that ran elsewhere (a native queue) as ended after ``seconds``."""
+        self._seconds = seconds
+        self._cancelled = cancelled
+        self._done = True
+
     def run(self) -> None:
         """Run the copy, keeping its time or its error (a failed copy is a failed job)."""
         start = time.perf_counter()

@@ -25,6 +25,7 @@ from kvcache_offload.contracts.kv_caches import (
 from kvcache_offload.dataplane.copy.host_copy import HostCopier
 from kvcache_offload.dataplane.copy.plan import CopySides
 from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
+from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue
 from kvcache_offload.dataplane.handlers.threaded import (
     CPU_TO_GPU,
     GPU_TO_CPU,
@@ -167,13 +168,17 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         *,
         max_staging_bytes: int = 64 * 1024 * 1024,
         inline_max_bytes: int = HOST_INLINE_MAX_BYTES,
+        native_queue: bool = True,
     ) -> None:
+        """``native_queue``: copy on the C extension's GIL-free thread where it is built (a
+        Python copy thread otherwise, or with False)."""
         self.gpu_tensors = canonical_views_on(kv_caches, "cpu", "the CPU backend needs CPU tensors")
         self.block_size_factor = int(block_size_factor)
         self.cpu_tensors = allocate_cpu_tensors(
             self.gpu_tensors, self.block_size_factor, num_cpu_blocks, mmap_region
         )
         del max_staging_bytes  # the host copy needs no staging; kept for callers that pass it
+        self.native_queue = native_queue and HostCopyQueue.available()
         self.gpu_to_cpu_handler, self.cpu_to_gpu_handler = (
             self._direction(kv_caches, gpu_to_cpu, inline_max_bytes) for gpu_to_cpu in (True, False)
         )
@@ -185,12 +190,14 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
             self.gpu_tensors, self.cpu_tensors, self.block_size_factor, gpu_to_cpu
         )
         copier = HostCopier(sides)
+        name = "kvoffload-" + ("store" if gpu_to_cpu else "load")
         return ThreadedOffloadingHandler(
             sides=sides,
             group_data_refs=kv_caches.group_data_refs,
             gpu_to_cpu=gpu_to_cpu,
             run_plan=lambda plan, _token: copier.run(plan),
-            thread_name="kvoffload-" + ("store" if gpu_to_cpu else "load"),
+            thread_name=name,
             can_batch=True,
             inline_max_bytes=inline_max_bytes,
+            copy_queue=HostCopyQueue(copier, name) if self.native_queue else None,
         )

@@ -9,6 +9,7 @@ from kvcache_offload.contracts.handler import (
     BatchesJobs,
     NotifiesCompletion,
     OffloadingHandler,
+    SignalsCompletionFd,
     TransferResult,
     TransferSpec,
     TransferType,
@@ -83,6 +84,17 @@ class OffloadingWorker:
             else:
                 every = False
         return every
+
+    def completion_fds(self) -> list[int]:
+        """The descriptors of the handlers that announce ends on one (see
+        :class:`SignalsCompletionFd`): the caller watches them and polls when one is readable."""
+        fds = []
+        for handler in self.handlers:
+            if isinstance(handler, SignalsCompletionFd):
+                fd = handler.completion_fd()
+                if fd is not None:
+                    fds.append(fd)
+        return fds
 
     def enable_watch_on_demand(self) -> bool:
         """Let every handler that can leave its copies unwatched until :meth:`watch_in_flight`

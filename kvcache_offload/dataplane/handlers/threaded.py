@@ -29,6 +29,7 @@ from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_ar
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.handlers.copy_thread import CopyThread, QueuedCopy
 from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
+from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue
 from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = [
@@ -78,7 +79,11 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         thread_name: str = "kvoffload-copy",
         can_batch: bool = False,
         inline_max_bytes: int = 0,
+        copy_queue: HostCopyQueue | None = None,
     ) -> None:
+        """``copy_queue``: run queued copies there (a native thread that never takes the
+        GIL) instead of on a Python thread calling ``run_plan``; inline copies still call
+        ``run_plan`` on the submitting thread."""
         if not sides.src or len(sides.src) != len(sides.dst):
             raise ConfigError(
                 f"need equal, non-empty tensor lists, got {len(sides.src)} source and "
@@ -104,8 +109,14 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
             if method is not None:
                 method()
 
-        self._thread: CopyThread | None = CopyThread(thread_name, on_done)
-        weakref.finalize(self, self._thread.shutdown)
+        self._queue = copy_queue
+        self._thread: CopyThread | None = None
+        if copy_queue is None:
+            self._thread = CopyThread(thread_name, on_done)
+            weakref.finalize(self, self._thread.shutdown)
+        else:
+            weakref.finalize(self, copy_queue.close)
+        self._open = True
         self._can_batch = can_batch and prepare is None
         self._inline_max_bytes = inline_max_bytes if prepare is None else 0
         self._batching = False
@@ -123,7 +134,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         plan = self.plan(spec)
         with self._lock:
-            if self._thread is None:
+            if not self._open:
                 raise TransferError(f"job {job_id}: the handler is shut down")
             if job_id in self._pending or job_id in self._held:
                 raise TransferError(f"job {job_id} is already in flight on this handler")
@@ -154,14 +165,18 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def _flush_locked(self) -> None:
         held = self._held.take()
-        if held and self._thread is not None:
+        if held and self._open:
             self._issue(held)
 
     def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
-        assert self._thread is not None
         plan = HeldJobs.merged(jobs)
-        token = self._prepare() if self._prepare is not None else None
-        future = self._thread.submit(self._run_plan, plan, token)
+        future: QueuedCopy
+        if self._queue is not None:
+            future = self._queue.submit(plan)
+        else:
+            assert self._thread is not None
+            token = self._prepare() if self._prepare is not None else None
+            future = self._thread.submit(self._run_plan, plan, token)
         for job_id, job_plan in jobs:
             job = _Job(job_id, job_plan.num_bytes, future)
             self._jobs.append(job)
@@ -175,9 +190,15 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
             except Exception:
                 logger.exception("completion callback raised; ignored")
 
+    def completion_fd(self) -> int | None:
+        """Readable when a queued copy ended (native queue only; else the callback wakes)."""
+        return self._queue.fileno() if self._queue is not None and self._open else None
+
     def get_finished(self) -> list[TransferResult]:
         results = []
         with self._lock:
+            if self._queue is not None:
+                self._queue.collect()
             while self._jobs and self._jobs[0].future.done():
                 job = self._jobs.popleft()
                 del self._pending[job.job_id]
@@ -200,7 +221,13 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         with self._lock:
             thread = self._thread
             copies = [self._pending[j].future for j in job_ids if j in self._pending]
-        if copies and thread is not None:
+        if not copies:
+            return
+        if self._queue is not None:
+            self._queue.wait(copies)  # GIL released; the finished list is taken under the lock
+            with self._lock:
+                self._queue.collect()
+        elif thread is not None:
             thread.wait(copies)
 
     @property
@@ -216,8 +243,11 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.flush()
         with self._lock:
             thread, self._thread = self._thread, None
+            opened, self._open = self._open, False
         if thread is not None:
             thread.shutdown()
+        if self._queue is not None and opened:
+            self._queue.close()
         with self._lock:
             self._jobs.clear()
             self._pending.clear()

@@ -1,0 +1,105 @@
+"""A direction's host copies run by a native thread that never takes the GIL.
+
+A Python copy thread needs the GIL after every copy, to mark it done and to wake the event
+loop; while the loop thread runs Python, it gets it back only at the interpreter's next
+switch (up to 5 ms later), so under load the copies wait on the loop instead of overlapping
+it. :class:`HostCopyQueue` hands each job's units to the C extension's ``CopyQueue``: its
+thread copies, appends the job to a finished list and signals a file descriptor, all without
+the GIL. The loop watches that descriptor (the poller's ``add_reader``) and collects finished
+jobs with one call. Jobs run strictly in submission order, like the Python thread's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache_offload.dataplane.copy.host_copy import HostCopier, NativeCopyQueue
+from kvcache_offload.dataplane.copy.plan import TransferPlan
+from kvcache_offload.dataplane.handlers.copy_thread import QueuedCopy
+
+__all__ = ["HostCopyQueue", "NativeCopy"]
+
+
+def _not_run() -> None:  # pragma: no cover - a native copy is never run from Python
+    raise RuntimeError("a native copy runs on its queue's thread")
+
+
+class NativeCopy(QueuedCopy):
+    """A copy on the native queue, marked done when the queue reports it."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(_not_run, ())
+        self.seq = seq
+
+
+class HostCopyQueue:
+    """Copies whole plans of one :class:`HostCopier` in order on a GIL-free thread."""
+
+    def __init__(self, copier: HostCopier, name: str = "kvoffload-copy") -> None:
+        if NativeCopyQueue is None:
+            raise RuntimeError("the host-copy extension is not built")
+        self._copier = copier
+        self._native = NativeCopyQueue(name)
+        # id(ref_tensors) -> (ref_tensors kept alive so the id stays unique, group id)
+        self._groups: dict[int, tuple[np.ndarray, int]] = {}
+        self._in_flight: dict[int, NativeCopy] = {}
+
+    @staticmethod
+    def available() -> bool:
+        return NativeCopyQueue is not None
+
+    def _group_id(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> int:
+        known = self._groups.get(id(ref_tensors))
+        if known is not None:
+            return known[1]
+        src = self._copier.src_geom.of_refs(ref_tensors).flat
+        dst = self._copier.dst_geom.of_refs(ref_tensors).flat
+        gid = int(
+            self._native.add_group(
+                *src, self._copier.src_geom.factor,
+                *dst, self._copier.dst_geom.factor,
+                np.ascontiguousarray(ref_sizes, dtype=np.int64),
+            )
+        )  # fmt: skip
+        self._groups[id(ref_tensors)] = (ref_tensors, gid)
+        return gid
+
+    def submit(self, plan: TransferPlan) -> NativeCopy:
+        """Queue ``plan``'s copy; raises RuntimeError once closed."""
+        parts = [
+            (
+                self._group_id(g.ref_tensors, g.ref_sizes),
+                np.ascontiguousarray(g.src_units, dtype=np.int64),
+                np.ascontiguousarray(g.dst_units, dtype=np.int64),
+            )
+            for g in plan.groups
+            if len(g.ref_tensors) and len(g.src_units)
+        ]
+        copy = NativeCopy(int(self._native.submit(parts)))
+        self._in_flight[copy.seq] = copy
+        return copy
+
+    def collect(self) -> None:
+        """Mark every copy the thread finished (or cancelled at close) as done."""
+        for seq, seconds, cancelled in self._native.take_finished():
+            copy = self._in_flight.pop(seq, None)
+            if copy is not None:
+                copy.finish(seconds, cancelled)
+
+    def wait(self, copies: list[QueuedCopy]) -> None:
+        """Block (GIL released) until every copy of this queue in ``copies`` ended; they are
+        marked done by the next :meth:`collect`."""
+        seqs = [c.seq for c in copies if isinstance(c, NativeCopy)]
+        if seqs:
+            self._native.wait(max(seqs))
+
+    def fileno(self) -> int:
+        """Readable after a copy ended (an eventfd; read it to clear)."""
+        return int(self._native.fileno())
+
+    def close(self) -> None:
+        """Cancel the copies not started, let the running one end, stop the thread."""
+        self._native.close()
+        self.collect()
