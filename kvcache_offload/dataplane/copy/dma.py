@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["CudaRuntime", "get_cuda_runtime"]
+__all__ = ["FEW_PIECES", "CudaRuntime", "coalesce_pieces", "get_cuda_runtime"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,29 @@ _MEMORY_TYPE_HOST = 1
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) addresses
+FEW_PIECES = 4
+"""A DMA of at most this many pieces is one ``cudaMemcpyAsync`` per piece (~3 us each on the
+H200 host) instead of one ``cudaMemcpyBatchAsync`` (~12 us for four pieces there)."""
+
+
+def coalesce_pieces(table: np.ndarray) -> np.ndarray:
+    """``table`` (rows: source, destination, size) with each run of pieces that continue one
+    another on both sides merged into one piece.
+
+    A cross-layer block is one piece, and consecutive GPU blocks stored into (or loaded
+    from) consecutive CPU slots are then one copy: the copy engines pay per piece, so a
+    job of 64 adjacent 2 MiB blocks moves as fast as one 128 MiB copy.
+    """
+    n = table.shape[1]
+    if n < 2:
+        return table
+    src, dst, size = table[0], table[1], table[2]
+    ends_src, ends_dst = src[:-1] + size[:-1], dst[:-1] + size[:-1]
+    joined = (ends_src == src[1:]) & (ends_dst == dst[1:])
+    if not joined.any():
+        return table
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    return np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)])
 
 
 class _MemLocation(ctypes.Structure):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache_offload.dataplane.copy.dma import CudaRuntime
+from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime, coalesce_pieces
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged import (
     ISSUED_NOW,
@@ -120,10 +120,12 @@ class CopyLauncher:
             n_units = self._fill_job_table(k_groups, host[:k_entries])
         dma_table: np.ndarray | None = None
         if dma_part is not None and host is not None:
-            dma_table = dma_part.fill_pointer_table(
-                self.src_geom,
-                self.dst_geom,
-                host[k_entries : k_entries + 3 * n_dma].reshape(3, n_dma),
+            dma_table = coalesce_pieces(
+                dma_part.fill_pointer_table(
+                    self.src_geom,
+                    self.dst_geom,
+                    host[k_entries : k_entries + 3 * n_dma].reshape(3, n_dma),
+                )
             )
         stream = self.pools.stream()
         start, end = self.pools.timing_pair()
@@ -156,9 +158,16 @@ class CopyLauncher:
                     side.wait_event(sync[0])
                     dma_stream = side
                 assert runtime is not None
-                runtime.memcpy_batch_async(
-                    dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
-                )
+                if dma_table.shape[1] <= FEW_PIECES:
+                    for src, dst, size in zip(*dma_table.tolist(), strict=True):
+                        runtime.memcpy_async(dst, src, size, dma_stream.cuda_stream)
+                else:
+                    runtime.memcpy_batch_async(
+                        np.ascontiguousarray(dma_table[1]),
+                        np.ascontiguousarray(dma_table[0]),
+                        np.ascontiguousarray(dma_table[2]),
+                        dma_stream.cuda_stream,
+                    )
             if kernel_part is not None and slot is not None:
                 assert slot.dev is not None and self.ref_table is not None
                 launch_copy_kernel(
