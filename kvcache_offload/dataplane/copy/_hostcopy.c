@@ -125,6 +125,52 @@ done:
     return result;
 }
 
+/* plan_units(src_ids, dst_ids, size, start, src_factor, dst_factor, src_rows, dst_rows, out)
+ * -> bool: the units of a one-group job of ``size`` pieces starting ``start`` pieces into the
+ * request, written to ``out`` (int64, source units then destination units), when the job is
+ * well formed: every id in its side's rows, and each side naming exactly the blocks the
+ * pieces need. False otherwise, and the caller's general planner then says what is wrong.
+ * A unit is block * factor + sub-block, so with factor f piece i of a side whose first block
+ * is skipped ``start % f`` sub-blocks into lies at ids[(i + skip) / f] * f + (i + skip) % f. */
+static int units_of_side(const int64_t *ids, Py_ssize_t n_ids, Py_ssize_t size, Py_ssize_t start,
+                         Py_ssize_t factor, Py_ssize_t rows, int64_t *out) {
+    Py_ssize_t skip = start % factor;
+    if ((size + skip + factor - 1) / factor != n_ids) return 0;
+    for (Py_ssize_t j = 0; j < n_ids; j++) {
+        if (ids[j] < 0 || ids[j] >= rows) return 0;
+    }
+    if (factor == 1) {
+        memcpy(out, ids, (size_t)size * 8);
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        Py_ssize_t k = i + skip;
+        out[i] = ids[k / factor] * factor + k % factor;
+    }
+    return 1;
+}
+
+static PyObject *plan_units(PyObject *self, PyObject *args) {
+    Py_buffer src, dst, out;
+    Py_ssize_t size, start, sf, df, src_rows, dst_rows;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nnnnnnw*", &src, &dst, &size, &start, &sf, &df, &src_rows,
+                          &dst_rows, &out)) {
+        return NULL;
+    }
+    int ok = size > 0 && start >= 0 && sf >= 1 && df >= 1 && src.len % 8 == 0 &&
+             dst.len % 8 == 0 && out.len >= 2 * size * 8;
+    if (ok) {
+        int64_t *o = (int64_t *)out.buf;
+        ok = units_of_side(src.buf, src.len / 8, size, start, sf, src_rows, o) &&
+             units_of_side(dst.buf, dst.len / 8, size, start, df, dst_rows, o + size);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&out);
+    return PyBool_FromLong(ok);
+}
+
 /* ---- CopyQueue: a direction's copies run in order by a thread that never takes the GIL ----
  *
  * A Python copy thread has to take the GIL back after every copy (to mark it done and to wake
@@ -212,8 +258,8 @@ static void *queue_thread(void *arg) {
         while (!q->head && !q->closing) {
             q->idle = 1;
             pthread_cond_wait(&q->work, &q->mu);
-            q->idle = 0;
         }
+        q->idle = 0;
         QJob *job = q->head;
         if (!job) break; /* closing, nothing queued */
         q->head = job->next;
@@ -230,7 +276,11 @@ static void *queue_thread(void *arg) {
         job->seconds = monotonic_s() - start;
         pthread_mutex_lock(&q->mu);
         queue_finish_locked(q, job);
+        /* Announce with the lock released: the woken loop thread's next submit must not
+         * find it held (and sleep on it) while this thread is in the write. */
+        pthread_mutex_unlock(&q->mu);
         queue_announce(q);
+        pthread_mutex_lock(&q->mu);
     }
     pthread_mutex_unlock(&q->mu);
     return NULL;
@@ -430,8 +480,10 @@ static PyObject *queue_submit(CopyQueue *q, PyObject *parts_arg) {
     job->seq = ++q->next_seq;
     if (q->tail) q->tail->next = job; else q->head = job;
     q->tail = job;
-    if (q->idle) pthread_cond_signal(&q->work);
+    int wake = q->idle;
+    q->idle = 0; /* one signal per idle spell: later submits find it busy */
     pthread_mutex_unlock(&q->mu);
+    if (wake) pthread_cond_signal(&q->work); /* after unlocking: the woken thread can run */
     result = PyLong_FromUnsignedLongLong(job->seq);
     job = NULL;
 done:
@@ -514,6 +566,8 @@ static PyTypeObject CopyQueueType = {
 static PyMethodDef methods[] = {
     {"copy_fragments", copy_fragments, METH_VARARGS,
      "copy_fragments(src, dst, sizes): memcpy each fragment, GIL released."},
+    {"plan_units", plan_units, METH_VARARGS,
+     "plan_units(src_ids, dst_ids, size, start, sf, df, src_rows, dst_rows, out) -> bool"},
     {"copy_units", copy_units, METH_VARARGS,
      "copy_units(...): memcpy every (ref, unit) fragment of one group, GIL released."},
     {NULL, NULL, 0, NULL},
