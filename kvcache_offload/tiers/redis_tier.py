@@ -300,6 +300,8 @@ class RedisTier(SecondaryTier):
                 await conn.send_packed_command([tail + _mset_head(name, len(data)), data])
                 if digests is None:
                     digest = frame.checksum(data)
+                elif digests[i].done():  # the hash thread is ahead: no wake-up to wait for
+                    digest = digests[i].result()
                 else:
                     digest = await asyncio.wrap_future(digests[i])
                 tail = _mset_tail(name, frame.encode_header(key, data, digest))
