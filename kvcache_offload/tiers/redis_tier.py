@@ -298,12 +298,12 @@ class RedisTier(SecondaryTier):
             for i, (key, data) in enumerate(items):
                 name = self._redis_key(key)
                 await conn.send_packed_command([tail + _mset_head(name, len(data)), data])
-                if digests is None:
-                    digest = frame.checksum(data)
-                elif digests[i].done():  # the hash thread is ahead: no wake-up to wait for
-                    digest = digests[i].result()
-                else:
+                if digests is not None and not digests[i].done():
                     digest = await asyncio.wrap_future(digests[i])
+                else:  # on the loop, or the hash thread is ahead: no wake-up to wait for
+                    digest = frame.checksum(data) if digests is None else digests[i].result()
+                    # Yield between blocks: a socket that takes every block whole never would.
+                    await asyncio.sleep(0)
                 tail = _mset_tail(name, frame.encode_header(key, data, digest))
             await conn.send_packed_command(tail)
             refused: ResponseError | None = None
