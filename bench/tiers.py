@@ -128,6 +128,20 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                             f"{o['ratio']:.2f}x",
                         )
                     )
+                cpu = r[op]["cpu_s_per_gb"]
+                for kind in ("all_threads", "loop_thread"):
+                    rows.append(
+                        (
+                            f"  CPU s per GB put, {kind.replace('_', ' ')}: bare; "
+                            "tier / the other way / before",
+                            f"{cpu['bare'][kind]:.3f}",
+                            " / ".join(
+                                f"{cpu[name][kind]:.3f}"
+                                for name in ("tier", "other_way", "pipelined")
+                            ),
+                            "",
+                        )
+                    )
     if "lookup64" in result:
         lk = result["lookup64"]
         for key, label, goal in (

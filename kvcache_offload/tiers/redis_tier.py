@@ -20,8 +20,11 @@ batch first, and nothing is on the wire meanwhile: that held PUT to 0.67x of a b
 disk tier's check thread) a hash thread of the tier checksums block *i* while the loop sends it;
 elsewhere the loop hashes each block itself just after sending it (~0.1-0.3 ms per 2 MiB, no
 longer than the socket writes the loop does anyway), which cost less CPU than handing it over on
-two busy vCPUs. On a cluster a batch spans nodes, so a put hashes the batch in a worker thread and
-sends one pipeline of ``MSET`` (the client routes each to its slot's node).
+two busy vCPUs. The put yields to the loop between blocks, so other tasks wait at most one
+block's send and hash (loop gaps while PUTs ran: p99.9 ~1.4 ms either way, as with a bare
+pipeline, whose writes of a whole batch are the longer steps). On a cluster a batch spans nodes,
+so a put hashes the batch in a worker thread and sends one pipeline of ``MSET`` (the client
+routes each to its slot's node).
 
 Every batch read is one round trip on a standalone server, one per node holding a slot of the
 batch on a cluster (a pipeline). A lookup on a standalone
