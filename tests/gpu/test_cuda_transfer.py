@@ -151,8 +151,22 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "hybrid", "torch"])
+@pytest.mark.parametrize(
+    "mechanism", ["kernel", "dma", "staged", "hybrid", "torch", "auto-staged-when-busy"]
+)
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
+    # auto-staged-when-busy: the first job of each direction takes the kernel, the ones
+    # queued behind it the staged path, so both paths' jobs interleave in one direction.
+    kw = {}
+    if mechanism == "auto-staged-when-busy":
+        import dataclasses
+
+        from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG
+
+        skip_unless_available("staged")
+        # This layout's blocks are 128 KiB pieces on the CPU side: let auto stage them.
+        staging = dataclasses.replace(DEFAULT_STAGING_CONFIG, auto_min_piece_bytes=64 * 1024)
+        mechanism, kw = "auto", {"staged_when_busy": True, "staging": staging}
     skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(5)
     kv = make_caches(
@@ -163,7 +177,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
         gen=gen,
         device="cuda",
     )
-    h = _handlers(kv, 1, 256, mechanism)
+    h = _handlers(kv, 1, 256, mechanism, **kw)
     try:
         gpu_tensors = [t.tensor for t in kv.tensors]
         rng = np.random.default_rng(5)
@@ -192,6 +206,10 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
         rl = finish(h.cpu_to_gpu_handler, jobs_load)
         assert [r.job_id for r in rs] == jobs_store and all(r.success for r in rs)
         assert [r.job_id for r in rl] == jobs_load and all(r.success for r in rl)
+        if kw:  # both paths ran in each direction
+            for handler in (h.gpu_to_cpu_handler, h.cpu_to_gpu_handler):
+                used = {m for m, n in handler.jobs_by_mechanism.items() if n}
+                assert used == {"kernel", "staged"}, handler.jobs_by_mechanism
 
         from tests._roundtrip import Job
 

@@ -88,6 +88,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         completion_wait: CompletionWait = "blocking",
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+        staged_when_busy: bool = False,
     ) -> None:
         factor = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
         self.gpu_to_cpu = gpu_to_cpu
@@ -106,6 +107,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
         self.hybrid_dma_share = float(hybrid_dma_share)
         self.staged_min_job_bytes = int(staged_min_job_bytes)
+        self.staged_when_busy = bool(staged_when_busy)
         if completion_wait not in ("blocking", "spin"):
             raise ConfigError(f"completion_wait must be blocking or spin, got {completion_wait!r}")
         self._blocking_events = completion_wait == "blocking"
@@ -185,7 +187,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
         return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
-    def choose_mechanism(self, plan: TransferPlan) -> str:
+    def choose_mechanism(self, plan: TransferPlan, busy: bool = False) -> str:
+        """The path of ``plan`` under ``auto``; ``busy``: copies of this direction are in
+        flight (the job queues behind them anyway)."""
         if self.mechanism != "auto":
             return self.mechanism
         if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
@@ -194,13 +198,19 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if (
             staged is not None
             and staged.config.auto_min_piece_bytes is not None
-            and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok)
+            and (
+                plan.num_bytes >= self.staged_min_job_bytes
+                or not self.kernel_ok
+                or (busy and self.staged_when_busy)
+            )
         ):
-            # Serving-size jobs stay on the kernel even though its PCIe traffic does not
-            # overlap the other direction (loads plus stores top out at one way's rate) and
-            # the copy engines' would: a staged copy costs about twice the kernel's host time
-            # per copy (H200 host: 122 against 67 us for a 1-block load), and under serving
-            # traffic the event-loop thread, not the link, is the limit.
+            # Serving-size jobs take the kernel: it starts at once and costs about half the
+            # staged path's host time (H200 host: 67 against 122 us for a 1-block load). The
+            # kernel tops out at 45-49 GB/s for loads, stores or both at once, the copy
+            # engines at 54 one way and 97-98 both ways, so behind copies in flight the staged
+            # path can move more (``staged_when_busy``); it is off by default because its
+            # streams still swing between 0.6 and 1.0 of the link from one engine to the next
+            # (docs/transfers.md has the A/B).
             pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
             if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
                 return "staged"
@@ -257,8 +267,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._issue([(job_id, plan.num_bytes) for job_id, plan in held], HeldJobs.merged(held))
 
     def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
-        mechanism = self.choose_mechanism(plan)
         prev = self._transfers[-1] if self._transfers else None
+        mechanism = self.choose_mechanism(plan, busy=prev is not None and not prev.done())
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:
             transfer = self._launcher.staged(jobs, plan, prev)

@@ -50,6 +50,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
+        staged_when_busy: bool = False,
     ) -> None:
         self.gpu_tensors = canonical_views_on(
             kv_caches,
@@ -69,6 +70,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             "staging": staging,
             "staged_min_job_bytes": staged_min_job_bytes,
             "completion_wait": completion_wait,
+            "staged_when_busy": staged_when_busy,
         }
         refs = kv_caches.group_data_refs
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
