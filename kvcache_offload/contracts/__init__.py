@@ -31,6 +31,7 @@ __all__ = [
     "OffloadingSpec",
     "PrepareStoreOutput",
     "ReqContext",
+    "SignalsCompletionFd",
     "TransferResult",
     "TransferSpec",
     "TransferType",
