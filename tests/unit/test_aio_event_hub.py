@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
-from kvcache_offload.aio import EngineEvent, EventHub, EventType, GapMarker
+from kvcache_offload.aio import EngineEvent, EventHub, EventType, GapMarker, event_hub
 from kvcache_offload.errors import ConfigError
 from tests.unit._keys import keys
 
@@ -160,3 +161,28 @@ async def test_a_cursor_wait_returns_on_a_new_event_and_false_after_close() -> N
     await asyncio.sleep(0)
     hub.close()
     assert await asyncio.wait_for(waiting, 5) is False
+
+
+def test_the_fast_event_sets_every_field_of_the_dataclass_in_order():
+    names = [f.name for f in dataclasses.fields(EngineEvent)]
+    assert len(event_hub._EVENT_SLOTS) == len(names)
+    built = event_hub._new_event(7, 1.5, EventType.EVICTED, [b"k" * 12], "GPU", {"a": 1})
+    assert built == EngineEvent(7, 1.5, EventType.EVICTED, [b"k" * 12], "GPU", {"a": 1})
+    assert [getattr(built, n) for n in names] == [
+        7,
+        1.5,
+        EventType.EVICTED,
+        [b"k" * 12],
+        "GPU",
+        {"a": 1},
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.seq = 8  # type: ignore[misc]
+
+
+def test_published_counts_are_keyed_by_the_event_types_name():
+    hub = EventHub()
+    hub.publish(EventType.STORED, [b"k" * 12])
+    hub.publish(EventType.STORED, [b"j" * 12])
+    hub.publish(EventType.LOAD_COMPLETED, [b"k" * 12])
+    assert hub.published == {"stored": 2, "load_completed": 1}
