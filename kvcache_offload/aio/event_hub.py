@@ -181,10 +181,11 @@ class EventCursor:
             self._hub._cursors -= 1
 
 
-_EVENT_SLOTS = [
+_EVENT_SLOTS = tuple(
     getattr(EngineEvent, name).__set__
     for name in ("seq", "timestamp", "type", "keys", "medium", "detail")
-]
+)
+_SET_SEQ, _SET_TIMESTAMP, _SET_TYPE, _SET_KEYS, _SET_MEDIUM, _SET_DETAIL = _EVENT_SLOTS
 
 
 def _new_event(
@@ -198,8 +199,12 @@ def _new_event(
     """An :class:`EngineEvent` without its frozen ``__init__`` (one ``object.__setattr__``
     per field, 1.6 us): every event of a serving engine's jobs goes through here."""
     event = object.__new__(EngineEvent)
-    for set_slot, value in zip(_EVENT_SLOTS, (seq, timestamp, type, keys, medium, detail)):
-        set_slot(event, value)
+    _SET_SEQ(event, seq)
+    _SET_TIMESTAMP(event, timestamp)
+    _SET_TYPE(event, type)
+    _SET_KEYS(event, keys)
+    _SET_MEDIUM(event, medium)
+    _SET_DETAIL(event, detail)
     return event
 
 
