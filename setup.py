@@ -45,13 +45,15 @@ def _packages() -> list[str]:
 
 
 def _hostcopy_extension() -> Any:
-    """The CPU backend's GIL-free fragment copy (optional: ctypes is the fallback)."""
+    """The host side of a job in C: the CPU backend's GIL-free copy and copy thread, and the
+    planner of one-group jobs (optional: Python and ctypes are the fallback)."""
     from setuptools import Extension
 
     return Extension(
         HOSTCOPY,
         ["kvcache_offload/dataplane/copy/_hostcopy.c"],
-        extra_compile_args=["-O3"],
+        extra_compile_args=["-O3", "-pthread"],  # its copy queue runs a thread of its own
+        extra_link_args=["-pthread"],
     )
 
 

@@ -1,4 +1,9 @@
-/* Copy a job's fragments between host addresses in one call, without the GIL.
+/* The host side of a job in C: copies without the GIL, a copy thread that never takes it,
+ * and the units of a one-group job.
+ *
+ *  - copy_fragments / copy_units: one job's fragments in one call, GIL released;
+ *  - plan_units: the ids checked and both sides' units written for a one-group job;
+ *  - CopyQueue: a direction's copies in order on a native thread (see its section).
  *
  * copy_fragments(src, dst, sizes): three C-contiguous int64 buffers of equal length holding
  * source addresses, destination addresses and byte counts. The caller (host_copy.py) builds
