@@ -67,13 +67,18 @@ class _MiniCache:
             probation.push(key, now)
         if len(probation.stamps) + len(main.stamps) <= self.capacity:
             return False
-        if probation.oldest() is not None and (
-            main.oldest() is None
+        # Each head looked up once (``drop_found``, not ``pop_oldest``).
+        oldest = probation.oldest()
+        main_oldest = main.oldest()
+        if oldest is not None and (
+            main_oldest is None
             or (now - probation.oldest_stamp()) * self.weight >= now - main.oldest_stamp()
         ):
-            self.ghost.remember(probation.pop_oldest())
-        else:
-            self.main_ghost.remember(main.pop_oldest())
+            probation.drop_found()
+            self.ghost.remember(oldest)
+        elif main_oldest is not None:
+            main.drop_found()
+            self.main_ghost.remember(main_oldest)
         return False
 
     def __len__(self) -> int:

@@ -210,10 +210,13 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for key, on_probation_queue in selected:
             if on_probation_queue:
                 del self._probation[key]
-                tails.pop(key, None)
+                if key in tails:
+                    del tails[key]
                 ghost.remember(key)
             else:
                 del self._main[key]
                 main_ghost.remember(key)
-            victims.append((key, blocks.pop(key)))
+            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic method call
+            del blocks[key]
+            victims.append((key, block))
         return victims

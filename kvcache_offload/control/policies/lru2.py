@@ -12,58 +12,75 @@ A store is the first access; ``touch`` of a ready block is a use (a store just p
 not). A store's keys enter the probation queue tail first (a prefix loses its tail before its
 head), and a key stored again soon after eviction (a ghost, ``history`` x capacity remembered
 with their last access time) starts with that access as its history. Used blocks sit in a
-heap keyed by their second-last access, with stale entries skipped and compacted lazily.
+heap keyed by their second-last access, one entry per block, refreshed lazily: a use only
+updates the block's stamps, and an entry that reaches the top with an outdated second-last
+access is pushed again with the current one (it can only have grown), so the first
+up-to-date entry on top is the true oldest. A hot block costs nothing in the heap between
+evictions.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from heapq import heapify, heappop, heappush
-from typing import ClassVar
+from typing import ClassVar, final
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
+from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
 
-_Entry = tuple[int, int, OffloadKey]
-"""(second-last access, last access, key) of a used block; stale once the key moves on."""
 
-
+@final
 class _Heap:
-    """The used blocks' entries, oldest second-last access first (a binary heap).
+    """The used blocks, oldest second-last access first: a binary heap of the stamps each key
+    was pushed with (every stamp is one access of one key, so none repeats) and the key of
+    each stamp. Plain ints compare far cheaper than tuples.
 
-    Shown (``repr``) in sorted order: a failed eviction pops and pushes back entries, which
-    can reorder the list but never changes what it holds.
+    Shown (``repr``) as its sorted (stamp, key) pairs: a failed eviction pops and pushes back
+    entries, which can reorder the list but never changes what it holds.
     """
 
-    __slots__ = ("entries",)
+    __slots__ = ("_stamps", "keys", "stamp")
 
     def __init__(self) -> None:
-        self.entries: list[_Entry] = []
+        self._stamps: list[int] = []
+        self.keys: dict[int, OffloadKey] = {}
+        self.stamp = 0
 
-    def push(self, entry: _Entry) -> None:
-        heappush(self.entries, entry)
+    def push(self, stamp: int, key: OffloadKey) -> None:
+        heappush(self._stamps, stamp)
+        self.keys[stamp] = key
 
-    def pop(self) -> _Entry:
-        return heappop(self.entries)
+    def pop(self) -> OffloadKey:
+        """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
+        stamp = heappop(self._stamps)
+        self.stamp = stamp
+        keys = self.keys
+        key = keys[stamp]  # get and del: compiled, ``dict.pop`` is a generic method call
+        del keys[stamp]
+        return key
 
-    def rebuild(self, entries: list[_Entry]) -> None:
-        heapify(entries)
-        self.entries = entries
+    def rebuild(self, keys: dict[int, OffloadKey]) -> None:
+        stamps = list(keys)
+        heapify(stamps)
+        self._stamps = stamps
+        self.keys = keys
 
     def clear(self) -> None:
-        self.entries.clear()
+        self._stamps.clear()
+        self.keys.clear()
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._stamps)
 
     def __repr__(self) -> str:
-        return repr(sorted(self.entries))
+        return repr(sorted(self.keys.items()))
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -79,14 +96,14 @@ class LRU2CachePolicy(QueuePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         # key -> time of its only access (its store), oldest first.
-        self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
-        # key -> (second-last access, last access) for used blocks; the heap orders them.
+        self._probation = StampQueue()
+        # key -> (second-last access, last access) for used blocks; the heap orders them and
+        # holds exactly one entry per key of this dict.
         self._main: dict[OffloadKey, tuple[int, int]] = {}
         self._heap = _Heap()
-        # Evicted key -> its last access, oldest first, at most ``capacity`` of them.
-        self._ghost: OrderedDict[OffloadKey, int] = OrderedDict()
+        # Evicted key -> its last access, oldest first, ``history`` x capacity of them.
+        self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
         self._now = 0
-        self._history = max(1, int(self.history * cache_capacity))
 
     def _reset_learning(self) -> None:
         self._heap.clear()
@@ -94,16 +111,18 @@ class LRU2CachePolicy(QueuePolicy):
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._now += 1
-        last = self._ghost.pop(key, -1)
+        last = self._ghost.recall_stamp(key)
         if last < 0:
-            self._probation[key] = self._now
+            self._probation.push(key, self._now)
         else:
-            self._to_main(key, last)
+            self._main[key] = (last, self._now)
+            self._heap.push(last, key)
 
-    def _to_main(self, key: OffloadKey, previous: int) -> None:
-        now = self._now
-        self._main[key] = (previous, now)
-        self._heap.push((previous, now, key))
+    def remove(self, key: OffloadKey) -> None:
+        in_main = key in self._main
+        super().remove(key)
+        if in_main:  # a failed store of a ghost key: its heap entry goes too (rare)
+            self._heap.rebuild({stamps[0]: k for k, stamps in self._main.items()})
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -115,53 +134,77 @@ class LRU2CachePolicy(QueuePolicy):
                 continue
             now += 1
             stamps = main.get(key)
-            previous = stamps[1] if stamps is not None else probation.pop(key)
-            main[key] = (previous, now)
-            heap.push((previous, now, key))
+            if stamps is not None:
+                main[key] = (stamps[1], now)  # its heap entry is refreshed when on top
+            else:
+                previous = probation.take(key)
+                main[key] = (previous, now)
+                heap.push(previous, key)
         self._now = now
-        if len(self._heap) > 2 * len(main) + 64:
-            self._heap.rebuild([(s, t, k) for k, (s, t) in main.items()])
 
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         blocks = self._blocks
         chosen: list[OffloadKey] = []
-        for key in self._probation:
+        probation = self._probation
+        index = probation.first()
+        while index >= 0:
+            key = probation.key_at(index)
             if blocks[key].ref_cnt == 0 and key not in protected:
                 chosen.append(key)
                 if len(chosen) == n:
                     break
+            index = probation.after(index)
         from_probation = len(chosen)
         heap, main = self._heap, self._main
-        popped: list[_Entry] = []
-        stale: list[_Entry] = []
+        # Everything taken off the heap, in order (to undo a failed eviction).
+        popped: list[int] = []
+        popped_keys: list[OffloadKey] = []
+        skipped: list[OffloadKey] = []  # pinned or protected, popped up to date
         while len(chosen) < n and len(heap):
-            entry = heap.pop()
-            key = entry[2]
-            stamps = main.get(key)
-            if stamps is None or stamps[1] != entry[1]:
-                stale.append(entry)  # the key was used again or left
+            key = heap.pop()
+            stamp = heap.stamp
+            popped.append(stamp)
+            popped_keys.append(key)
+            current = main[key][0]
+            if current != stamp:
+                heap.push(current, key)  # used since: its place is further on
                 continue
-            popped.append(entry)
             if blocks[key].ref_cnt == 0 and key not in protected:
                 chosen.append(key)
+            else:
+                skipped.append(key)
         if len(chosen) < n:
-            for entry in popped + stale:  # as it was: a failed eviction changes nothing
-                heap.push(entry)
+            self._restore(popped, popped_keys)
             return None
         victims = []
+        ghost = self._ghost
         for i, key in enumerate(chosen):
-            last = self._probation.pop(key) if i < from_probation else main.pop(key)[1]
-            self._remember(key, last)
-            victims.append((key, blocks.pop(key)))
-        for entry in popped:
-            if entry[2] in main:  # skipped (pinned or protected): back in the heap
-                heap.push(entry)
+            if i < from_probation:
+                last = probation.take(key)
+            else:
+                last = main[key][1]
+                del main[key]
+            ghost.remember(key, last)
+            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
+            del blocks[key]
+            victims.append((key, block))
+        for key in skipped:
+            heap.push(main[key][0], key)
         return victims
 
-    def _remember(self, key: OffloadKey, last: int) -> None:
-        ghost = self._ghost
-        ghost[key] = last
-        if len(ghost) > self._history:
-            ghost.popitem(last=False)
+    def _restore(self, popped: list[int], popped_keys: list[OffloadKey]) -> None:
+        """The heap as before a failed eviction, which emptied it: the popped entries less
+        the ones it pushed again (an outdated entry's key, popped a second time up to date)."""
+        main = self._main
+        refreshed = {
+            key for stamp, key in zip(popped, popped_keys, strict=True) if main[key][0] != stamp
+        }
+        self._heap.rebuild(
+            {
+                stamp: key
+                for stamp, key in zip(popped, popped_keys, strict=True)
+                if key not in refreshed or main[key][0] != stamp
+            }
+        )

@@ -193,7 +193,9 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                     if main_ghost is not None:
                         main_ghost.remember(key)
                 del freq[key]
-                victims.append((key, blocks.pop(key)))
+                block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
+                del blocks[key]
+                victims.append((key, block))
         return victims
 
 

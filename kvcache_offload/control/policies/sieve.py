@@ -98,10 +98,13 @@ class SIEVECachePolicy(PlannedQueuePolicy):
                 self._ahead, self._behind = self._behind, self._ahead
             self._ahead.popitem(last=False)
             if step == _EVICT:
-                visited.pop(key, None)
-                victims.append((key, blocks.pop(key)))
+                if key in visited:  # not ``pop``: compiled, a generic method call
+                    del visited[key]
+                block = blocks[key]
+                del blocks[key]
+                victims.append((key, block))
             else:
                 self._behind[key] = None
-                if step == _CLEAR:
-                    visited.pop(key, None)
+                if step == _CLEAR and key in visited:
+                    del visited[key]
         return victims

@@ -102,10 +102,14 @@ class SLRUCachePolicy(QueuePolicy):
         victims = []
         for key in from_probation:
             del self._probation[key]
-            victims.append((key, blocks.pop(key)))
+            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
+            del blocks[key]
+            victims.append((key, block))
         ghost = self._ghost
         for key in from_protected:
             del self._protected[key]
             ghost.remember(key)
-            victims.append((key, blocks.pop(key)))
+            block = blocks[key]
+            del blocks[key]
+            victims.append((key, block))
         return victims
