@@ -111,7 +111,7 @@ class TransferJobs(Lifecycle):
         keys = list(keys)
         if not keys:
             return LoadResult([])
-        if self._tiers is not None:
+        if self._tiers is not None and not self._tiers.holds_all(keys):
             await self._tiers.promote(keys)
         gpu_spec = gpu_spec_for_keys(
             keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
