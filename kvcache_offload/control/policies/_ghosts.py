@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._stamp_queue import live_log
 
 __all__ = ["GhostList"]
 
@@ -72,17 +73,9 @@ class GhostList:
 
     def _compact(self) -> None:
         """Drop the dead log entries (many recalled keys): same order, the dict untouched."""
-        keys, log_keys, log_stamps = self._keys, self._log_keys, self._log_stamps
-        live_keys: list[OffloadKey] = []
-        live_stamps: list[int] = []
-        for index in range(self._head, len(log_keys)):
-            key = log_keys[index]
-            stamp = log_stamps[index]
-            if keys.get(key, -1) == stamp:
-                live_keys.append(key)
-                live_stamps.append(stamp)
-        self._log_keys = live_keys
-        self._log_stamps = live_stamps
+        self._log_keys, self._log_stamps = live_log(
+            self._keys, self._log_keys, self._log_stamps, self._head
+        )
         self._head = 0
 
     def recall(self, key: OffloadKey) -> bool:

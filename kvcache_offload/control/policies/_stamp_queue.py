@@ -14,7 +14,7 @@ from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["StampQueue"]
+__all__ = ["StampQueue", "live_log"]
 
 
 @final
@@ -122,17 +122,9 @@ class StampQueue:
 
     def _rebuild(self) -> None:
         """The log less its stale entries: stamps only grow, so it stays oldest first."""
-        stamps, log_keys, log_stamps = self.stamps, self._log_keys, self._log_stamps
-        live_keys: list[OffloadKey] = []
-        live_stamps: list[int] = []
-        for index in range(self._head, len(log_keys)):
-            key = log_keys[index]
-            stamp = log_stamps[index]
-            if stamps.get(key, -1) == stamp:
-                live_keys.append(key)
-                live_stamps.append(stamp)
-        self._log_keys = live_keys
-        self._log_stamps = live_stamps
+        self._log_keys, self._log_stamps = live_log(
+            self.stamps, self._log_keys, self._log_stamps, self._head
+        )
         self._head = 0
 
     def clear(self) -> None:
@@ -146,6 +138,22 @@ class StampQueue:
 
     def __repr__(self) -> str:
         return f"StampQueue({sorted(self.stamps.items(), key=_stamp_of)!r})"
+
+
+def live_log(
+    stamps: dict[OffloadKey, int], log_keys: list[OffloadKey], log_stamps: list[int], head: int
+) -> tuple[list[OffloadKey], list[int]]:
+    """The entries of a (key, stamp) log from ``head`` on whose stamp is still the key's
+    current one in ``stamps``, in log order: a log compacted without touching the dict."""
+    live_keys: list[OffloadKey] = []
+    live_stamps: list[int] = []
+    for index in range(head, len(log_keys)):
+        key = log_keys[index]
+        stamp = log_stamps[index]
+        if stamps.get(key, -1) == stamp:
+            live_keys.append(key)
+            live_stamps.append(stamp)
+    return live_keys, live_stamps
 
 
 def _stamp_of(item: tuple[OffloadKey, int]) -> int:
