@@ -76,6 +76,11 @@ class OffloadConfig(BaseSettings):
     size (docs/transfers.md gives the rule and the measurements behind it); the others force
     one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
     plain torch ops). Ignored by the CPU backend."""
+    staged_when_busy: bool = False
+    """Under "auto", send a job that queues behind copies in flight through the staged path
+    (the copy engines, which overlap the other direction) instead of the kernel. Off by
+    default: on the H200 host its mixed streams reached 1.2-1.3x one way in some engines and
+    0.7 in others (docs/transfers.md)."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None

@@ -142,6 +142,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                 self.num_blocks,
                 region,
                 mechanism=self.config.transfer_mechanism,
+                staged_when_busy=self.config.staged_when_busy,
             )
         else:
             from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers

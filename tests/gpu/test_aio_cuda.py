@@ -26,21 +26,22 @@ pytestmark = pytest.mark.cuda
 NUM_GPU_BLOCKS = 64
 
 
-def build(num_cpu_blocks: int = 128) -> tuple[OffloadEngine, list[Any]]:
+def build(num_cpu_blocks: int = 128, **config: Any) -> tuple[OffloadEngine, list[Any]]:
     tensors = [
         torch.randint(-128, 127, (NUM_GPU_BLOCKS, 2, 16, 8, 64), dtype=torch.int8, device="cuda")
         for _ in range(4)
     ]
     kv = layouts.blocks_first_per_layer(tensors)
     page = layouts.block_nbytes(kv)
-    config = OffloadConfig(
+    offload_config = OffloadConfig(
         cpu_bytes_to_use=num_cpu_blocks * page,
         layout=KVCacheLayout(
             gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=NUM_GPU_BLOCKS
         ),
         backend="cuda",
+        **config,
     )
-    return OffloadEngine(config, kv_caches=kv), tensors
+    return OffloadEngine(offload_config, kv_caches=kv), tensors
 
 
 def block(tensors: list[Any], b: int) -> list[Any]:
@@ -89,3 +90,11 @@ async def test_aclose_with_jobs_in_flight_leaves_no_transfer_behind() -> None:
     await asyncio.wait_for(engine.aclose(), 60)
     await asyncio.gather(*tasks, return_exceptions=True)
     assert engine.stats().transfers_in_flight == 0
+
+
+async def test_the_config_turns_staged_when_busy_on_for_both_directions() -> None:
+    for wanted in (False, True):
+        engine, _ = build(staged_when_busy=wanted)
+        async with engine:
+            assert engine.worker is not None
+            assert [h.staged_when_busy for h in engine.worker.handlers] == [wanted, wanted]

@@ -119,3 +119,11 @@ def test_from_dict_accepts_vllm_extra_config_keys() -> None:
         {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc", "store_threshold": 2}
     )
     assert cfg.eviction_policy == "arc"
+
+
+def test_staged_when_busy_comes_from_the_environment_and_is_off_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OffloadConfig().staged_when_busy is False
+    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", "1")
+    assert OffloadConfig().staged_when_busy is True
