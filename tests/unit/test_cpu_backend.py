@@ -548,3 +548,34 @@ def test_shutting_down_the_native_queue_drops_queued_jobs_and_refuses_new_ones()
     with pytest.raises(TransferError, match="shut down"):
         store.transfer_async(99, spec)
     h.shutdown()  # idempotent
+
+
+@NATIVE
+def test_fresh_ref_arrays_of_the_same_refs_reuse_one_native_group():
+    import dataclasses
+
+    kv = _caches(13)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=0)
+    store = h.gpu_to_cpu_handler
+    queue = store._queue
+    assert queue is not None
+    try:
+        spec = (GPULoadStoreSpec([1, 2], [2, 0, 0, 0], [0] * 4), CPULoadStoreSpec([5, 6]))
+        plan = store.plan(spec)
+        copies = []
+        for _ in range(100):  # equal refs, a new array each time (as a split plan would have)
+            groups = [dataclasses.replace(g, ref_tensors=g.ref_tensors.copy()) for g in plan.groups]
+            copies.append(queue.submit(dataclasses.replace(plan, groups=groups)))
+        queue.wait(copies)
+        queue.collect()
+        assert all(c.done() and not c.cancelled() for c in copies)
+        assert len(queue._group_of_refs) == len([g for g in plan.groups if len(g.ref_tensors)])
+        gpu = [t.tensor for t in kv.tensors]
+        for g in plan.groups:
+            for t, size in zip(g.ref_tensors.tolist(), g.ref_sizes.tolist(), strict=True):
+                for gb, cb in ((1, 5), (2, 6)):
+                    assert torch.equal(
+                        h.cpu_tensors[t][cb, :size], gpu[t].view(torch.int8).view(64, -1)[gb, :size]
+                    )
+    finally:
+        h.shutdown()

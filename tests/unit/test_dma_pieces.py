@@ -57,3 +57,31 @@ def test_coalescing_copies_exactly_the_same_bytes_in_fewer_or_equal_pieces(steps
     # No two remaining neighbours could have been merged.
     for a, b in zip(merged.T.tolist(), merged.T.tolist()[1:], strict=False):
         assert not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1])
+
+
+class _RecordingRuntime:
+    """Stands in for CudaRuntime's two enqueue calls (no CUDA here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.calls.append(("one", (dst, src, nbytes, stream)))
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("batch", (dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)))
+
+
+def test_a_few_pieces_are_single_copies_and_more_are_one_batch():
+    from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime
+
+    for n in (1, FEW_PIECES, FEW_PIECES + 1):
+        rt = _RecordingRuntime()
+        dsts = np.arange(n, dtype=np.int64) * 100
+        srcs = dsts + 7
+        sizes = np.full(n, 3, dtype=np.int64)
+        CudaRuntime.memcpy_pieces(rt, dsts, srcs, sizes, 42)  # type: ignore[arg-type]
+        if n <= FEW_PIECES:
+            assert rt.calls == [("one", (d, d + 7, 3, 42)) for d in dsts.tolist()]
+        else:
+            assert rt.calls == [("batch", (dsts.tolist(), srcs.tolist(), sizes.tolist(), 42))]

@@ -160,6 +160,18 @@ class CudaRuntime:
         args.append(ctypes.c_void_p(stream))
         self._check(self._batch(*args), f"cudaMemcpyBatchAsync of {n} copies")
 
+    def memcpy_pieces(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
+    ) -> None:
+        """Enqueue one copy per piece on ``stream``: at most :data:`FEW_PIECES` as that many
+        ``cudaMemcpyAsync`` calls, more as one ``cudaMemcpyBatchAsync`` (same arrays as
+        :meth:`memcpy_batch_async`)."""
+        if len(dsts) <= FEW_PIECES:
+            for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+                self.memcpy_async(dst, src, size, stream)
+        else:
+            self.memcpy_batch_async(dsts, srcs, sizes, stream)
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Enqueue one copy of ``nbytes`` on ``stream`` (addresses as ints, any direction).
 

@@ -14,6 +14,7 @@ per fragment: the same bytes, slower.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 
@@ -52,24 +53,32 @@ class HostCopier:
         self.src_geom, self.dst_geom = sides.geometry()
         self._table = np.empty((3, 0), dtype=np.int64)
 
+    def ref_columns(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> tuple[Any, ...]:
+        """What the C copy needs of a group's refs before its units: each side's base, row
+        stride and sub-block columns and factor, then the sizes (``copy_units``' and
+        ``CopyQueue.add_group``'s leading arguments)."""
+        sb, sst, ssub = self.src_geom.of_refs(ref_tensors).flat
+        db, dst, dsub = self.dst_geom.of_refs(ref_tensors).flat
+        return (
+            sb, sst, ssub, self.src_geom.factor,
+            db, dst, dsub, self.dst_geom.factor,
+            np.ascontiguousarray(ref_sizes, dtype=np.int64),
+        )  # fmt: skip
+
     def run(self, plan: TransferPlan) -> None:
         """Copy every fragment of ``plan``; returns when the bytes are in place."""
         n = plan.num_fragments
         if n == 0:
             return
         if _copy_units is not None:  # addresses computed in C: no pointer table per job
-            sf, df = self.src_geom.factor, self.dst_geom.factor
             for g in plan.groups:
                 if len(g.ref_tensors) == 0 or len(g.src_units) == 0:
                     continue
-                sb, sst, ssub = self.src_geom.of_refs(g.ref_tensors).flat
-                db, dst, dsub = self.dst_geom.of_refs(g.ref_tensors).flat
                 _copy_units(
-                    sb, sst, ssub, sf, db, dst, dsub, df,
-                    np.ascontiguousarray(g.ref_sizes, dtype=np.int64),
+                    *self.ref_columns(g.ref_tensors, g.ref_sizes),
                     np.ascontiguousarray(g.src_units, dtype=np.int64),
                     np.ascontiguousarray(g.dst_units, dtype=np.int64),
-                )  # fmt: skip
+                )
             return
         if self._table.shape[1] < n:
             self._table = np.empty((3, max(n, 2 * self._table.shape[1])), dtype=np.int64)

@@ -136,14 +136,7 @@ class PlanBuilder:
             except BufferError:  # a strided id view: the general path copes
                 ok = False
             if ok:
-                return TransferPlan(
-                    groups=[GroupPlan(single.tensors, single.sizes, units[:size], units[size:], 0)],
-                    num_fragments=len(single.tensors) * size,
-                    num_bytes=single.bytes_per_unit * size,
-                    uniform_size=self._single_uniform,
-                    max_size=single.max_size,
-                    alignment=self._single_alignment,
-                )
+                return self._single_plan(single, units[:size], units[size:])
         _check_ids(src_ids, src.num_rows, "source")
         _check_ids(dst_ids, dst.num_rows, "destination")
         if single is not None and group_sizes[0] > 0 and block_indices[0] >= 0:
@@ -153,14 +146,7 @@ class PlanBuilder:
                 dst_ids, 0, size, start % dst.factor, dst.factor, "destination"
             )
             _check_consumed(s_n, d_n, src_ids, dst_ids)
-            return TransferPlan(
-                groups=[GroupPlan(single.tensors, single.sizes, s_units, d_units, 0)],
-                num_fragments=len(single.tensors) * size,
-                num_bytes=single.bytes_per_unit * size,
-                uniform_size=self._single_uniform,
-                max_size=single.max_size,
-                alignment=self._single_alignment,
-            )
+            return self._single_plan(single, s_units, d_units)
         src_off = dst_off = 0
         groups: list[GroupPlan] = []
         sizes_seen: set[int] = set()
@@ -196,6 +182,20 @@ class PlanBuilder:
             uniform_size=next(iter(sizes_seen)) if len(sizes_seen) == 1 else None,
             max_size=max_size,
             alignment=alignment_of(align_bits),
+        )
+
+    def _single_plan(
+        self, single: _GroupFacts, s_units: np.ndarray, d_units: np.ndarray
+    ) -> TransferPlan:
+        """The plan of a job of the one group with refs, from its checked units."""
+        size = len(s_units)
+        return TransferPlan(
+            groups=[GroupPlan(single.tensors, single.sizes, s_units, d_units, 0)],
+            num_fragments=len(single.tensors) * size,
+            num_bytes=single.bytes_per_unit * size,
+            uniform_size=self._single_uniform,
+            max_size=single.max_size,
+            alignment=self._single_alignment,
         )
 
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime
+from kvcache_offload.dataplane.copy.dma import CudaRuntime
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged_tables import PreparedJob, StagedChunk, StagedTables
 from kvcache_offload.dataplane.copy.staging_cells import CellLayout
@@ -316,18 +316,9 @@ class StagedCopier(StagedTables):
         elif self._freed_used[s]:
             ds.wait_event(self._freed[s])
         lo, hi = chunk.piece_lo, chunk.piece_hi
-        if hi - lo <= FEW_PIECES:  # a call with three ints each, not the batch call's setup
-            for dst, src, size in zip(
-                prep.dma_dst[lo:hi].tolist(),
-                prep.dma_src[lo:hi].tolist(),
-                prep.dma_size[lo:hi].tolist(),
-                strict=True,
-            ):
-                self.runtime.memcpy_async(dst, src, size, ds.cuda_stream)
-        else:
-            self.runtime.memcpy_batch_async(
-                prep.dma_dst[lo:hi], prep.dma_src[lo:hi], prep.dma_size[lo:hi], ds.cuda_stream
-            )
+        self.runtime.memcpy_pieces(
+            prep.dma_dst[lo:hi], prep.dma_src[lo:hi], prep.dma_size[lo:hi], ds.cuda_stream
+        )
         if self.gpu_to_cpu:
             self._freed[s].record(ds)
             self._freed_used[s] = True

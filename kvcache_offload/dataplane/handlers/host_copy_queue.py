@@ -42,8 +42,12 @@ class HostCopyQueue:
             raise RuntimeError("the host-copy extension is not built")
         self._copier = copier
         self._native = NativeCopyQueue(name)
-        # id(ref_tensors) -> (ref_tensors kept alive so the id stays unique, group id)
+        # A handler's plans pass the same ref arrays job after job: id(ref_tensors) ->
+        # (the array, kept so its id stays unique, group id), bounded like SideGeometry's
+        # cache. Behind it the native groups are keyed by content, so fresh arrays of the
+        # same refs never add a group.
         self._groups: dict[int, tuple[np.ndarray, int]] = {}
+        self._group_of_refs: dict[tuple[bytes, bytes], int] = {}
         self._in_flight: dict[int, NativeCopy] = {}
 
     @staticmethod
@@ -52,18 +56,15 @@ class HostCopyQueue:
 
     def _group_id(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> int:
         known = self._groups.get(id(ref_tensors))
-        if known is not None:
+        if known is not None and known[0] is ref_tensors:
             return known[1]
-        src = self._copier.src_geom.of_refs(ref_tensors).flat
-        dst = self._copier.dst_geom.of_refs(ref_tensors).flat
-        gid = int(
-            self._native.add_group(
-                *src, self._copier.src_geom.factor,
-                *dst, self._copier.dst_geom.factor,
-                np.ascontiguousarray(ref_sizes, dtype=np.int64),
-            )
-        )  # fmt: skip
-        self._groups[id(ref_tensors)] = (ref_tensors, gid)
+        content = (np.asarray(ref_tensors).tobytes(), np.asarray(ref_sizes).tobytes())
+        gid = self._group_of_refs.get(content)
+        if gid is None:
+            gid = int(self._native.add_group(*self._copier.ref_columns(ref_tensors, ref_sizes)))
+            self._group_of_refs[content] = gid
+        if len(self._groups) < 64:
+            self._groups[id(ref_tensors)] = (ref_tensors, gid)
         return gid
 
     def submit(self, plan: TransferPlan) -> NativeCopy:

@@ -189,7 +189,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def choose_mechanism(self, plan: TransferPlan, busy: bool = False) -> str:
         """The path of ``plan`` under ``auto``; ``busy``: copies of this direction are in
-        flight (the job queues behind them anyway)."""
+        flight (the job queues behind them anyway) and ``staged_when_busy`` is on."""
         if self.mechanism != "auto":
             return self.mechanism
         if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
@@ -198,11 +198,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if (
             staged is not None
             and staged.config.auto_min_piece_bytes is not None
-            and (
-                plan.num_bytes >= self.staged_min_job_bytes
-                or not self.kernel_ok
-                or (busy and self.staged_when_busy)
-            )
+            and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok or busy)
         ):
             # Serving-size jobs take the kernel: it starts at once and costs about half the
             # staged path's host time (H200 host: 67 against 122 us for a 1-block load). The
@@ -268,7 +264,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
         prev = self._transfers[-1] if self._transfers else None
-        mechanism = self.choose_mechanism(plan, busy=prev is not None and not prev.done())
+        # Asked only with the rule on: done() is an event query, not free on the hot path.
+        busy = self.staged_when_busy and prev is not None and not prev.done()
+        mechanism = self.choose_mechanism(plan, busy=busy)
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:
             transfer = self._launcher.staged(jobs, plan, prev)

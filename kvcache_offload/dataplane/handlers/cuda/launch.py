@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime, coalesce_pieces
+from kvcache_offload.dataplane.copy.dma import CudaRuntime, coalesce_pieces
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged import (
     ISSUED_NOW,
@@ -158,16 +158,9 @@ class CopyLauncher:
                     side.wait_event(sync[0])
                     dma_stream = side
                 assert runtime is not None
-                if dma_table.shape[1] <= FEW_PIECES:
-                    for src, dst, size in zip(*dma_table.tolist(), strict=True):
-                        runtime.memcpy_async(dst, src, size, dma_stream.cuda_stream)
-                else:
-                    runtime.memcpy_batch_async(
-                        np.ascontiguousarray(dma_table[1]),
-                        np.ascontiguousarray(dma_table[0]),
-                        np.ascontiguousarray(dma_table[2]),
-                        dma_stream.cuda_stream,
-                    )
+                runtime.memcpy_pieces(
+                    dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
+                )
             if kernel_part is not None and slot is not None:
                 assert slot.dev is not None and self.ref_table is not None
                 launch_copy_kernel(
