@@ -14,7 +14,11 @@ per loop iteration (yielding to every
 other coroutine in between, so it never holds the loop): a small job then completes within
 one iteration of its copy's end instead of after the watcher's wake-up (driver interrupt,
 thread switch, self-pipe write, loop wake), which on the H200 host cut a 1-block load's p50
-by about a third; the watchers are not even handed the copies meanwhile. (Not with the CPU
+by about a third; the watchers are not even handed the copies meanwhile. The task also keeps
+looking until the copies in flight are predicted to end (:class:`~kvcache_offload.aio.copy_clock.CopyClock`:
+the GPU seconds per block of the direction's last copies, up to ``predicted_spin_cap_s``),
+because the watcher's wake-up grows with the time it slept: 50 us after a 0.3 ms copy, about
+600 us after a 2.6 ms one. (Not with the CPU
 backend: on two cores, a looking loop took the core its copy threads needed, and its streams
 fell from 0.78 to 0.46 of a single-thread copy.) Past that window the task only
 sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
@@ -42,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache_offload.aio._waker import Waker
+from kvcache_offload.aio.copy_clock import CopyClock
 from kvcache_offload.contracts.handler import (
     TransferResult,
     TransferSpec,
@@ -61,6 +66,15 @@ class _Job:
     future: asyncio.Future[TransferResult]
     on_done: OnDone
     submitted_at: float
+    blocks: int
+    source: str
+
+
+def _blocks_and_source(spec: TransferSpec) -> tuple[int, str]:
+    """How many blocks a job names on its source side, and that side's medium."""
+    src = spec[0]
+    block_ids = getattr(src, "block_ids", None)
+    return (len(block_ids) if block_ids is not None else 1), src.medium()
 
 
 class TransferPoller:
@@ -74,11 +88,15 @@ class TransferPoller:
         backoff_s: float = 0.001,
         backstop_s: float = 0.01,
         completion_spin_s: float = 0.0003,
+        predicted_spin_cap_s: float = 0.02,
         batch: bool = True,
     ) -> None:
         self.worker = worker
         self.spin_s = spin_s
         self.completion_spin_s = completion_spin_s
+        self.predicted_spin_cap_s = predicted_spin_cap_s
+        self._copy_clock = CopyClock()
+        self._look_until = 0.0
         self.backoff_s = backoff_s
         self.backstop_s = backstop_s
         self._jobs: dict[int, _Job] = {}
@@ -129,8 +147,13 @@ class TransferPoller:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         now = time.perf_counter()
-        self._jobs[job_id] = _Job(loop.create_future(), on_done, now)
+        blocks, source = _blocks_and_source(spec)
+        self._jobs[job_id] = _Job(loop.create_future(), on_done, now, blocks, source)
         self._last_activity = now
+        if self.on_demand:
+            ends = self._copy_clock.expect(source, blocks, now)
+            ends = min(ends, now + self.predicted_spin_cap_s)
+            self._look_until = max(self._look_until, ends + self.completion_spin_s)
         self._waker.wake()
         return self._jobs[job_id].future
 
@@ -153,11 +176,18 @@ class TransferPoller:
             if job is None:
                 logger.warning("worker reported unknown job %d", result.job_id)
                 continue
+            if len(results) == 1 and result.transfer_time:
+                # Jobs that end together may have shared one copy (a batch), whose time
+                # each reports: only a lone end times one job's blocks.
+                self._copy_clock.observe(job.source, job.blocks, result.transfer_time)
             self._finish(job, result)
         if results:
-            self._last_activity = time.perf_counter()
-            if not self._jobs and self._drained is not None:
-                self._drained.set()
+            self._last_activity = now = time.perf_counter()
+            self._look_until = max(self._look_until, now + self.completion_spin_s)
+            if not self._jobs:
+                self._copy_clock.idle()
+                if self._drained is not None:
+                    self._drained.set()
         return len(results)
 
     @staticmethod
@@ -205,12 +235,11 @@ class TransferPoller:
                 self._spinning = self.on_demand
                 if self.poll_once():
                     await asyncio.sleep(0)  # let the resumed coroutines run first
-                elif (
-                    self.on_demand
-                    and time.perf_counter() - self._last_activity < self.completion_spin_s
-                ):
-                    # A job submitted or finished moments ago: the next end is likely close,
-                    # and one loop iteration is far cheaper than the watcher's wake-up.
+                elif self.on_demand and time.perf_counter() < self._look_until:
+                    # A copy in flight should end soon (moments after the last submission
+                    # or completion, or within its predicted duration): one loop iteration
+                    # is far cheaper than the watcher's wake-up, which on the H200 host
+                    # took 50-600 us after a long sleep in the driver.
                     await asyncio.sleep(0)
                 else:
                     self._spinning = False

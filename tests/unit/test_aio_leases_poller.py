@@ -363,3 +363,67 @@ async def test_poller_wakes_on_a_handlers_completion_descriptor() -> None:
     assert not loop.remove_reader(handler.read_fd)
     os.close(handler.read_fd)
     os.close(handler.write_fd)
+
+
+class TimedCopies(WatchedOnlyWhenAsked):
+    """Each copy takes ``seconds`` from its submission and reports that GPU time; watching
+    it (the driver's sleep) is counted, and still ends it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.slow = True
+        self.seconds = seconds
+        self.started: dict[int, float] = {}
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        self.started[job_id] = time.perf_counter()
+        return super().transfer_async(job_id, spec)
+
+    def get_finished(self) -> list[TransferResult]:
+        now = time.perf_counter()
+        for job_id in list(self.pending):
+            if now - self.started[job_id] >= self.seconds:
+                self.release(job_id)
+        return [
+            TransferResult(r.job_id, r.success, r.transfer_size, self.seconds, r.transfer_type)
+            for r in super().get_finished()
+        ]
+
+
+async def test_a_copy_of_predictable_length_is_seen_by_looking_not_by_the_watcher() -> None:
+    # Copies of 10 ms, far past the 2 ms look after a submission: the first one, with
+    # nothing measured yet, goes to the watcher; later ones end within their predicted
+    # length (plus the same 2 ms of slack), so the poller keeps looking and never pays the
+    # driver's wake-up.
+    handler = TimedCopies(0.01)
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.002)
+    task = asyncio.create_task(poller.run())
+    try:
+        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        first_watches = handler.watch_calls
+        assert first_watches >= 1
+        for _ in range(5):
+            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls == first_watches
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()
+
+
+async def test_a_prediction_is_capped() -> None:
+    # A copy predicted to take 50 ms is looked for only up to the cap, then watched (each
+    # one at least once; uncapped, only the first would be).
+    handler = TimedCopies(0.05)
+    poller = TransferPoller(
+        _worker(handler), backstop_s=30.0, completion_spin_s=0.0003, predicted_spin_cap_s=0.005
+    )
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(3):
+            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls >= 3
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()
