@@ -15,8 +15,9 @@ other coroutine in between, so it never holds the loop): a small job then comple
 one iteration of its copy's end instead of after the watcher's wake-up (driver interrupt,
 thread switch, self-pipe write, loop wake), which on the H200 host cut a 1-block load's p50
 by about a third; the watchers are not even handed the copies meanwhile. The task also keeps
-looking until the copies in flight are predicted to end (:class:`~kvcache_offload.aio.copy_clock.CopyClock`:
-the GPU seconds per block of the direction's last copies, up to ``predicted_spin_cap_s``),
+looking until the copies in flight are predicted to end
+(:class:`~kvcache_offload.aio.copy_clock.CopyClock`: the GPU seconds per block of the
+direction's last copies, up to ``predicted_spin_cap_s``),
 because the watcher's wake-up grows with the time it slept: 50 us after a 0.3 ms copy, about
 600 us after a 2.6 ms one. (Not with the CPU
 backend: on two cores, a looking loop took the core its copy threads needed, and its streams

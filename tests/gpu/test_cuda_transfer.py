@@ -154,7 +154,7 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
 @pytest.mark.parametrize(
     "mechanism", ["kernel", "dma", "staged", "hybrid", "torch", "auto-staged-when-busy"]
 )
-def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
+def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch):
     # auto-staged-when-busy: the first job of each direction takes the kernel, the ones
     # queued behind it the staged path, so both paths' jobs interleave in one direction.
     kw = {}
@@ -197,11 +197,19 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism):
             )
         gpu_before, cpu_before = snapshot(gpu_tensors), snapshot(h.cpu_tensors)
         jobs_store, jobs_load = [], []
+        if kw:
+            # Each job queues behind the one before, whatever the host's speed: a slow
+            # submission in between (the first launch of a kernel) let the previous copy
+            # end first, and the next job then rightly took the kernel.
+            from kvcache_offload.dataplane.handlers.cuda.inflight import InFlightCopy
+
+            monkeypatch.setattr(InFlightCopy, "done", lambda self: False)
         for i in range(3):  # several rounds, both directions in flight at once
             assert h.gpu_to_cpu_handler.transfer_async(10 + i, (a_gpu, a_cpu))
             assert h.cpu_to_gpu_handler.transfer_async(20 + i, (b_cpu, b_gpu))
             jobs_store.append(10 + i)
             jobs_load.append(20 + i)
+        monkeypatch.undo()
         rs = finish(h.gpu_to_cpu_handler, jobs_store)
         rl = finish(h.cpu_to_gpu_handler, jobs_load)
         assert [r.job_id for r in rs] == jobs_store and all(r.success for r in rs)
@@ -378,3 +386,57 @@ def test_cuda_round_trip_through_a_pinned_shared_region():
         del h
     finally:
         region.cleanup()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "auto"])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor):
+    # A serving engine's lone request (one group, idle direction) skips the plan objects;
+    # its bytes, results and a later bad job's error must be those of the general path.
+    skip_unless_available("kernel")
+    gen = torch.Generator().manual_seed(21 + factor)
+    kv = make_caches(
+        num_tensors=3,
+        num_gpu_blocks=64,
+        page=4096,
+        group_layers=[[(0, 4096), (1, 4000), (2, 4096)]],  # small fragments: auto = kernel
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, factor, 32, mechanism)
+    lone = {"n": 0}
+    launcher = h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher
+    for one in launcher:
+        issue = one.lone_kernel
+
+        def counted(*args, _issue=issue, **kw):
+            lone["n"] += 1
+            return _issue(*args, **kw)
+
+        one.lone_kernel = counted
+    try:
+        rng = np.random.default_rng(factor)
+        for i, blocks in enumerate((1, 8, 5)):
+            job = random_job(
+                rng,
+                group_sizes=[blocks],
+                block_indices=[factor - 1],
+                factor=factor,
+                num_gpu_blocks=64,
+                num_cpu_blocks=32,
+            )
+            store, load = round_trip(h, kv, job, job_ids=(10 + 2 * i, 11 + 2 * i))
+            assert store.success and load.success
+            assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
+            assert store.transfer_time > 0 and load.transfer_time > 0
+        assert lone["n"] == 6  # every job of this test went through the lane
+        bad = random_job(
+            rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,
+            num_cpu_blocks=32,
+        )  # fmt: skip
+        bad.cpu_spec = CPULoadStoreSpec(np.array([31, 99] if factor == 1 else [99]))
+        with pytest.raises(TransferError, match="99"):  # the slot does not exist
+            h.gpu_to_cpu_handler.transfer_async(50, (bad.gpu_spec, bad.cpu_spec))
+        assert lone["n"] == 6
+    finally:
+        h.shutdown()

@@ -98,6 +98,29 @@ class PlanBuilder:
         )
         self._single_alignment = alignment_of(only.align_bits) if only else 1
 
+    @property
+    def single_group(self) -> _GroupFacts | None:
+        """The facts of the one group with refs, when the model has exactly one group."""
+        return self._single
+
+    def write_single_units(
+        self, src_ids: np.ndarray, dst_ids: np.ndarray, size: int, start: int, out: np.ndarray
+    ) -> bool:
+        """Check a one-group job's ids and write its source then destination units into
+        ``out`` (``2 * size`` int64 entries) in one C call; False when the C planner is not
+        built or refuses the job (then :meth:`build` names what is wrong)."""
+        if _plan_units is None or src_ids.dtype != _INT64 or dst_ids.dtype != _INT64:
+            return False
+        src, dst = self.src, self.dst
+        try:
+            ok = _plan_units(
+                src_ids, dst_ids, size, start, src.factor, dst.factor,
+                src.num_rows, dst.num_rows, out,
+            )  # fmt: skip
+        except BufferError:  # a strided id view: the general path copes
+            return False
+        return bool(ok)
+
     def build(
         self,
         src_ids: np.ndarray,
@@ -118,24 +141,12 @@ class PlanBuilder:
                 f"indices, expected one per KV-cache group ({self.num_groups})"
             )
         single = self._single
-        if (
-            single is not None
-            and _plan_units is not None
-            and src_ids.dtype == _INT64
-            and dst_ids.dtype == _INT64
-        ):
-            # One call checks the ids and writes both sides' units; a job it refuses takes
+        if single is not None:
+            # One C call checks the ids and writes both sides' units; a job it refuses takes
             # the path below, which names what is wrong.
             size = int(group_sizes[0])
             units = np.empty(2 * max(size, 0), dtype=np.int64)
-            try:
-                ok = _plan_units(
-                    src_ids, dst_ids, size, int(block_indices[0]), src.factor, dst.factor,
-                    src.num_rows, dst.num_rows, units,
-                )  # fmt: skip
-            except BufferError:  # a strided id view: the general path copes
-                ok = False
-            if ok:
+            if self.write_single_units(src_ids, dst_ids, size, int(block_indices[0]), units):
                 return self._single_plan(single, units[:size], units[size:])
         _check_ids(src_ids, src.num_rows, "source")
         _check_ids(dst_ids, dst.num_rows, "destination")

@@ -182,6 +182,13 @@ tables go in as raw device addresses, which skips the launcher's per-pointer dri
 on a 1-block job that dispatch cost as much host time as the rest of the submission."""
 
 
+def _installed(hook: Any) -> Any:
+    """``hook``, or None when it is an empty hook chain (Triton 3.5+ always sets one, so
+    the launcher would call into Python twice per launch to run nothing)."""
+    calls = getattr(hook, "calls", None)
+    return None if isinstance(calls, list) and not calls else hook
+
+
 def launch_copy_kernel(
     ref_table: torch.Tensor,
     job_table: torch.Tensor,
@@ -222,7 +229,7 @@ def launch_copy_kernel(
         try:
             compiled.run(
                 programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
-                hooks.launch_enter_hook, hooks.launch_exit_hook,
+                _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook),
                 ref_table.data_ptr(), job_table.data_ptr() + 8 * job_offset, *scalars, block,
                 alignment,
             )  # fmt: skip

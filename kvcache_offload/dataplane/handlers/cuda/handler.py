@@ -24,6 +24,7 @@ from kvcache_offload.contracts.handler import (
     TransferType,
 )
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
+from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
 from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
@@ -33,6 +34,7 @@ from kvcache_offload.dataplane.copy.staged import (
 )
 from kvcache_offload.dataplane.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
+    GROUP_ROW,
     KernelConfig,
     triton_available,
 )
@@ -181,6 +183,68 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 device=self.device,
                 max_staging_bytes=max_staging_bytes,
             )
+        self._lone_limit = self._lone_kernel_limit()
+
+    def _lone_kernel_limit(self) -> int:
+        """Jobs below this many bytes that find the direction idle take the lone-kernel lane
+        (0: none do). Only where :meth:`choose_mechanism` would pick the kernel for every
+        such job of the one group: the kernel forced, or ``auto`` with fragments too small
+        for the DMA, no hybrid share, and below the staged path's job size."""
+        single = self._planner.single_group
+        if (
+            self._fallback is not None
+            or single is None
+            or not self.kernel_ok
+            or self._launcher.ref_table is None
+        ):
+            return 0
+        if self.mechanism == "kernel":
+            return 1 << 62
+        if self.mechanism != "auto" or self.hybrid_dma_share > 0:
+            return 0
+        fragment = single.bytes_per_unit / len(single.tensors)
+        if self.dma_ok and fragment >= self.dma_min_fragment_bytes:
+            return 0
+        return self.staged_min_job_bytes if self._staged is not None else 1 << 62
+
+    def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
+        """Issue a one-group kernel job on an idle direction without building a plan; False
+        when the job is not one (the general path then plans it, and names any error)."""
+        try:
+            src, dst = spec
+        except (TypeError, ValueError):
+            return False
+        gpu_spec, cpu_spec = (src, dst) if self.gpu_to_cpu else (dst, src)
+        if type(gpu_spec) is not GPULoadStoreSpec or type(cpu_spec) is not CPULoadStoreSpec:
+            return False
+        sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
+        if len(sizes) != 1 or len(starts) != 1:
+            return False
+        size = int(sizes[0])
+        single = self._planner.single_group
+        assert single is not None
+        nbytes = single.bytes_per_unit * size
+        if size <= 0 or nbytes >= self._lone_limit:
+            return False
+        ids = gpu_spec.block_ids, cpu_spec.block_ids
+        src_ids, dst_ids = ids if self.gpu_to_cpu else (ids[1], ids[0])
+        entries = GROUP_ROW + 2 * size
+        slot = self._pools.slot()
+        table = slot.ensure(entries, need_device=True)
+        if not self._planner.write_single_units(
+            src_ids, dst_ids, size, int(starts[0]), table[GROUP_ROW:entries]
+        ):
+            self._pools.slots.append(slot)
+            return False
+        table[0], table[1], table[2], table[3] = 0, size, self._launcher.ref_start[0], 0
+        transfer = self._launcher.lone_kernel(
+            [(job_id, nbytes)], slot, entries, size, len(single.tensors) * size, single.max_size
+        )
+        self._transfers.append(transfer)
+        self._in_flight_ids.add(job_id)
+        self._watch.issued(transfer)
+        self.jobs_by_mechanism["kernel"] += 1
+        return True
 
     # -- the handler contract ---------------------------------------------------------------
     def plan(self, spec: TransferSpec) -> TransferPlan:
@@ -221,6 +285,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             ok = self._fallback.transfer_async(job_id, spec)
             self.jobs_by_mechanism["torch"] += 1
             return ok
+        if self._lone_limit and not self._transfers and not self._held:
+            with self._lock:
+                if (
+                    not self._closed
+                    and not self._transfers
+                    and not self._held
+                    and self._try_lone_kernel(job_id, spec)
+                ):
+                    return True
         plan = self.plan(spec)
         with self._lock:
             if self._closed:

@@ -61,6 +61,7 @@ class CopyLauncher:
         self.ref_start = np.zeros(1, dtype=np.int64)
         self.kernel_align = 1
         self._staged: StagedCopier | None = None
+        self._current_mark = torch.cuda.Event()
 
     def set_ref_table(self, table: torch.Tensor, ref_start: np.ndarray, align: int) -> None:
         self.ref_table, self.ref_start, self.kernel_align = table, ref_start, align
@@ -140,14 +141,9 @@ class CopyLauncher:
         handle = stream.cuda_stream
         with on_device(self.device):
             if k_entries and slot is not None:
-                assert slot.host is not None and slot.dev is not None
-                if runtime is not None:
-                    runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * k_entries, handle)
-                else:
-                    with torch.cuda.stream(stream):
-                        slot.dev[:k_entries].copy_(slot.host[:k_entries], non_blocking=True)
+                self._upload_table(slot, k_entries, stream)
             if self.gpu_to_cpu:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._after_current_stream(stream)
             if prev is not None:
                 stream.wait_event(prev.end_event)
             start.record(stream)
@@ -181,6 +177,62 @@ class CopyLauncher:
                 stream.wait_event(sync[1])
             end.record(stream)
         return InFlightCopy(jobs, stream, start, end, slot, mechanism, side, sync)
+
+    def lone_kernel(
+        self,
+        jobs: list[tuple[int, int]],
+        slot: TableSlot,
+        entries: int,
+        n_units: int,
+        num_fragments: int,
+        max_size: int,
+    ) -> InFlightCopy:
+        """Issue a one-group kernel copy on an idle direction, its job table already written
+        to ``slot`` (``entries`` int64 values): a serving engine's lone request, without the
+        plan objects and the general path's checks (on the H200 host those cost about as
+        much as the copy's CUDA calls)."""
+        assert self.ref_table is not None and slot.dev is not None
+        stream = self.pools.stream()
+        start, end = self.pools.timing_pair()
+        handle = stream.cuda_stream
+        with on_device(self.device):
+            self._upload_table(slot, entries, stream)
+            if self.gpu_to_cpu:
+                self._after_current_stream(stream)
+            start.record(stream)
+            launch_copy_kernel(
+                self.ref_table,
+                slot.dev,
+                n_groups=1,
+                n_units=n_units,
+                total_pairs=num_fragments,
+                max_size=max_size,
+                src_factor=self.src_geom.factor,
+                dst_factor=self.dst_geom.factor,
+                alignment=self.kernel_align,
+                config=self.kernel_config,
+                stream=handle,
+            )
+            end.record(stream)
+        return InFlightCopy(jobs, stream, start, end, slot, "kernel")
+
+    def _upload_table(self, slot: TableSlot, entries: int, stream: torch.cuda.Stream) -> None:
+        """The job table's first ``entries`` values to the GPU, on ``stream``: one runtime
+        call where the runtime is loaded, else a dispatched ``copy_``."""
+        assert slot.host is not None and slot.dev is not None
+        if self.runtime is not None:
+            self.runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * entries, stream.cuda_stream)
+        else:
+            with torch.cuda.stream(stream):
+                slot.dev[:entries].copy_(slot.host[:entries], non_blocking=True)
+
+    def _after_current_stream(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for the work enqueued so far on the current stream (a store
+        must copy what the model wrote). One reused event: a wait is bound to the record
+        before it, so recording the event again later does not move an earlier wait, and it
+        costs half of ``wait_stream``, which creates an event per call."""
+        self._current_mark.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(self._current_mark)
 
     def staged(
         self,
