@@ -427,3 +427,23 @@ async def test_a_prediction_is_capped() -> None:
         task.cancel()
         for thread in handler.threads:
             thread.join()
+
+
+async def test_a_lone_copy_about_to_end_is_found_by_a_close_look() -> None:
+    # 2 ms copies and a 3 ms close look: once a copy's length is known, the poller looks
+    # for the next lone copy's end without turning the loop, and still reports it exactly.
+    handler = TimedCopies(0.002)
+    poller = TransferPoller(
+        _worker(handler), backstop_s=30.0, completion_spin_s=0.002, close_look_s=0.003
+    )
+    task = asyncio.create_task(poller.run())
+    try:
+        for _ in range(4):
+            result = await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)
+            assert result.success and result.transfer_time == 0.002
+        assert poller.close_finds >= 1
+        assert poller.in_flight == 0
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()
