@@ -112,3 +112,30 @@ def test_a_handler_dropped_without_shutdown_stops_its_copy_threads(native_queue)
         gc.collect()
         time.sleep(0.01)
     assert not started & _threads_named("kvoffload")
+
+
+@pytest.mark.parametrize("batch_policy", [True, False])
+def test_the_native_copy_thread_runs_as_a_batch_thread_unless_asked_not_to(batch_policy):
+    # Waking a SCHED_BATCH thread does not preempt the waker: the loop thread's submit
+    # returns at once instead of waiting out the copy on a shared core.
+    import os
+    import time
+
+    from kvcache_offload.dataplane.handlers.host_copy_queue import NativeCopyQueue
+
+    if NativeCopyQueue is None:
+        pytest.skip("the host-copy extension is not built")
+    if not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux scheduling policies and /proc")
+    name = "kvoffload-pol" + ("b" if batch_policy else "n")
+    queue = NativeCopyQueue(name, batch_policy=batch_policy)
+    try:
+        wanted = os.SCHED_BATCH if batch_policy else os.SCHED_OTHER
+        deadline = time.monotonic() + 5
+        policies: set[int] = set()
+        while policies != {wanted} and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread sets its policy first thing: give it the time
+            policies = {os.sched_getscheduler(int(t.split(":")[0])) for t in _threads_named(name)}
+        assert policies == {wanted}
+    finally:
+        queue.close()

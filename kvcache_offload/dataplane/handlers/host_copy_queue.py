@@ -37,11 +37,15 @@ class NativeCopy(QueuedCopy):
 class HostCopyQueue:
     """Copies whole plans of one :class:`HostCopier` in order on a GIL-free thread."""
 
-    def __init__(self, copier: HostCopier, name: str = "kvoffload-copy") -> None:
+    def __init__(
+        self, copier: HostCopier, name: str = "kvoffload-copy", batch_policy: bool = True
+    ) -> None:
+        """``batch_policy``: the copy thread runs under ``SCHED_BATCH`` (Linux), so waking it
+        never preempts the submitting loop thread on a shared core."""
         if NativeCopyQueue is None:
             raise RuntimeError("the host-copy extension is not built")
         self._copier = copier
-        self._native = NativeCopyQueue(name)
+        self._native = NativeCopyQueue(name, batch_policy=batch_policy)
         # A handler's plans pass the same ref arrays job after job: id(ref_tensors) ->
         # (the array, kept so its id stays unique, group id), bounded like SideGeometry's
         # cache. Behind it the native groups are keyed by content, so fresh arrays of the
