@@ -11,8 +11,6 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
    times, p50 and p99, against the *floor*: one contiguous copy of the same number of bytes
    between pinned host memory and the GPU plus ``event.synchronize()``, timed the same way in
    the same process (CPU device: one ``memcpy`` of the same bytes in the calling thread).
-   Every mechanism's engine is open at once and the reps go round them and the floor in a
-   rotating order, so a slow stretch of the host hits every column alike.
 2. **Stream**: ``--tasks`` asyncio tasks, each looping over jobs on its own keys and GPU
    blocks for ``--stream-s`` seconds: 4-block loads only, 4-block stores only (fresh keys each
    job, so every store copies), half loading and half storing, and 1-block loads. GB/s against
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import ctypes
 import itertools
 import json
@@ -129,23 +126,22 @@ class Floors:
             self.dst = np.empty_like(self.src)
 
     def job(self, nbytes: int, to_gpu: bool, reps: int) -> list[float]:
-        """Wall seconds of ``reps`` contiguous copies of ``nbytes`` (after 5 unmeasured)."""
-        return [self.once(nbytes, to_gpu) for _ in range(reps + 5)][5:]
-
-    def once(self, nbytes: int, to_gpu: bool) -> float:
         """Wall seconds of one contiguous copy of ``nbytes`` (+ event wait on CUDA)."""
-        t0 = time.perf_counter()
-        if self.device == "cuda":
-            with torch.cuda.stream(self.stream):
-                if to_gpu:
-                    self.gpu[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
-                else:
-                    self.host[:nbytes].copy_(self.gpu[:nbytes], non_blocking=True)
-                self.event.record(self.stream)
-            self.event.synchronize()
-        else:
-            ctypes.memmove(self.dst.ctypes.data, self.src.ctypes.data, nbytes)
-        return time.perf_counter() - t0
+        out = []
+        for _ in range(reps + 5):
+            t0 = time.perf_counter()
+            if self.device == "cuda":
+                with torch.cuda.stream(self.stream):
+                    if to_gpu:
+                        self.gpu[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+                    else:
+                        self.host[:nbytes].copy_(self.gpu[:nbytes], non_blocking=True)
+                    self.event.record(self.stream)
+                self.event.synchronize()
+            else:
+                ctypes.memmove(self.dst.ctypes.data, self.src.ctypes.data, nbytes)
+            out.append(time.perf_counter() - t0)
+        return out[5:]
 
     def bulk(self, nbytes: int, both: bool = False) -> float:
         """Bytes/s of one big copy one way (``both``: H2D and D2H at once, summed)."""
@@ -205,45 +201,26 @@ class Rig:
         return [make_offload_key(next(self._ids).to_bytes(8, "little"), 0) for _ in range(n)]
 
 
-Samples = dict[str, dict[int, list[float]]]
-"""Wall seconds per direction ("load", "store") and job size in blocks."""
-FLOOR = "floor"
-
-
-async def single_jobs(rigs: dict[str, Rig], floors: Floors, reps: int) -> dict[str, Samples]:
-    """Every engine's single jobs and the floor's copy, taken rep by rep in a rotating
-    order, so that a slow stretch of the host hits every column alike.
-
-    Measured one engine after the other, the first engine of a layout often ran slower
-    (H200 host: llama8b 1-block loads, the same kernel path, 134 us under ``auto`` and 103 us
-    in the ``kernel`` column of one run), which penalised ``auto``, the first column."""
-    names = [*rigs, FLOOR]
-    out: dict[str, Samples] = {name: {"load": {}, "store": {}} for name in names}
-    block_bytes = next(iter(rigs.values())).block_bytes
+async def single_jobs(rig: Rig, reps: int) -> dict[str, dict[int, list[float]]]:
+    engine = rig.engine
+    out: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
     for n in SINGLE_SIZES:
+        keys = rig.fresh_keys(n)
         blocks = list(range(n))
-        keys = {name: rig.fresh_keys(n) for name, rig in rigs.items()}
-        for name, rig in rigs.items():
-            await rig.engine.store(keys[name], blocks)
-        for direction in ("load", "store"):
-            times: dict[str, list[float]] = {name: [] for name in names}
-            for rep in range(reps + 5):
-                turn = rep % len(names)
-                for name in names[turn:] + names[:turn]:
-                    if name == FLOOR:
-                        times[name].append(floors.once(n * block_bytes, direction == "load"))
-                        continue
-                    rig = rigs[name]
-                    if direction == "load":
-                        t0 = time.perf_counter()
-                        await rig.engine.load(keys[name], blocks)
-                    else:
-                        fresh = rig.fresh_keys(n)
-                        t0 = time.perf_counter()
-                        await rig.engine.store(fresh, blocks)
-                    times[name].append(time.perf_counter() - t0)
-            for name in names:
-                out[name][direction][n] = times[name][5:]
+        await engine.store(keys, blocks)
+        times = []
+        for _ in range(reps + 5):
+            t0 = time.perf_counter()
+            await engine.load(keys, blocks)
+            times.append(time.perf_counter() - t0)
+        out["load"][n] = times[5:]
+        times = []
+        for _ in range(reps + 5):
+            fresh = rig.fresh_keys(n)
+            t0 = time.perf_counter()
+            await engine.store(fresh, blocks)
+            times.append(time.perf_counter() - t0)
+        out["store"][n] = times[5:]
     return out
 
 
@@ -306,25 +283,30 @@ async def stream(
 # -- driver -----------------------------------------------------------------------------------
 
 
-async def bench_streams(rig: Rig, mechanism: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One open engine's streams (the other engines of the layout stay idle meanwhile)."""
+async def bench_engine(
+    layout: Layout, device: str, mechanism: str, args: argparse.Namespace, floors: Floors
+) -> dict[str, Any]:
     tasks = args.tasks
-    streams = [
-        await stream(rig, "loads 4-block", tasks, STREAM_JOB_BLOCKS, tasks, args.stream_s),
-        await stream(rig, "stores 4-block", tasks, STREAM_JOB_BLOCKS, 0, args.stream_s),
-        await stream(rig, "mixed 4-block", tasks, STREAM_JOB_BLOCKS, tasks // 2, args.stream_s),
-        await stream(rig, "loads 1-block", tasks, 1, tasks, args.stream_s),
-    ]
-    describe = rig.engine.worker.handlers if rig.engine.worker is not None else []
-    jobs_by_mechanism = {}
-    for i, h in enumerate(describe):
-        info = h.describe() if hasattr(h, "describe") else {}
-        jobs_by_mechanism[info.get("direction", str(i))] = {
-            k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
-        }
+    rig = Rig(layout, device, mechanism, max(tasks * STREAM_JOB_BLOCKS, max(SINGLE_SIZES)))
+    async with rig.engine:
+        single = await single_jobs(rig, args.reps)
+        streams = [
+            await stream(rig, "loads 4-block", tasks, STREAM_JOB_BLOCKS, tasks, args.stream_s),
+            await stream(rig, "stores 4-block", tasks, STREAM_JOB_BLOCKS, 0, args.stream_s),
+            await stream(rig, "mixed 4-block", tasks, STREAM_JOB_BLOCKS, tasks // 2, args.stream_s),
+            await stream(rig, "loads 1-block", tasks, 1, tasks, args.stream_s),
+        ]
+        describe = rig.engine.worker.handlers if rig.engine.worker is not None else []
+        jobs_by_mechanism = {}
+        for i, h in enumerate(describe):
+            info = h.describe() if hasattr(h, "describe") else {}
+            jobs_by_mechanism[info.get("direction", str(i))] = {
+                k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
+            }
     return {
         "mechanism": mechanism,
         "block_bytes": rig.block_bytes,
+        "single": single,
         "streams": streams,
         "jobs_by_mechanism": jobs_by_mechanism,
     }
@@ -336,10 +318,11 @@ def _us(x: float) -> str:
 
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    """Print and return one layout's tables: each run carries its engine's single jobs
-    (``run["single"]``) and the floor's copies taken between them (``run["floor"]``)."""
     block_bytes = runs[0]["block_bytes"]
-    floor_single = runs[0]["floor"]
+    floor_single = {
+        d: {n: floors.job(n * block_bytes, d == "load", args.reps) for n in SINGLE_SIZES}
+        for d in ("load", "store")
+    }
     one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
         floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
     )  # fmt: skip
@@ -439,20 +422,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         layout = LAYOUTS[name]
         if args.warmup_s > 0:
             await warm_up(layout, device, args)
-        num_gpu_blocks = max(args.tasks * STREAM_JOB_BLOCKS, max(SINGLE_SIZES))
-        rigs = {m: Rig(layout, device, m, num_gpu_blocks) for m in mechanisms}
         runs = []
-        async with contextlib.AsyncExitStack() as stack:
-            for rig in rigs.values():
-                await stack.enter_async_context(rig.engine)
-            single = await single_jobs(rigs, floors, args.reps)
-            for mechanism, rig in rigs.items():
-                run = await bench_streams(rig, mechanism, args)
-                run["single"], run["floor"] = single[mechanism], single[FLOOR]
-                runs.append(run)
-        del rigs
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for mechanism in mechanisms:
+            runs.append(await bench_engine(layout, device, mechanism, args, floors))
+            if device == "cuda":
+                torch.cuda.empty_cache()
         results.append(report(layout, device, runs, floors, args))
     return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
 
