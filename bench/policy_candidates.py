@@ -31,12 +31,38 @@ The candidates, written from their published descriptions:
 * ``probation-main``: the adaptive LRU's two queues (new blocks on probation, used or
   remembered blocks in main, probation age weighted x4) with a history of 8 x capacity
   evicted keys instead of 1 x, so a block reused long after eviction comes back into main.
+* ``lhd`` / ``leaf-lhd``: least hit density (Beckmann, Chen, Cidon, NSDI'18), every block of
+  size 1: per class (a block's access count, capped at 6, remembered for 8 x capacity evicted
+  keys), histograms of the ages at which blocks were hit or evicted (age = block accesses
+  since the block's last access, bins of capacity / 16), decayed x 0.9 and turned into hit
+  density (hits per remaining lifetime at each age) every capacity accesses; the victim is
+  the lowest density among 32 blocks sampled at random (fixed seed). ``leaf-lhd`` samples
+  only leaves of the prefix tree (cached blocks with no cached child), so a prefix never
+  loses a block before its descendants.
+* ``sampled-lru``: the control for the two above: the same leaf sampling, victim = the least
+  recently used of the 32 sampled blocks (what sampling costs by itself).
+* ``lru3``: LRU-K with K = 3 (same paper as ``lru2``), access times kept for 8 x capacity
+  evicted keys; blocks with fewer than 3 accesses first (fewest first, then oldest first
+  access), then the oldest third-last access.
+* ``nextuse``: Belady with estimates: a block's reuse gap g is its own gap (EWMA, kept for
+  8 x capacity evicted keys); a block not reused yet gets the learned mean first-reuse gap
+  divided by the learned probability of a first reuse. Its expected next use is
+  ``t_last + max(g, 2 x age)`` (an overdue block is expected later the longer it stays
+  away); the victim is the later of the heap's largest ``t_last + g`` and the LRU block.
+* ``gdsf-doc`` / ``gdsf-doc2``: GDSF (Cherkasova 1998) with the frequency of the block's
+  *document*: priority = L + requests so far of the request's document (its first block, or
+  its first two blocks), remembered for every document; L = the last victim's priority
+  (inflation); equal priorities go LRU, a store's tail first.
+
+``python -m bench.policy_oracles`` gives ceilings for whole families of such rules (rules
+that know the future counts or the dead blocks exactly).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -422,6 +448,373 @@ class LRU2:
             self._access(k)
 
 
+class _Sampled:
+    """Victims by sampling (LHD's mechanism): 32 random leaves (``leaf``) or blocks, lowest
+    :meth:`_score` goes. Subclasses score; this class keeps the blocks, their last access,
+    their access count (also for 8 x capacity evicted keys) and the prefix tree."""
+
+    sample = 32
+
+    def __init__(self, cap: int, leaf: bool = True, history: float = 8.0) -> None:
+        self.cap = cap
+        self.leaf = leaf
+        self.now = 0
+        self.meta: dict[int, list[int]] = {}  # key -> [last access, accesses]
+        self.pool: list[int] = []  # the blocks victims are sampled from
+        self.pos: dict[int, int] = {}
+        self.parent: dict[int, int] = {}
+        self.children: dict[int, int] = {}  # cached children of each cached block
+        self.ghost: OrderedDict[int, int] = OrderedDict()  # evicted key -> accesses
+        self.history = max(1, int(history * cap))
+        self.rng = random.Random(12345)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.meta
+
+    def _pool_add(self, key: int) -> None:
+        self.pos[key] = len(self.pool)
+        self.pool.append(key)
+
+    def _pool_remove(self, key: int) -> None:
+        i = self.pos.pop(key)
+        last = self.pool.pop()
+        if i < len(self.pool):
+            self.pool[i] = last
+            self.pos[last] = i
+
+    def _learn_tree(self, keys: Sequence[int]) -> None:
+        for i in range(1, len(keys)):
+            self.parent.setdefault(keys[i], keys[i - 1])
+
+    def _hit(self, meta: list[int]) -> None:
+        """A cached block used again (before its meta is updated)."""
+
+    def _evicted(self, meta: list[int]) -> None:
+        """A block evicted (meta as it was)."""
+
+    def _tick(self) -> None:
+        self.now += 1
+
+    def _access(self, key: int) -> None:
+        self._tick()
+        meta = self.meta.get(key)
+        if meta is not None:
+            self._hit(meta)
+            meta[0] = self.now
+            meta[1] += 1
+            return
+        self.meta[key] = [self.now, self.ghost.pop(key, 0) + 1]
+        self.children.setdefault(key, 0)
+        parent = self.parent.get(key)
+        if self.leaf and parent is not None and parent in self.meta:
+            if self.children[parent] == 0:
+                self._pool_remove(parent)
+            self.children[parent] += 1
+        if not self.leaf or self.children[key] == 0:
+            self._pool_add(key)
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        self._learn_tree(keys)
+        for key in reversed(keys):
+            if key in self.meta and key not in new:
+                self._access(key)
+
+    def _score(self, meta: list[int]) -> float:
+        raise NotImplementedError
+
+    def _victim(self, protected: set[int]) -> int | None:
+        best, best_score = None, 0.0
+        pool, meta = self.pool, self.meta
+        for _ in range(self.sample):
+            key = pool[self.rng.randrange(len(pool))]
+            if key in protected:
+                continue
+            score = self._score(meta[key])
+            if best is None or score < best_score:
+                best, best_score = key, score
+        if best is None:  # every sampled block protected: the first unprotected one
+            best = next((k for k in pool if k not in protected), None)
+        return best
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        self._learn_tree(keys)
+        need = len(self.meta) + len(keys) - self.cap
+        while need > 0 and self.pool:
+            key = self._victim(protected)
+            if key is None:
+                break
+            meta = self.meta.pop(key)
+            self._evicted(meta)
+            self._pool_remove(key)
+            del self.children[key]
+            parent = self.parent.get(key)
+            if self.leaf and parent is not None and parent in self.meta:
+                self.children[parent] -= 1
+                if self.children[parent] == 0:
+                    self._pool_add(parent)
+            self.ghost[key] = meta[1]
+            if len(self.ghost) > self.history:
+                self.ghost.popitem(last=False)
+            need -= 1
+        for key in reversed(keys):
+            self._access(key)
+
+
+class SampledLRU(_Sampled):
+    def _score(self, meta: list[int]) -> float:
+        return meta[0]
+
+
+class LHD(_Sampled):
+    """Least hit density over classes of access count (see the module docstring)."""
+
+    classes = 6
+    bins = 512
+
+    def __init__(self, cap: int, leaf: bool = False) -> None:
+        super().__init__(cap, leaf)
+        self.width = max(1, cap // 16)
+        self.hits = [[0.0] * self.bins for _ in range(self.classes + 1)]
+        self.evictions = [[0.0] * self.bins for _ in range(self.classes + 1)]
+        self.density: list[list[float]] | None = None
+        self.period = max(1000, cap)
+        self.since = 0
+
+    def _bin(self, meta: list[int]) -> int:
+        return min((self.now - meta[0]) // self.width, self.bins - 1)
+
+    def _hit(self, meta: list[int]) -> None:
+        self.hits[min(meta[1], self.classes)][self._bin(meta)] += 1
+
+    def _evicted(self, meta: list[int]) -> None:
+        self.evictions[min(meta[1], self.classes)][self._bin(meta)] += 1
+
+    def _tick(self) -> None:
+        self.now += 1
+        self.since += 1
+        if self.since < self.period:
+            return
+        self.since = 0
+        density = []
+        for hits, evictions in zip(self.hits, self.evictions, strict=True):
+            row = [0.0] * self.bins
+            hit_sum = events = lifetime = 0.0
+            for age in range(self.bins - 1, -1, -1):
+                hit_sum += hits[age]
+                events += hits[age] + evictions[age]
+                lifetime += events
+                row[age] = hit_sum / lifetime if lifetime > 0 else 0.0
+                hits[age] *= 0.9
+                evictions[age] *= 0.9
+            density.append(row)
+        self.density = density
+
+    def _score(self, meta: list[int]) -> float:
+        if self.density is None:  # nothing learned yet: LRU
+            return meta[0] - self.now
+        return self.density[min(meta[1], self.classes)][self._bin(meta)]
+
+
+class LRUK:
+    """LRU-K: fewer than K accesses first (fewest, then oldest first access), then the
+    oldest K-th last access; access times kept for ``history`` x capacity evicted keys."""
+
+    def __init__(self, cap: int, k: int = 3, history: float = 8.0) -> None:
+        self.cap = cap
+        self.k = k
+        self.now = 0
+        self.times: dict[int, list[int]] = {}
+        self.entry: dict[int, tuple[int, int, int]] = {}
+        self.heap: list[tuple[int, int, int]] = []
+        self.ghost: OrderedDict[int, None] = OrderedDict()
+        self.history = max(1, int(history * cap))
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entry
+
+    def _access(self, key: int) -> None:
+        self.now += 1
+        self.ghost.pop(key, None)
+        times = self.times.setdefault(key, [])
+        times.append(self.now)
+        if len(times) > self.k:
+            del times[0]
+        e = (min(len(times), self.k), times[0], key)
+        self.entry[key] = e
+        heapq.heappush(self.heap, e)
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k in self.entry and k not in new:
+                self._access(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.entry) + len(keys) - self.cap
+        skipped = []
+        while need > 0 and self.heap:
+            e = heapq.heappop(self.heap)
+            k = e[2]
+            if self.entry.get(k) is not e:
+                continue
+            if k in protected:
+                skipped.append(e)
+                continue
+            del self.entry[k]
+            self.ghost[k] = None
+            if len(self.ghost) > self.history:
+                gone, _ = self.ghost.popitem(last=False)
+                del self.times[gone]
+            need -= 1
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        for k in reversed(keys):
+            self._access(k)
+
+
+class NextUse:
+    """Belady with estimated next uses (see the module docstring)."""
+
+    def __init__(self, cap: int, overdue: float = 2.0, history: float = 8.0) -> None:
+        self.cap = cap
+        self.overdue = overdue
+        self.now = 0
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.meta: dict[int, list[float]] = {}  # key -> [last access, gap (-1: none), stamp]
+        self.heap: list[tuple[float, int, int]] = []  # (-(last + gap), stamp, key)
+        self.ghost: OrderedDict[int, list[float]] = OrderedDict()
+        self.history = max(1, int(history * cap))
+        self.first_gaps = [1.0, float(cap)]  # first reuses seen, sum of their gaps
+        self.first_odds = [1.0, 1.0]  # first reuses seen, blocks evicted before one
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.lru
+
+    def _gap(self, meta: list[float]) -> float:
+        if meta[1] >= 0:
+            return meta[1]
+        mean = self.first_gaps[1] / self.first_gaps[0]
+        return mean * self.first_odds[1] / self.first_odds[0]
+
+    def _expected(self, meta: list[float]) -> float:
+        return meta[0] + max(self._gap(meta), self.overdue * (self.now - meta[0]))
+
+    def _access(self, key: int) -> None:
+        self.now += 1
+        meta = self.meta.get(key) or self.ghost.pop(key, None)
+        if meta is None:
+            meta = [float(self.now), -1.0, 0.0]
+        else:
+            gap = self.now - meta[0]
+            if meta[1] < 0:
+                self.first_gaps[0] += 1
+                self.first_gaps[1] += gap
+                self.first_odds[0] += 1
+                meta[1] = gap
+            else:
+                meta[1] = 0.5 * meta[1] + 0.5 * gap
+            meta[0] = self.now
+        meta[2] = self.now
+        self.meta[key] = meta
+        self.lru[key] = None
+        self.lru.move_to_end(key)
+        heapq.heappush(self.heap, (-(meta[0] + self._gap(meta)), self.now, key))
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        for k in reversed(keys):
+            if k in self.lru and k not in new:
+                self._access(k)
+
+    def _top(self, protected: set[int], skipped: list[tuple[float, int, int]]) -> int | None:
+        heap = self.heap
+        while heap:
+            e = heap[0]
+            meta = self.meta.get(e[2])
+            if meta is None or meta[2] != e[1]:
+                heapq.heappop(heap)
+            elif e[2] in protected:
+                skipped.append(heapq.heappop(heap))
+            else:
+                return e[2]
+        return None
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.lru) + len(keys) - self.cap
+        skipped: list[tuple[float, int, int]] = []
+        while need > 0:
+            top = self._top(protected, skipped)
+            oldest = next((k for k in self.lru if k not in protected), None)
+            if top is None or oldest is None:
+                victim = oldest if top is None else top
+            elif self._expected(self.meta[oldest]) >= self._expected(self.meta[top]):
+                victim = oldest
+            else:
+                victim = top
+            if victim is None:
+                break
+            meta = self.meta.pop(victim)
+            del self.lru[victim]
+            if meta[1] < 0:
+                self.first_odds[1] += 1
+            self.ghost[victim] = meta
+            if len(self.ghost) > self.history:
+                self.ghost.popitem(last=False)
+            need -= 1
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        for k in reversed(keys):
+            self._access(k)
+
+
+class GDSFDoc:
+    """GDSF with per-document request counts (see the module docstring)."""
+
+    def __init__(self, cap: int, depth: int = 1) -> None:
+        self.cap = cap
+        self.depth = depth
+        self.docs: dict[tuple[int, ...], int] = {}
+        self.inflation = 0.0
+        self.now = 0
+        self.entry: dict[int, tuple[float, int, int]] = {}
+        self.heap: list[tuple[float, int, int]] = []
+        self.count = 1
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entry
+
+    def _push(self, key: int) -> None:
+        self.now += 1
+        e = (self.inflation + self.count, self.now, key)
+        self.entry[key] = e
+        heapq.heappush(self.heap, e)
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:  # the request's first touch: one more request of its document
+            doc = tuple(keys[: self.depth])
+            self.count = self.docs[doc] = self.docs.get(doc, 0) + 1
+        for k in reversed(keys):
+            if k in self.entry and k not in new:
+                self._push(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.entry) + len(keys) - self.cap
+        skipped = []
+        while need > 0 and self.heap:
+            e = heapq.heappop(self.heap)
+            k = e[2]
+            if self.entry.get(k) is not e:
+                continue
+            if k in protected:
+                skipped.append(e)
+                continue
+            del self.entry[k]
+            self.inflation = e[0]
+            need -= 1
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        for k in reversed(keys):
+            self._push(k)
+
+
 CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "wtinylfu": WTinyLFU,
@@ -431,6 +824,13 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "probation-main": ProbationMain,
     "lru2": LRU2,
     "lru2-w4": lambda cap: LRU2(cap, weight=4.0),
+    "lhd": LHD,
+    "leaf-lhd": lambda cap: LHD(cap, leaf=True),
+    "sampled-lru": SampledLRU,
+    "lru3": LRUK,
+    "nextuse": NextUse,
+    "gdsf-doc": GDSFDoc,
+    "gdsf-doc2": lambda cap: GDSFDoc(cap, depth=2),
 }
 
 
