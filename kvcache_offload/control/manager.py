@@ -247,6 +247,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
+        recycled: list[tuple[OffloadKey, BlockStatus]] = []  # this call's victims
         if needed > 0:
             victims = None
             if self._num_idle() >= needed:
@@ -263,11 +264,10 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 self._rejected_stores += 1
                 return None
-            free_list = self._free_list
             for key, block in victims:
                 evicted_keys.append(key)
                 block.ref_cnt = -1  # freed slots wait in the state a new store needs
-                free_list.append(block)
+            recycled = victims
             if not self._shared_table:
                 for key in evicted_keys:
                     del table[key]
@@ -276,17 +276,22 @@ class CPUOffloadingManager(OffloadingManager):
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
         # Slots: fresh ids in ascending order first, then freed slots, most recently freed
-        # first. Freed slots keep their BlockStatus (already reset to "being written"), so
-        # steady-state stores allocate nothing.
+        # first: this call's victims last to first (as if pushed on the free list and popped
+        # straight back), then the free list. Freed slots keep their BlockStatus (already
+        # reset to "being written"), so steady-state stores allocate nothing.
         pairs: list[tuple[OffloadKey, BlockStatus]] = []
         block_ids: list[int] = []
         next_fresh = self._num_allocated
         num_blocks = self._num_blocks
         free_list = self._free_list
+        unused = len(recycled)
         for key in keys_to_store:
             if next_fresh < num_blocks:
                 block = BlockStatus(next_fresh)
                 next_fresh += 1
+            elif unused:
+                unused -= 1
+                block = recycled[unused][1]
             else:
                 block = free_list.pop()
             pairs.append((key, block))
