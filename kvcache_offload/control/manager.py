@@ -182,10 +182,10 @@ class CPUOffloadingManager(OffloadingManager):
         """The blocks of ``keys``, checked before anything changes: BlockStateError unless
         every one is present with ``ref_cnt >= min_ref_cnt`` (0: ready, 1: being read)."""
         _check_keys(keys)
-        get = self._blocks.get
+        table = self._blocks
         blocks = []
         for key in keys:
-            block = get(key)
+            block = table.get(key)  # compiled: one C call; a bound ``get`` is a generic call
             if block is None or block.ref_cnt < min_ref_cnt:
                 raise BlockStateError(
                     f"cannot {action} key {key.hex()}: it is {_state_name(block)}, not {wanted}"
@@ -201,19 +201,28 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
         blocks = self._blocks_at_least(keys, 1, "complete a load of", "being read")
-        if len(set(keys)) != len(keys):
-            get = self._blocks.get
+        # A key listed more often than it has loads in flight drives its count below zero:
+        # only then are the counts restored and the offending key named.
+        now_idle = 0
+        overdrawn = False
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                now_idle += 1
+            elif block.ref_cnt < 0:
+                overdrawn = True
+        if overdrawn:
+            for block in blocks:
+                block.ref_cnt += 1
+            table = self._blocks
             for key, count in Counter(keys).items():
-                ref_cnt = get(key).ref_cnt  # type: ignore[union-attr]
+                ref_cnt = table[key].ref_cnt
                 if count > ref_cnt:
                     raise BlockStateError(
                         f"cannot complete {count} loads of key {key.hex()}: only "
                         f"{ref_cnt} in flight"
                     )
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._reading -= 1
+        self._reading -= now_idle
         self._loaded_blocks += len(blocks)
 
     # -- stores --------------------------------------------------------------------------
@@ -223,11 +232,10 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         _check_keys(keys)
         table = self._blocks
-        get = table.get
         keys_to_store: list[OffloadKey] = []
         present: list[BlockStatus] = []
         for key in keys:
-            block = get(key)
+            block = table.get(key)
             if block is None:
                 keys_to_store.append(key)
             elif block.ref_cnt >= 0:
@@ -239,6 +247,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
+        recycled: list[tuple[OffloadKey, BlockStatus]] = []  # this call's victims
         if needed > 0:
             victims = None
             if self._num_idle() >= needed:
@@ -255,11 +264,10 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 self._rejected_stores += 1
                 return None
-            free_list = self._free_list
             for key, block in victims:
                 evicted_keys.append(key)
                 block.ref_cnt = -1  # freed slots wait in the state a new store needs
-                free_list.append(block)
+            recycled = victims
             if not self._shared_table:
                 for key in evicted_keys:
                     del table[key]
@@ -267,35 +275,35 @@ class CPUOffloadingManager(OffloadingManager):
             if self.events is not None:
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
-        new_blocks = self._allocate(len(keys_to_store))
-        pairs = list(zip(keys_to_store, new_blocks, strict=True))
+        # Slots: fresh ids in ascending order first, then freed slots, most recently freed
+        # first: this call's victims last to first (as if pushed on the free list and popped
+        # straight back), then the free list. Freed slots keep their BlockStatus (already
+        # reset to "being written"), so steady-state stores allocate nothing.
+        pairs: list[tuple[OffloadKey, BlockStatus]] = []
+        block_ids: list[int] = []
+        next_fresh = self._num_allocated
+        num_blocks = self._num_blocks
+        free_list = self._free_list
+        unused = len(recycled)
+        for key in keys_to_store:
+            if next_fresh < num_blocks:
+                block = BlockStatus(next_fresh)
+                next_fresh += 1
+            elif unused:
+                unused -= 1
+                block = recycled[unused][1]
+            else:
+                block = free_list.pop()
+            pairs.append((key, block))
+            block_ids.append(block.block_id)
+        self._num_allocated = next_fresh
         if not self._shared_table:
             table.update(pairs)
         self._policy.insert_many(pairs)
         self._writing += len(keys_to_store)
-        block_ids = [block.block_id for block in new_blocks]
         return PrepareStoreOutput(
             keys_to_store, CPULoadStoreSpec.from_owned_list(block_ids), evicted_keys
         )
-
-    def _allocate(self, count: int) -> list[BlockStatus]:
-        """Fresh slots in ascending order first, then freed slots, most recently freed first.
-
-        Freed slots keep their BlockStatus object (already reset to "being written"), so
-        steady-state stores allocate nothing.
-        """
-        start = self._num_allocated
-        fresh = min(count, self._num_blocks - start)
-        blocks = [BlockStatus(block_id) for block_id in range(start, start + fresh)]
-        self._num_allocated = start + fresh
-        reused = count - fresh
-        if reused:
-            free_list = self._free_list
-            recycled = free_list[-reused:]
-            del free_list[-reused:]
-            recycled.reverse()
-            blocks += recycled
-        return blocks
 
     def complete_store(
         self,
@@ -304,25 +312,34 @@ class CPUOffloadingManager(OffloadingManager):
         success: bool = True,
     ) -> None:
         _check_keys(keys)  # before any change: a bad key in the middle must change nothing
-        get = self._blocks.get
+        table = self._blocks
         if success:
-            stored: list[OffloadKey] = []
-            for key in keys:
-                block = get(key)
-                if block is not None and block.ref_cnt == -1:
-                    block.ref_cnt = 0
-                    stored.append(key)
-            self._writing -= len(stored)
-            self._stored_blocks += len(stored)
-            if stored and self.events is not None:
-                self.events.append(OffloadingEvent(stored, MEDIUM, removed=False))
+            events = self.events
+            if events is None:
+                count = 0
+                for key in keys:
+                    block = table.get(key)
+                    if block is not None and block.ref_cnt == -1:
+                        block.ref_cnt = 0
+                        count += 1
+            else:
+                stored: list[OffloadKey] = []
+                for key in keys:
+                    block = table.get(key)
+                    if block is not None and block.ref_cnt == -1:
+                        block.ref_cnt = 0
+                        stored.append(key)
+                count = len(stored)
+                if stored:
+                    events.append(OffloadingEvent(stored, MEDIUM, removed=False))
+            self._writing -= count
+            self._stored_blocks += count
             return
         remove = self._policy.remove
-        table = self._blocks
         free_list = self._free_list
         failed = 0
         for key in keys:
-            block = get(key)
+            block = table.get(key)
             if block is not None and block.ref_cnt == -1:
                 remove(key)
                 if not self._shared_table:
@@ -348,12 +365,11 @@ class CPUOffloadingManager(OffloadingManager):
         land in that key's ready block. :meth:`release_fenced` makes them free again.
         """
         _check_keys(keys)
-        get = self._blocks.get
         remove = self._policy.remove
         table = self._blocks
         fenced: list[int] = []
         for key in keys:
-            block = get(key)
+            block = table.get(key)
             if block is None:
                 continue
             if block.ref_cnt == -1:

@@ -45,10 +45,12 @@ def _next_idle(
     queue: Iterator[tuple[OffloadKey, int]],
     blocks: dict[OffloadKey, BlockStatus],
     protected: Collection[OffloadKey],
+    guarded: bool,
 ) -> tuple[OffloadKey, int] | None:
-    """The next evictable (key, stamp) of a queue's walk, or None at its end."""
+    """The next evictable (key, stamp) of a queue's walk, or None at its end. ``guarded``:
+    whether ``protected`` holds any key at all (the manager passes none)."""
     for key, stamp in queue:
-        if blocks[key].ref_cnt == 0 and key not in protected:
+        if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
             return key, stamp
     return None
 
@@ -188,20 +190,21 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         # Plain iterators and a function, not generators: cheaper when compiled.
         blocks = self._blocks
+        guarded = len(protected) > 0
         on_probation = iter(self._probation.items())
         in_main = iter(self._main.items())
-        p = _next_idle(on_probation, blocks, protected)
-        m = _next_idle(in_main, blocks, protected)
+        p = _next_idle(on_probation, blocks, protected, guarded)
+        m = _next_idle(in_main, blocks, protected, guarded)
         # (key, came from probation), in the order chosen: victims are returned in that order.
         selected: list[tuple[OffloadKey, bool]] = []
         now, weight = self._now, self._duel.weight
         for _ in range(n):
             if p is not None and (m is None or (now - p[1]) * weight >= now - m[1]):
                 selected.append((p[0], True))
-                p = _next_idle(on_probation, blocks, protected)
+                p = _next_idle(on_probation, blocks, protected, guarded)
             elif m is not None:
                 selected.append((m[0], False))
-                m = _next_idle(in_main, blocks, protected)
+                m = _next_idle(in_main, blocks, protected, guarded)
             else:
                 return None
         tails = self._tails

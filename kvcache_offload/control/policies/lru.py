@@ -59,8 +59,9 @@ class LRUCachePolicy(CachePolicy):
         if n <= 0:
             return []
         victims: list[tuple[OffloadKey, BlockStatus]] = []
+        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         for key, block in self.blocks.items():
-            if block.ref_cnt == 0 and key not in protected:
+            if block.ref_cnt == 0 and not (guarded and key in protected):
                 victims.append((key, block))
                 if len(victims) == n:
                     break

@@ -146,12 +146,13 @@ class LRU2CachePolicy(QueuePolicy):
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         blocks = self._blocks
+        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         chosen: list[OffloadKey] = []
         probation = self._probation
         index = probation.first()
         while index >= 0:
             key = probation.key_at(index)
-            if blocks[key].ref_cnt == 0 and key not in protected:
+            if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
                 if len(chosen) == n:
                     break
@@ -171,7 +172,7 @@ class LRU2CachePolicy(QueuePolicy):
             if current != stamp:
                 heap.push(current, key)  # used since: its place is further on
                 continue
-            if blocks[key].ref_cnt == 0 and key not in protected:
+            if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
             else:
                 skipped.append(key)

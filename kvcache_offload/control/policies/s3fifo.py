@@ -29,11 +29,12 @@ def _next_idle(
     keys: Iterator[OffloadKey],
     blocks: dict[OffloadKey, BlockStatus],
     protected: Collection[OffloadKey],
+    guarded: bool,
 ) -> OffloadKey | None:
     """The next evictable key of a queue's walk, or None at its end (a loop, not ``next``:
-    cheaper when compiled)."""
+    cheaper when compiled). ``guarded``: whether ``protected`` holds any key at all."""
     for key in keys:
-        if blocks[key].ref_cnt == 0 and key not in protected:
+        if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
             return key
     return None
 
@@ -126,6 +127,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         sees the keys it re-appends (promotions, reinsertions) after the original ones.
         """
         blocks, freq = self._blocks, self._freq
+        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         small_keys = iter(self._small)
         main = VirtualFifo(self._main)
         new_freq: dict[OffloadKey, int] = {}
@@ -136,7 +138,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         small_done = main_done = False
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
-                key = _next_idle(small_keys, blocks, protected)
+                key = _next_idle(small_keys, blocks, protected, guarded)
                 if key is not None:
                     small_len -= 1
                     if freq[key] > 0:
@@ -152,7 +154,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if main_done:
                 return None
             key = main.pop()
-            while key is not None and (blocks[key].ref_cnt != 0 or key in protected):
+            while key is not None and (blocks[key].ref_cnt != 0 or (guarded and key in protected)):
                 key = main.pop()
             if key is None:
                 main_done = True

@@ -65,6 +65,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         remaining blocks are all pinned or protected.
         """
         blocks, visited = self._blocks, self._visited
+        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         walk = VirtualFifo(chain(self._ahead, self._behind))
         cleared: set[OffloadKey] = set()
         steps: list[tuple[int, OffloadKey]] = []
@@ -75,7 +76,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             key = walk.pop()
             if key is None or idle_steps > limit:
                 return None
-            if blocks[key].ref_cnt != 0 or key in protected:
+            if blocks[key].ref_cnt != 0 or (guarded and key in protected):
                 steps.append((_KEEP, key))
                 walk.append(key)
                 idle_steps += 1
@@ -96,7 +97,9 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         for step, key in steps:
             if not self._ahead:
                 self._ahead, self._behind = self._behind, self._ahead
-            self._ahead.popitem(last=False)
+            # The hand's key is the oldest of ``_ahead``: deleting it by key is
+            # ``popitem(last=False)`` without a method call by name (costly when compiled).
+            del self._ahead[key]
             if step == _EVICT:
                 if key in visited:  # not ``pop``: compiled, a generic method call
                     del visited[key]
