@@ -297,6 +297,8 @@ class CPUOffloadingManager(OffloadingManager):
             pairs.append((key, block))
             block_ids.append(block.block_id)
         self._num_allocated = next_fresh
+        if unused:  # a policy that evicted more than asked: its extra slots stay usable
+            free_list.extend(block for _, block in recycled[:unused])
         if not self._shared_table:
             table.update(pairs)
         self._policy.insert_many(pairs)

@@ -184,3 +184,23 @@ def test_zero_capacity_manager_refuses_every_store() -> None:
     m = CPUOffloadingManager(0, "lru")
     assert m.prepare_store(keys(1)) is None
     assert m.lookup(key(1)) is False
+
+
+def test_a_policy_that_evicts_more_than_asked_loses_no_slot() -> None:
+    # A third-party policy breaking "exactly n": the extra victim's slot stays usable.
+    from kvcache_offload.control.policies import LRUCachePolicy
+
+    class Greedy(LRUCachePolicy):
+        def evict(self, n, protected):  # type: ignore[no-untyped-def]
+            return super().evict(n + 1 if len(self) > n else n, protected)
+
+    m = CPUOffloadingManager(4, Greedy)
+    m.prepare_store(keys(0, 1, 2, 3))
+    m.complete_store(keys(0, 1, 2, 3))
+    out = m.prepare_store(keys(10))  # evicts two blocks for one key
+    assert out is not None and key_ids(out.evicted_keys) == [0, 1]
+    m.complete_store(keys(10))
+    later = m.prepare_store(keys(20))  # the other freed slot: no eviction needed
+    assert later is not None and later.evicted_keys == []
+    slots = out.store_spec.block_ids.tolist() + later.store_spec.block_ids.tolist()
+    assert sorted(slots) == [0, 1]
