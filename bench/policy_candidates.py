@@ -64,7 +64,7 @@ import argparse
 import heapq
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from bench._common import write_json
@@ -253,6 +253,30 @@ class WTinyLFU:
             total -= 1
 
 
+def pop_victims(
+    heap: list[Any], entry: dict[int, Any], need: int, protected: set[int]
+) -> Iterator[Any]:
+    """The ``need`` lowest live, unprotected entries of a lazily deleted heap, each removed
+    from ``entry`` before it is yielded (entries end with ``(..., key)`` at index 2; an
+    entry is live while ``entry[key]`` is it). Protected entries go back on the heap."""
+    skipped = []
+    try:
+        while need > 0 and heap:
+            e = heapq.heappop(heap)
+            key = e[2]
+            if entry.get(key) is not e:
+                continue
+            if key in protected:
+                skipped.append(e)
+                continue
+            del entry[key]
+            need -= 1
+            yield e
+    finally:
+        for e in skipped:
+            heapq.heappush(heap, e)
+
+
 class LFU:
     """LFU (``aging=False``, counts kept forever) or LFU-DA (priority = L + count)."""
 
@@ -287,26 +311,15 @@ class LFU:
 
     def store(self, keys: Sequence[int], protected: set[int]) -> None:
         need = len(self.entry) + len(keys) - self.cap
-        skipped = []
-        while need > 0 and self.heap:
-            e = heapq.heappop(self.heap)
-            k = e[2]
-            if self.entry.get(k) is not e:
-                continue
-            if k in protected:
-                skipped.append(e)
-                continue
-            del self.entry[k]
-            need -= 1
+        for e in pop_victims(self.heap, self.entry, need, protected):
             if self.aging:
+                k = e[2]
                 self.clock = e[0]
                 c = self.count.pop(k)
                 if self.history_size:
                     self.history[k] = c
                     if len(self.history) > self.history_size:
                         self.history.popitem(last=False)
-        for e in skipped:
-            heapq.heappush(self.heap, e)
         for i, k in enumerate(reversed(keys)):
             self.count[k] = self.count.get(k, 0) + self.history.pop(k, 0) + 1
             tail = self.aging and i == 0
@@ -650,23 +663,11 @@ class LRUK:
 
     def store(self, keys: Sequence[int], protected: set[int]) -> None:
         need = len(self.entry) + len(keys) - self.cap
-        skipped = []
-        while need > 0 and self.heap:
-            e = heapq.heappop(self.heap)
-            k = e[2]
-            if self.entry.get(k) is not e:
-                continue
-            if k in protected:
-                skipped.append(e)
-                continue
-            del self.entry[k]
-            self.ghost[k] = None
+        for e in pop_victims(self.heap, self.entry, need, protected):
+            self.ghost[e[2]] = None
             if len(self.ghost) > self.history:
                 gone, _ = self.ghost.popitem(last=False)
                 del self.times[gone]
-            need -= 1
-        for e in skipped:
-            heapq.heappush(self.heap, e)
         for k in reversed(keys):
             self._access(k)
 
@@ -797,20 +798,8 @@ class GDSFDoc:
 
     def store(self, keys: Sequence[int], protected: set[int]) -> None:
         need = len(self.entry) + len(keys) - self.cap
-        skipped = []
-        while need > 0 and self.heap:
-            e = heapq.heappop(self.heap)
-            k = e[2]
-            if self.entry.get(k) is not e:
-                continue
-            if k in protected:
-                skipped.append(e)
-                continue
-            del self.entry[k]
+        for e in pop_victims(self.heap, self.entry, need, protected):
             self.inflation = e[0]
-            need -= 1
-        for e in skipped:
-            heapq.heappush(self.heap, e)
         for k in reversed(keys):
             self._push(k)
 

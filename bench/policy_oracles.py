@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench._common import write_json
-from bench.policy_candidates import LRU, replay
+from bench.policy_candidates import LRU, pop_victims, replay
 from kvcache_offload.lab.belady import belady_hits
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import default_trace_paths, load_trace
@@ -63,18 +63,8 @@ class _CountLFU:
 
     def store(self, keys: Sequence[int], protected: set[int]) -> None:
         need = len(self.entry) + len(keys) - self.cap
-        skipped = []
-        while need > 0 and self.heap:
-            e = heapq.heappop(self.heap)
-            if self.entry.get(e[2]) is not e:
-                continue
-            if e[2] in protected:
-                skipped.append(e)
-                continue
-            del self.entry[e[2]]
-            need -= 1
-        for e in skipped:
-            heapq.heappush(self.heap, e)
+        for _ in pop_victims(self.heap, self.entry, need, protected):
+            pass
         for k in reversed(keys):
             self._push(k)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -390,60 +392,56 @@ class TimedCopies(WatchedOnlyWhenAsked):
         ]
 
 
+@contextlib.asynccontextmanager
+async def _polling(handler: TimedCopies, **kw: Any) -> AsyncIterator[TransferPoller]:
+    """A running poller over ``handler`` (backstop 30 s: a missed end would hang)."""
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, **kw)
+    task = asyncio.create_task(poller.run())
+    try:
+        yield poller
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()
+
+
+async def _one_job(poller: TransferPoller) -> TransferResult:
+    result = await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)
+    assert result.success
+    return result
+
+
 async def test_a_copy_of_predictable_length_is_seen_by_looking_not_by_the_watcher() -> None:
     # Copies of 10 ms, far past the 2 ms look after a submission: the first one, with
     # nothing measured yet, goes to the watcher; later ones end within their predicted
     # length (plus the same 2 ms of slack), so the poller keeps looking and never pays the
     # driver's wake-up.
     handler = TimedCopies(0.01)
-    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.002)
-    task = asyncio.create_task(poller.run())
-    try:
-        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+    async with _polling(handler, completion_spin_s=0.002) as poller:
+        await _one_job(poller)
         first_watches = handler.watch_calls
         assert first_watches >= 1
         for _ in range(5):
-            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+            await _one_job(poller)
         assert handler.watch_calls == first_watches
-    finally:
-        task.cancel()
-        for thread in handler.threads:
-            thread.join()
 
 
 async def test_a_prediction_is_capped() -> None:
     # A copy predicted to take 50 ms is looked for only up to the cap, then watched (each
     # one at least once; uncapped, only the first would be).
     handler = TimedCopies(0.05)
-    poller = TransferPoller(
-        _worker(handler), backstop_s=30.0, completion_spin_s=0.0003, predicted_spin_cap_s=0.005
-    )
-    task = asyncio.create_task(poller.run())
-    try:
+    async with _polling(handler, completion_spin_s=0.0003, predicted_spin_cap_s=0.005) as poller:
         for _ in range(3):
-            assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+            await _one_job(poller)
         assert handler.watch_calls >= 3
-    finally:
-        task.cancel()
-        for thread in handler.threads:
-            thread.join()
 
 
 async def test_a_lone_copy_about_to_end_is_found_by_a_close_look() -> None:
     # 2 ms copies and a 3 ms close look: once a copy's length is known, the poller looks
     # for the next lone copy's end without turning the loop, and still reports it exactly.
     handler = TimedCopies(0.002)
-    poller = TransferPoller(
-        _worker(handler), backstop_s=30.0, completion_spin_s=0.002, close_look_s=0.003
-    )
-    task = asyncio.create_task(poller.run())
-    try:
+    async with _polling(handler, completion_spin_s=0.002, close_look_s=0.003) as poller:
         for _ in range(4):
-            result = await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)
-            assert result.success and result.transfer_time == 0.002
+            assert (await _one_job(poller)).transfer_time == 0.002
         assert poller.close_finds >= 1
         assert poller.in_flight == 0
-    finally:
-        task.cancel()
-        for thread in handler.threads:
-            thread.join()
