@@ -154,10 +154,10 @@ class TransferPoller:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         now = time.perf_counter()
-        blocks, source = _blocks_and_source(spec)
-        job = self._jobs[job_id] = _Job(loop.create_future(), on_done, now, blocks, source)
+        job = self._jobs[job_id] = _Job(loop.create_future(), on_done, now, 0, "")
         self._last_activity = now
-        if self.on_demand:
+        if self.on_demand:  # only a poller that looks by itself predicts ends
+            job.blocks, job.source = blocks, source = _blocks_and_source(spec)
             ends = self._copy_clock.expect(source, blocks, now)
             if ends > now:
                 job.ends = ends
@@ -204,7 +204,7 @@ class TransferPoller:
             if job is None:
                 logger.warning("worker reported unknown job %d", result.job_id)
                 continue
-            if len(results) == 1 and result.transfer_time:
+            if len(results) == 1 and result.transfer_time and job.blocks:
                 # Jobs that end together may have shared one copy (a batch), whose time
                 # each reports: only a lone end times one job's blocks.
                 self._copy_clock.observe(job.source, job.blocks, result.transfer_time)

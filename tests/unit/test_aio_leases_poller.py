@@ -412,12 +412,12 @@ async def _one_job(poller: TransferPoller) -> TransferResult:
 
 
 async def test_a_copy_of_predictable_length_is_seen_by_looking_not_by_the_watcher() -> None:
-    # Copies of 10 ms, far past the 2 ms look after a submission: the first one, with
+    # Copies of 60 ms, far past the 20 ms look after a submission: the first one, with
     # nothing measured yet, goes to the watcher; later ones end within their predicted
-    # length (plus the same 2 ms of slack), so the poller keeps looking and never pays the
-    # driver's wake-up.
-    handler = TimedCopies(0.01)
-    async with _polling(handler, completion_spin_s=0.002) as poller:
+    # length (plus the same 20 ms of slack, ample for a busy host's scheduling), so the
+    # poller keeps looking and never pays the driver's wake-up.
+    handler = TimedCopies(0.06)
+    async with _polling(handler, completion_spin_s=0.02, predicted_spin_cap_s=0.2) as poller:
         await _one_job(poller)
         first_watches = handler.watch_calls
         assert first_watches >= 1
@@ -437,11 +437,11 @@ async def test_a_prediction_is_capped() -> None:
 
 
 async def test_a_lone_copy_about_to_end_is_found_by_a_close_look() -> None:
-    # 2 ms copies and a 3 ms close look: once a copy's length is known, the poller looks
+    # 5 ms copies and a 20 ms close look: once a copy's length is known, the poller looks
     # for the next lone copy's end without turning the loop, and still reports it exactly.
-    handler = TimedCopies(0.002)
-    async with _polling(handler, completion_spin_s=0.002, close_look_s=0.003) as poller:
+    handler = TimedCopies(0.005)
+    async with _polling(handler, completion_spin_s=0.02, close_look_s=0.02) as poller:
         for _ in range(4):
-            assert (await _one_job(poller)).transfer_time == 0.002
+            assert (await _one_job(poller)).transfer_time == 0.005
         assert poller.close_finds >= 1
         assert poller.in_flight == 0
