@@ -804,6 +804,99 @@ class GDSFDoc:
             self._push(k)
 
 
+def _doc_of(keys: Sequence[int], children: dict[int, set[int]]) -> int:
+    """A request's document: its first block with fewer than two distinct children so far
+    (the blocks above it are shared roots, such as a system prompt every request starts
+    with). Registers the request's parent -> child links afterwards."""
+    doc = keys[-1]
+    for k in keys:
+        if len(children.get(k, ())) < 2:
+            doc = k
+            break
+    for a, b in zip(keys, keys[1:], strict=False):
+        children.setdefault(a, set()).add(b)
+    return doc
+
+
+def _selected(doc: int, share: float) -> bool:
+    """Whether a document falls in the hashed ``share`` of all documents (nested in share)."""
+    h = ((doc * 0x9E3779B97F4A7C15) >> 11) & 0xFFFFF
+    return h < share * 0x100000
+
+
+class DocInsert(LRU):
+    """LRU that keeps only a hashed share of the documents (see the module docstring):
+    a stored suffix goes to the MRU end when its document is selected (or, with
+    ``reused``, requested before), else to the LRU end (first to go, tail first)."""
+
+    def __init__(self, cap: int, share: float = 0.25, reused: bool = True) -> None:
+        super().__init__(cap)
+        self.share = share
+        self.reused = reused
+        self.children: dict[int, set[int]] = {}
+        self.requests: dict[int, int] = {}
+        self.keep = True
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            doc = _doc_of(keys, self.children)
+            seen = self.requests.get(doc, 0)
+            self.requests[doc] = seen + 1
+            self.keep = _selected(doc, self.share) or (self.reused and seen > 0)
+        for k in reversed(keys):
+            if k in self.q and k not in new:
+                self.q.move_to_end(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        if not self.keep:
+            for k in keys:
+                self.q.move_to_end(k, last=False)
+
+
+def _step(policy: Policy, keys: Sequence[int]) -> int:
+    """One request of the replay driver on ``policy``; returns its prefix hits."""
+    n = 0
+    for key in keys:
+        if key not in policy:
+            break
+        n += 1
+    policy.touch(keys, frozenset())
+    missing = [k for k in dict.fromkeys(keys) if k not in policy]
+    if missing and len(missing) <= policy.cap:
+        policy.store(missing, {k for k in keys if k in policy})
+        policy.touch(keys, frozenset(missing))
+    return n
+
+
+class DuelDoc(DocInsert):
+    """:class:`DocInsert` whose share (and reused rule) follow the best of full-size
+    replicas, one per setting, scored on hits decayed by half every ``period`` x capacity
+    requested blocks (set dueling, Qureshi et al., ISCA'07, with whole replicas)."""
+
+    settings = ((1.0, True), (0.5, True), (0.25, True), (0.125, True),
+                (0.25, False), (0.125, False), (0.0625, False))  # fmt: skip
+
+    def __init__(self, cap: int, period: float = 2.0) -> None:
+        super().__init__(cap, 1.0)
+        self.replicas = [DocInsert(cap, f, r) for f, r in self.settings]
+        self.scores = [0.0] * len(self.replicas)
+        self.period = max(1, int(period * cap))
+        self.seen = 0
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            for i, r in enumerate(self.replicas):
+                self.scores[i] += _step(r, keys)
+            self.seen += len(keys)
+            if self.seen >= self.period:
+                self.seen = 0
+                self.scores = [x / 2 for x in self.scores]
+            best = max(range(len(self.scores)), key=self.scores.__getitem__)
+            self.share, self.reused = self.settings[best]
+        super().touch(keys, new)
+
+
 CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "wtinylfu": WTinyLFU,
@@ -820,6 +913,11 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "nextuse": NextUse,
     "gdsf-doc": GDSFDoc,
     "gdsf-doc2": lambda cap: GDSFDoc(cap, depth=2),
+    "doc-half": lambda cap: DocInsert(cap, 0.5),
+    "doc-quarter": lambda cap: DocInsert(cap, 0.25),
+    "doc-eighth": lambda cap: DocInsert(cap, 0.125),
+    "doc-quarter-hash": lambda cap: DocInsert(cap, 0.25, reused=False),
+    "doc-duel": DuelDoc,
 }
 
 
