@@ -897,6 +897,227 @@ class DuelDoc(DocInsert):
         super().touch(keys, new)
 
 
+class LRU2Doc(LRU2):
+    """:class:`LRU2` whose once-seen blocks of unselected documents (a hashed ``share``,
+    as in :class:`DocInsert`) enter probation at its LRU end instead of its MRU end."""
+
+    def __init__(self, cap: int, share: float = 0.25) -> None:
+        super().__init__(cap)
+        self.share = share
+        self.children: dict[int, set[int]] = {}
+        self.keep = True
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            self.keep = _selected(_doc_of(keys, self.children), self.share)
+        super().touch(keys, new)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        if not self.keep:
+            for k in keys:
+                if k in self.prob:
+                    self.prob.move_to_end(k, last=False)
+
+
+class DuelLRU2Doc(LRU2Doc):
+    """:class:`LRU2Doc` whose share follows the best of full-size replicas (as
+    :class:`DuelDoc`)."""
+
+    shares = (1.0, 0.5, 0.25, 0.125, 0.0625)
+
+    def __init__(self, cap: int, period: float = 2.0) -> None:
+        super().__init__(cap, 1.0)
+        self.replicas = [LRU2Doc(cap, f) for f in self.shares]
+        self.scores = [0.0] * len(self.replicas)
+        self.period = max(1, int(period * cap))
+        self.seen = 0
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            for i, r in enumerate(self.replicas):
+                self.scores[i] += _step(r, keys)
+            self.seen += len(keys)
+            if self.seen >= self.period:
+                self.seen = 0
+                self.scores = [x / 2 for x in self.scores]
+            self.share = self.shares[max(range(len(self.scores)), key=self.scores.__getitem__)]
+        super().touch(keys, new)
+
+
+class DocNextUse:
+    """Belady with a per-document model of *when* a document returns (see the module
+    docstring): every block below a request's shared roots belongs to the document of the
+    last request that used it, and documents go by expected next request, deepest block
+    first. Each request's last stored block goes before all of them, shared roots after."""
+
+    levels = 8
+
+    def __init__(self, cap: int, overdue: float = 2.0) -> None:
+        self.cap = cap
+        self.overdue = overdue
+        self.now = 0  # requests so far
+        self.children: dict[int, set[int]] = {}
+        self.owner: dict[int, int] = {}  # cached block -> its document (-1: root, -2: dead)
+        self.depth: dict[int, int] = {}
+        self.dead: OrderedDict[int, None] = OrderedDict()
+        self.roots: OrderedDict[int, None] = OrderedDict()
+        self.blocks: dict[int, list[tuple[int, int]]] = {}  # doc -> heap of (-depth, key)
+        self.docs: dict[int, list[float]] = {}  # doc -> [requests, last request, own gap]
+        self.recent: OrderedDict[int, None] = OrderedDict()  # docs with blocks, LRU order
+        self.heap: list[tuple[float, int, int]] = []  # (-static expected, stamp, doc)
+        self.stamp: dict[int, int] = {}
+        self.reached = [1.0] * (self.levels + 1)
+        self.returned = [1.0] * (self.levels + 1)
+        self.gaps = [float(cap)] * (self.levels + 1)
+        self.doc = -1
+        self.index: dict[int, int] = {}
+        self.last = -1
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.owner
+
+    def _gap(self, doc: int) -> float:
+        n, _, own = self.docs[doc]
+        lv = min(int(n), self.levels)
+        mean = self.gaps[lv] / self.returned[lv]
+        gap = own if own > 0 and n >= 3 else mean
+        return gap * self.reached[lv] / self.returned[lv]
+
+    def _expected(self, doc: int) -> float:
+        last = self.docs[doc][1]
+        return last + max(self._gap(doc), self.overdue * (self.now - last))
+
+    def _push_doc(self, doc: int) -> None:
+        st = self.stamp.get(doc, 0) + 1
+        self.stamp[doc] = st
+        heapq.heappush(self.heap, (-(self.docs[doc][1] + self._gap(doc)), st, doc))
+        self.recent[doc] = None
+        self.recent.move_to_end(doc)
+
+    def _own(self, key: int, doc: int, depth: int) -> None:
+        self.dead.pop(key, None)
+        self.roots.pop(key, None)
+        self.owner[key] = doc
+        if doc == -1:
+            self.roots[key] = None
+        elif doc == -2:
+            self.dead[key] = None
+        else:
+            self.depth[key] = depth
+            heapq.heappush(self.blocks.setdefault(doc, []), (-depth, key))
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if new:
+            return
+        self.now += 1
+        doc = _doc_of(keys, self.children)
+        meta = self.docs.get(doc)
+        if meta is None:
+            meta = self.docs[doc] = [0.0, float(self.now), -1.0]
+        else:
+            lv = min(int(meta[0]), self.levels)
+            gap = self.now - meta[1]
+            self.returned[lv] += 1
+            self.gaps[lv] += gap
+            meta[2] = gap if meta[2] < 0 else 0.5 * meta[2] + 0.5 * gap
+        meta[0] += 1
+        meta[1] = float(self.now)
+        self.reached[min(int(meta[0]), self.levels)] += 1
+        self.doc = doc
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.last = keys[-1]
+        root = True
+        for i, k in enumerate(keys):
+            if k == doc:
+                root = False
+            if k in self.owner:
+                self._own(k, -1 if root else doc, i)
+        self._push_doc(doc)
+
+    def _pop_deepest(self, doc: int, protected: set[int]) -> int | None:
+        heap = self.blocks.get(doc)
+        skipped = []
+        found = None
+        while heap:
+            d, k = heapq.heappop(heap)
+            if self.owner.get(k) != doc or self.depth.get(k) != -d:
+                continue
+            if k in protected:
+                skipped.append((d, k))
+                continue
+            found = k
+            break
+        if heap is None:
+            self.recent.pop(doc, None)
+            return None
+        for e in skipped:
+            heapq.heappush(heap, e)
+        if not heap:
+            del self.blocks[doc]
+            self.recent.pop(doc, None)
+        return found
+
+    def _victim(self, protected: set[int]) -> int | None:
+        for q in (self.dead,):
+            for k in q:
+                if k not in protected:
+                    return k
+        tried: set[int] = set()
+        skipped = []
+        found = None
+        while found is None:
+            top = None
+            while self.heap:
+                e = self.heap[0]
+                if self.stamp.get(e[2]) != e[1] or e[2] not in self.blocks or e[2] in tried:
+                    heapq.heappop(self.heap)
+                    if self.stamp.get(e[2]) == e[1] and e[2] in tried:
+                        skipped.append(e)
+                    continue
+                top = e[2]
+                break
+            oldest = next((d for d in self.recent if d not in tried), None)
+            if top is None and oldest is None:
+                break
+            if top is None or (oldest is not None and self._expected(oldest) >= self._expected(top)):
+                doc = oldest
+            else:
+                doc = top
+            assert doc is not None
+            found = self._pop_deepest(doc, protected)
+            if found is None:
+                tried.add(doc)
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        if found is None:
+            found = next((k for k in self.roots if k not in protected), None)
+        return found
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.owner) + len(keys) - self.cap
+        while need > 0:
+            v = self._victim(protected)
+            if v is None:
+                break
+            doc = self.owner.pop(v)
+            self.dead.pop(v, None)
+            self.roots.pop(v, None)
+            self.depth.pop(v, None)
+            need -= 1
+        doc = self.doc
+        root = True
+        order = sorted(keys, key=lambda k: self.index.get(k, 0))
+        doc_i = self.index.get(doc, 0)
+        for k in order:
+            i = self.index.get(k, 0)
+            if k == self.last and k in keys:
+                self._own(k, -2, i)
+            else:
+                self._own(k, -1 if i < doc_i else doc, i)
+        self._push_doc(doc)
+
+
 CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "wtinylfu": WTinyLFU,
@@ -918,6 +1139,10 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "doc-eighth": lambda cap: DocInsert(cap, 0.125),
     "doc-quarter-hash": lambda cap: DocInsert(cap, 0.25, reused=False),
     "doc-duel": DuelDoc,
+    "lru2-doc-quarter": LRU2Doc,
+    "lru2-doc-eighth": lambda cap: LRU2Doc(cap, 0.125),
+    "lru2-doc-duel": DuelLRU2Doc,
+    "doc-nextuse": DocNextUse,
 }
 
 
