@@ -829,10 +829,13 @@ class DocInsert(LRU):
     a stored suffix goes to the MRU end when its document is selected (or, with
     ``reused``, requested before), else to the LRU end (first to go, tail first)."""
 
-    def __init__(self, cap: int, share: float = 0.25, reused: bool = True) -> None:
+    def __init__(
+        self, cap: int, share: float = 0.25, reused: bool = True, both: bool = False
+    ) -> None:
         super().__init__(cap)
         self.share = share
         self.reused = reused
+        self.both = both
         self.children: dict[int, set[int]] = {}
         self.requests: dict[int, int] = {}
         self.keep = True
@@ -842,7 +845,10 @@ class DocInsert(LRU):
             doc = _doc_of(keys, self.children)
             seen = self.requests.get(doc, 0)
             self.requests[doc] = seen + 1
-            self.keep = _selected(doc, self.share) or (self.reused and seen > 0)
+            if self.both:  # a selected document, requested before
+                self.keep = seen > 0 and _selected(doc, self.share)
+            else:
+                self.keep = _selected(doc, self.share) or (self.reused and seen > 0)
         for k in reversed(keys):
             if k in self.q and k not in new:
                 self.q.move_to_end(k)
@@ -1139,6 +1145,10 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "doc-eighth": lambda cap: DocInsert(cap, 0.125),
     "doc-quarter-hash": lambda cap: DocInsert(cap, 0.25, reused=False),
     "doc-duel": DuelDoc,
+    "doc-reused-quarter": lambda cap: DocInsert(cap, 0.25, both=True),
+    "doc-reused-eighth": lambda cap: DocInsert(cap, 0.125, both=True),
+    "doc-reused-16th": lambda cap: DocInsert(cap, 1 / 16, both=True),
+    "doc-reused-32nd": lambda cap: DocInsert(cap, 1 / 32, both=True),
     "lru2-doc-quarter": LRU2Doc,
     "lru2-doc-eighth": lambda cap: LRU2Doc(cap, 0.125),
     "lru2-doc-duel": DuelLRU2Doc,
