@@ -1124,6 +1124,69 @@ class DocNextUse:
         self._push_doc(doc)
 
 
+class GhostAdmit(LRU):
+    """LRU with a learned dead-block admission predictor (see the module docstring): each
+    stored block gets a feature bucket (distance from the request's end 0/1/2/3+, requests
+    of its document before 0-3/4+, whether the request hit past its shared roots); a table
+    learns per bucket how many stored blocks were used again within ``horizon`` x capacity
+    requested blocks. A block whose bucket's estimate is below ``threshold`` enters at the
+    LRU end (first to go), the others at the MRU end."""
+
+    def __init__(self, cap: int, threshold: float = 0.2, horizon: float = 8.0) -> None:
+        super().__init__(cap)
+        self.threshold = threshold
+        self.horizon = max(1, int(horizon * cap))
+        self.children: dict[int, set[int]] = {}
+        self.requests: dict[int, int] = {}
+        self.table: dict[tuple[int, int, bool], list[int]] = {}  # bucket -> [reused, all]
+        self.pending: OrderedDict[int, tuple[tuple[int, int, bool], int]] = OrderedDict()
+        self.clock = 0
+        self.buckets: dict[int, tuple[int, int, bool]] = {}
+
+    def _learn(self, keys: Sequence[int]) -> None:
+        for k in keys:
+            got = self.pending.pop(k, None)
+            if got is not None:
+                self.table[got[0]][0] += 1
+        while self.pending:
+            k, (bucket, t) = next(iter(self.pending.items()))
+            if self.clock - t < self.horizon:
+                break
+            del self.pending[k]
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            self.clock += len(keys)
+            self._learn(keys)
+            doc = _doc_of(keys, self.children)
+            seen = self.requests.get(doc, 0)
+            self.requests[doc] = seen + 1
+            d = keys.index(doc) if doc in keys else 0
+            n = 0
+            for k in keys:
+                if k not in self.q:
+                    break
+                n += 1
+            deep = n > d
+            last = len(keys) - 1
+            self.buckets = {
+                k: (min(last - i, 3), min(seen, 4), deep) for i, k in enumerate(keys)
+            }
+        for k in reversed(keys):
+            if k in self.q and k not in new:
+                self.q.move_to_end(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        for k in reversed(keys):
+            bucket = self.buckets.get(k, (3, 0, False))
+            row = self.table.setdefault(bucket, [0, 0])
+            if (row[0] + 1) / (row[1] + 2) < self.threshold:
+                self.q.move_to_end(k, last=False)
+            row[1] += 1
+            self.pending[k] = (bucket, self.clock)
+
+
 CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "wtinylfu": WTinyLFU,
@@ -1153,6 +1216,8 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru2-doc-eighth": lambda cap: LRU2Doc(cap, 0.125),
     "lru2-doc-duel": DuelLRU2Doc,
     "doc-nextuse": DocNextUse,
+    "ghost-admit": GhostAdmit,
+    "ghost-admit-5": lambda cap: GhostAdmit(cap, threshold=0.05),
 }
 
 
