@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -813,7 +814,7 @@ def _doc_of(keys: Sequence[int], children: dict[int, set[int]]) -> int:
         if len(children.get(k, ())) < 2:
             doc = k
             break
-    for a, b in zip(keys, keys[1:], strict=False):
+    for a, b in itertools.pairwise(keys):
         children.setdefault(a, set()).add(b)
     return doc
 
@@ -1065,10 +1066,9 @@ class DocNextUse:
         return found
 
     def _victim(self, protected: set[int]) -> int | None:
-        for q in (self.dead,):
-            for k in q:
-                if k not in protected:
-                    return k
+        for k in self.dead:
+            if k not in protected:
+                return k
         tried: set[int] = set()
         skipped = []
         found = None
@@ -1086,11 +1086,12 @@ class DocNextUse:
             oldest = next((d for d in self.recent if d not in tried), None)
             if top is None and oldest is None:
                 break
-            if top is None or (oldest is not None and self._expected(oldest) >= self._expected(top)):
+            if oldest is not None and (
+                top is None or self._expected(oldest) >= self._expected(top)
+            ):
                 doc = oldest
             else:
                 doc = top
-            assert doc is not None
             found = self._pop_deepest(doc, protected)
             if found is None:
                 tried.add(doc)
@@ -1106,13 +1107,12 @@ class DocNextUse:
             v = self._victim(protected)
             if v is None:
                 break
-            doc = self.owner.pop(v)
+            del self.owner[v]
             self.dead.pop(v, None)
             self.roots.pop(v, None)
             self.depth.pop(v, None)
             need -= 1
         doc = self.doc
-        root = True
         order = sorted(keys, key=lambda k: self.index.get(k, 0))
         doc_i = self.index.get(doc, 0)
         for k in order:
@@ -1149,7 +1149,7 @@ class GhostAdmit(LRU):
             if got is not None:
                 self.table[got[0]][0] += 1
         while self.pending:
-            k, (bucket, t) = next(iter(self.pending.items()))
+            k, (_, t) = next(iter(self.pending.items()))
             if self.clock - t < self.horizon:
                 break
             del self.pending[k]
@@ -1169,9 +1169,7 @@ class GhostAdmit(LRU):
                 n += 1
             deep = n > d
             last = len(keys) - 1
-            self.buckets = {
-                k: (min(last - i, 3), min(seen, 4), deep) for i, k in enumerate(keys)
-            }
+            self.buckets = {k: (min(last - i, 3), min(seen, 4), deep) for i, k in enumerate(keys)}
         for k in reversed(keys):
             if k in self.q and k not in new:
                 self.q.move_to_end(k)
