@@ -54,8 +54,31 @@ The candidates, written from their published descriptions:
   its first two blocks), remembered for every document; L = the last victim's priority
   (inflation); equal priorities go LRU, a store's tail first.
 
-``python -m bench.policy_oracles`` gives ceilings for whole families of such rules (rules
-that know the future counts or the dead blocks exactly).
+* ``doc-half`` / ``doc-quarter`` / ``doc-eighth``: LRU keeping a hashed share (1/2, 1/4,
+  1/8) of the documents (a request's document: its first block with fewer than two distinct
+  children so far) plus every document requested before: their stored suffixes enter at the
+  MRU end, the others at the LRU end, tail first (bimodal insertion, Qureshi et al.,
+  ISCA'07, per document). ``doc-quarter-hash`` keeps only the hashed quarter;
+  ``doc-reused-*`` only the hashed share of the documents requested before.
+* ``doc-duel``: the share of ``doc-*`` (and whether reused documents are kept) follows the
+  best of seven full-size replicas, scored on hits halved every 2 x capacity requested blocks.
+* ``lru2-doc-quarter`` / ``lru2-doc-eighth`` / ``lru2-doc-duel``: ``lru2`` whose once-seen
+  blocks of unselected documents enter probation at its LRU end; the duel picks the share
+  among 1, 1/2, 1/4, 1/8 and 1/16 the same way.
+* ``ghost-admit`` / ``ghost-admit-5``: LRU with a dead-block predictor learned online: per
+  feature bucket (distance from the request's end, earlier requests of the document,
+  whether the request hit past its shared roots) the share of stored blocks used again
+  within 8 x capacity requested blocks; blocks whose bucket is below 0.2 (0.05) enter at the
+  LRU end.
+* ``doc-nextuse``: Belady with a per-document model of when a document returns: per number
+  of requests so far, the learned odds of a return and mean gap (the document's own gap from
+  its third request on); expected next request = last + gap / odds, at least 2 x the time
+  away; the deepest block of the document expected last goes first, each request's last
+  stored block before everything, shared roots after.
+
+``python -m bench.policy_features`` shows what such features know about whether a new
+suffix comes back. ``python -m bench.policy_oracles`` gives ceilings for whole families of
+such rules (rules that know the future counts or the dead blocks exactly).
 """
 
 from __future__ import annotations
