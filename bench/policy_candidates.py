@@ -54,14 +54,38 @@ The candidates, written from their published descriptions:
   its first two blocks), remembered for every document; L = the last victim's priority
   (inflation); equal priorities go LRU, a store's tail first.
 
-``python -m bench.policy_oracles`` gives ceilings for whole families of such rules (rules
-that know the future counts or the dead blocks exactly).
+* ``doc-half`` / ``doc-quarter`` / ``doc-eighth``: LRU keeping a hashed share (1/2, 1/4,
+  1/8) of the documents (a request's document: its first block with fewer than two distinct
+  children so far) plus every document requested before: their stored suffixes enter at the
+  MRU end, the others at the LRU end, tail first (bimodal insertion, Qureshi et al.,
+  ISCA'07, per document). ``doc-quarter-hash`` keeps only the hashed quarter;
+  ``doc-reused-*`` only the hashed share of the documents requested before.
+* ``doc-duel``: the share of ``doc-*`` (and whether reused documents are kept) follows the
+  best of seven full-size replicas, scored on hits halved every 2 x capacity requested blocks.
+* ``lru2-doc-quarter`` / ``lru2-doc-eighth`` / ``lru2-doc-duel``: ``lru2`` whose once-seen
+  blocks of unselected documents enter probation at its LRU end; the duel picks the share
+  among 1, 1/2, 1/4, 1/8 and 1/16 the same way.
+* ``ghost-admit`` / ``ghost-admit-5``: LRU with a dead-block predictor learned online: per
+  feature bucket (distance from the request's end, earlier requests of the document,
+  whether the request hit past its shared roots) the share of stored blocks used again
+  within 8 x capacity requested blocks; blocks whose bucket is below 0.2 (0.05) enter at the
+  LRU end.
+* ``doc-nextuse``: Belady with a per-document model of when a document returns: per number
+  of requests so far, the learned odds of a return and mean gap (the document's own gap from
+  its third request on); expected next request = last + gap / odds, at least 2 x the time
+  away; the deepest block of the document expected last goes first, each request's last
+  stored block before everything, shared roots after.
+
+``python -m bench.policy_features`` shows what such features know about whether a new
+suffix comes back. ``python -m bench.policy_oracles`` gives ceilings for whole families of
+such rules (rules that know the future counts or the dead blocks exactly).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -804,6 +828,386 @@ class GDSFDoc:
             self._push(k)
 
 
+def _doc_of(keys: Sequence[int], children: dict[int, set[int]]) -> int:
+    """A request's document: its first block with fewer than two distinct children so far
+    (the blocks above it are shared roots, such as a system prompt every request starts
+    with). Registers the request's parent -> child links afterwards."""
+    doc = keys[-1]
+    for k in keys:
+        if len(children.get(k, ())) < 2:
+            doc = k
+            break
+    for a, b in itertools.pairwise(keys):
+        children.setdefault(a, set()).add(b)
+    return doc
+
+
+def _selected(doc: int, share: float) -> bool:
+    """Whether a document falls in the hashed ``share`` of all documents (nested in share)."""
+    h = ((doc * 0x9E3779B97F4A7C15) >> 11) & 0xFFFFF
+    return h < share * 0x100000
+
+
+class DocInsert(LRU):
+    """LRU that keeps only a hashed share of the documents (see the module docstring):
+    a stored suffix goes to the MRU end when its document is selected (or, with
+    ``reused``, requested before), else to the LRU end (first to go, tail first)."""
+
+    def __init__(
+        self, cap: int, share: float = 0.25, reused: bool = True, both: bool = False
+    ) -> None:
+        super().__init__(cap)
+        self.share = share
+        self.reused = reused
+        self.both = both
+        self.children: dict[int, set[int]] = {}
+        self.requests: dict[int, int] = {}
+        self.keep = True
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            doc = _doc_of(keys, self.children)
+            seen = self.requests.get(doc, 0)
+            self.requests[doc] = seen + 1
+            if self.both:  # a selected document, requested before
+                self.keep = seen > 0 and _selected(doc, self.share)
+            else:
+                self.keep = _selected(doc, self.share) or (self.reused and seen > 0)
+        for k in reversed(keys):
+            if k in self.q and k not in new:
+                self.q.move_to_end(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        if not self.keep:
+            for k in keys:
+                self.q.move_to_end(k, last=False)
+
+
+def _step(policy: Policy, keys: Sequence[int]) -> int:
+    """One request of the replay driver on ``policy``; returns its prefix hits."""
+    n = 0
+    for key in keys:
+        if key not in policy:
+            break
+        n += 1
+    policy.touch(keys, frozenset())
+    missing = [k for k in dict.fromkeys(keys) if k not in policy]
+    if missing and len(missing) <= policy.cap:
+        policy.store(missing, {k for k in keys if k in policy})
+        policy.touch(keys, frozenset(missing))
+    return n
+
+
+class DuelDoc(DocInsert):
+    """:class:`DocInsert` whose share (and reused rule) follow the best of full-size
+    replicas, one per setting, scored on hits decayed by half every ``period`` x capacity
+    requested blocks (set dueling, Qureshi et al., ISCA'07, with whole replicas)."""
+
+    settings = ((1.0, True), (0.5, True), (0.25, True), (0.125, True),
+                (0.25, False), (0.125, False), (0.0625, False))  # fmt: skip
+
+    def __init__(self, cap: int, period: float = 2.0) -> None:
+        super().__init__(cap, 1.0)
+        self.replicas = [DocInsert(cap, f, r) for f, r in self.settings]
+        self.scores = [0.0] * len(self.replicas)
+        self.period = max(1, int(period * cap))
+        self.seen = 0
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            for i, r in enumerate(self.replicas):
+                self.scores[i] += _step(r, keys)
+            self.seen += len(keys)
+            if self.seen >= self.period:
+                self.seen = 0
+                self.scores = [x / 2 for x in self.scores]
+            best = max(range(len(self.scores)), key=self.scores.__getitem__)
+            self.share, self.reused = self.settings[best]
+        super().touch(keys, new)
+
+
+class LRU2Doc(LRU2):
+    """:class:`LRU2` whose once-seen blocks of unselected documents (a hashed ``share``,
+    as in :class:`DocInsert`) enter probation at its LRU end instead of its MRU end."""
+
+    def __init__(self, cap: int, share: float = 0.25) -> None:
+        super().__init__(cap)
+        self.share = share
+        self.children: dict[int, set[int]] = {}
+        self.keep = True
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            self.keep = _selected(_doc_of(keys, self.children), self.share)
+        super().touch(keys, new)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        if not self.keep:
+            for k in keys:
+                if k in self.prob:
+                    self.prob.move_to_end(k, last=False)
+
+
+class DuelLRU2Doc(LRU2Doc):
+    """:class:`LRU2Doc` whose share follows the best of full-size replicas (as
+    :class:`DuelDoc`)."""
+
+    shares = (1.0, 0.5, 0.25, 0.125, 0.0625)
+
+    def __init__(self, cap: int, period: float = 2.0) -> None:
+        super().__init__(cap, 1.0)
+        self.replicas = [LRU2Doc(cap, f) for f in self.shares]
+        self.scores = [0.0] * len(self.replicas)
+        self.period = max(1, int(period * cap))
+        self.seen = 0
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            for i, r in enumerate(self.replicas):
+                self.scores[i] += _step(r, keys)
+            self.seen += len(keys)
+            if self.seen >= self.period:
+                self.seen = 0
+                self.scores = [x / 2 for x in self.scores]
+            self.share = self.shares[max(range(len(self.scores)), key=self.scores.__getitem__)]
+        super().touch(keys, new)
+
+
+class DocNextUse:
+    """Belady with a per-document model of *when* a document returns (see the module
+    docstring): every block below a request's shared roots belongs to the document of the
+    last request that used it, and documents go by expected next request, deepest block
+    first. Each request's last stored block goes before all of them, shared roots after."""
+
+    levels = 8
+
+    def __init__(self, cap: int, overdue: float = 2.0) -> None:
+        self.cap = cap
+        self.overdue = overdue
+        self.now = 0  # requests so far
+        self.children: dict[int, set[int]] = {}
+        self.owner: dict[int, int] = {}  # cached block -> its document (-1: root, -2: dead)
+        self.depth: dict[int, int] = {}
+        self.dead: OrderedDict[int, None] = OrderedDict()
+        self.roots: OrderedDict[int, None] = OrderedDict()
+        self.blocks: dict[int, list[tuple[int, int]]] = {}  # doc -> heap of (-depth, key)
+        self.docs: dict[int, list[float]] = {}  # doc -> [requests, last request, own gap]
+        self.recent: OrderedDict[int, None] = OrderedDict()  # docs with blocks, LRU order
+        self.heap: list[tuple[float, int, int]] = []  # (-static expected, stamp, doc)
+        self.stamp: dict[int, int] = {}
+        self.reached = [1.0] * (self.levels + 1)
+        self.returned = [1.0] * (self.levels + 1)
+        self.gaps = [float(cap)] * (self.levels + 1)
+        self.doc = -1
+        self.index: dict[int, int] = {}
+        self.last = -1
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.owner
+
+    def _gap(self, doc: int) -> float:
+        n, _, own = self.docs[doc]
+        lv = min(int(n), self.levels)
+        mean = self.gaps[lv] / self.returned[lv]
+        gap = own if own > 0 and n >= 3 else mean
+        return gap * self.reached[lv] / self.returned[lv]
+
+    def _expected(self, doc: int) -> float:
+        last = self.docs[doc][1]
+        return last + max(self._gap(doc), self.overdue * (self.now - last))
+
+    def _push_doc(self, doc: int) -> None:
+        st = self.stamp.get(doc, 0) + 1
+        self.stamp[doc] = st
+        heapq.heappush(self.heap, (-(self.docs[doc][1] + self._gap(doc)), st, doc))
+        self.recent[doc] = None
+        self.recent.move_to_end(doc)
+
+    def _own(self, key: int, doc: int, depth: int) -> None:
+        self.dead.pop(key, None)
+        self.roots.pop(key, None)
+        self.owner[key] = doc
+        if doc == -1:
+            self.roots[key] = None
+        elif doc == -2:
+            self.dead[key] = None
+        else:
+            self.depth[key] = depth
+            heapq.heappush(self.blocks.setdefault(doc, []), (-depth, key))
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if new:
+            return
+        self.now += 1
+        doc = _doc_of(keys, self.children)
+        meta = self.docs.get(doc)
+        if meta is None:
+            meta = self.docs[doc] = [0.0, float(self.now), -1.0]
+        else:
+            lv = min(int(meta[0]), self.levels)
+            gap = self.now - meta[1]
+            self.returned[lv] += 1
+            self.gaps[lv] += gap
+            meta[2] = gap if meta[2] < 0 else 0.5 * meta[2] + 0.5 * gap
+        meta[0] += 1
+        meta[1] = float(self.now)
+        self.reached[min(int(meta[0]), self.levels)] += 1
+        self.doc = doc
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.last = keys[-1]
+        root = True
+        for i, k in enumerate(keys):
+            if k == doc:
+                root = False
+            if k in self.owner:
+                self._own(k, -1 if root else doc, i)
+        self._push_doc(doc)
+
+    def _pop_deepest(self, doc: int, protected: set[int]) -> int | None:
+        heap = self.blocks.get(doc)
+        skipped = []
+        found = None
+        while heap:
+            d, k = heapq.heappop(heap)
+            if self.owner.get(k) != doc or self.depth.get(k) != -d:
+                continue
+            if k in protected:
+                skipped.append((d, k))
+                continue
+            found = k
+            break
+        if heap is None:
+            self.recent.pop(doc, None)
+            return None
+        for e in skipped:
+            heapq.heappush(heap, e)
+        if not heap:
+            del self.blocks[doc]
+            self.recent.pop(doc, None)
+        return found
+
+    def _victim(self, protected: set[int]) -> int | None:
+        for k in self.dead:
+            if k not in protected:
+                return k
+        tried: set[int] = set()
+        skipped = []
+        found = None
+        while found is None:
+            top = None
+            while self.heap:
+                e = self.heap[0]
+                if self.stamp.get(e[2]) != e[1] or e[2] not in self.blocks or e[2] in tried:
+                    heapq.heappop(self.heap)
+                    if self.stamp.get(e[2]) == e[1] and e[2] in tried:
+                        skipped.append(e)
+                    continue
+                top = e[2]
+                break
+            oldest = next((d for d in self.recent if d not in tried), None)
+            if top is None and oldest is None:
+                break
+            if oldest is not None and (
+                top is None or self._expected(oldest) >= self._expected(top)
+            ):
+                doc = oldest
+            else:
+                doc = top
+            found = self._pop_deepest(doc, protected)
+            if found is None:
+                tried.add(doc)
+        for e in skipped:
+            heapq.heappush(self.heap, e)
+        if found is None:
+            found = next((k for k in self.roots if k not in protected), None)
+        return found
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        need = len(self.owner) + len(keys) - self.cap
+        while need > 0:
+            v = self._victim(protected)
+            if v is None:
+                break
+            del self.owner[v]
+            self.dead.pop(v, None)
+            self.roots.pop(v, None)
+            self.depth.pop(v, None)
+            need -= 1
+        doc = self.doc
+        order = sorted(keys, key=lambda k: self.index.get(k, 0))
+        doc_i = self.index.get(doc, 0)
+        for k in order:
+            i = self.index.get(k, 0)
+            if k == self.last and k in keys:
+                self._own(k, -2, i)
+            else:
+                self._own(k, -1 if i < doc_i else doc, i)
+        self._push_doc(doc)
+
+
+class GhostAdmit(LRU):
+    """LRU with a learned dead-block admission predictor (see the module docstring): each
+    stored block gets a feature bucket (distance from the request's end 0/1/2/3+, requests
+    of its document before 0-3/4+, whether the request hit past its shared roots); a table
+    learns per bucket how many stored blocks were used again within ``horizon`` x capacity
+    requested blocks. A block whose bucket's estimate is below ``threshold`` enters at the
+    LRU end (first to go), the others at the MRU end."""
+
+    def __init__(self, cap: int, threshold: float = 0.2, horizon: float = 8.0) -> None:
+        super().__init__(cap)
+        self.threshold = threshold
+        self.horizon = max(1, int(horizon * cap))
+        self.children: dict[int, set[int]] = {}
+        self.requests: dict[int, int] = {}
+        self.table: dict[tuple[int, int, bool], list[int]] = {}  # bucket -> [reused, all]
+        self.pending: OrderedDict[int, tuple[tuple[int, int, bool], int]] = OrderedDict()
+        self.clock = 0
+        self.buckets: dict[int, tuple[int, int, bool]] = {}
+
+    def _learn(self, keys: Sequence[int]) -> None:
+        for k in keys:
+            got = self.pending.pop(k, None)
+            if got is not None:
+                self.table[got[0]][0] += 1
+        while self.pending:
+            k, (_, t) = next(iter(self.pending.items()))
+            if self.clock - t < self.horizon:
+                break
+            del self.pending[k]
+
+    def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
+        if not new:
+            self.clock += len(keys)
+            self._learn(keys)
+            doc = _doc_of(keys, self.children)
+            seen = self.requests.get(doc, 0)
+            self.requests[doc] = seen + 1
+            d = keys.index(doc) if doc in keys else 0
+            n = 0
+            for k in keys:
+                if k not in self.q:
+                    break
+                n += 1
+            deep = n > d
+            last = len(keys) - 1
+            self.buckets = {k: (min(last - i, 3), min(seen, 4), deep) for i, k in enumerate(keys)}
+        for k in reversed(keys):
+            if k in self.q and k not in new:
+                self.q.move_to_end(k)
+
+    def store(self, keys: Sequence[int], protected: set[int]) -> None:
+        super().store(keys, protected)
+        for k in reversed(keys):
+            bucket = self.buckets.get(k, (3, 0, False))
+            row = self.table.setdefault(bucket, [0, 0])
+            if (row[0] + 1) / (row[1] + 2) < self.threshold:
+                self.q.move_to_end(k, last=False)
+            row[1] += 1
+            self.pending[k] = (bucket, self.clock)
+
+
 CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "wtinylfu": WTinyLFU,
@@ -820,6 +1224,21 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
     "nextuse": NextUse,
     "gdsf-doc": GDSFDoc,
     "gdsf-doc2": lambda cap: GDSFDoc(cap, depth=2),
+    "doc-half": lambda cap: DocInsert(cap, 0.5),
+    "doc-quarter": lambda cap: DocInsert(cap, 0.25),
+    "doc-eighth": lambda cap: DocInsert(cap, 0.125),
+    "doc-quarter-hash": lambda cap: DocInsert(cap, 0.25, reused=False),
+    "doc-duel": DuelDoc,
+    "doc-reused-quarter": lambda cap: DocInsert(cap, 0.25, both=True),
+    "doc-reused-eighth": lambda cap: DocInsert(cap, 0.125, both=True),
+    "doc-reused-16th": lambda cap: DocInsert(cap, 1 / 16, both=True),
+    "doc-reused-32nd": lambda cap: DocInsert(cap, 1 / 32, both=True),
+    "lru2-doc-quarter": LRU2Doc,
+    "lru2-doc-eighth": lambda cap: LRU2Doc(cap, 0.125),
+    "lru2-doc-duel": DuelLRU2Doc,
+    "doc-nextuse": DocNextUse,
+    "ghost-admit": GhostAdmit,
+    "ghost-admit-5": lambda cap: GhostAdmit(cap, threshold=0.05),
 }
 
 
