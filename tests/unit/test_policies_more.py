@@ -431,3 +431,42 @@ def test_manager_replay_keeps_working_and_hits(name: str) -> None:
         total += len(request)
     assert len(manager.policy) <= 40
     assert hits / total > 0.2
+
+
+# -- the ghost list ----------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2, 3, 6, 50]),
+    st.lists(
+        st.tuples(st.sampled_from(["remember", "recall", "recall_stamp", "pop"]), st.integers(0, 9)),
+        max_size=400,
+    ),
+)
+def test_ghost_list_forgets_like_an_ordered_dict_of_its_remembers(
+    limit: int, ops: list[tuple[str, int]]
+) -> None:
+    # Recalls leave dead log entries; a list that never fills (limit 50) compacts its log.
+    from kvcache_offload.control.policies._ghosts import GhostList
+
+    ghosts = GhostList(limit)
+    model: OrderedDict[OffloadKey, int] = OrderedDict()
+    for step, (op, i) in enumerate(ops):
+        k = key(i)
+        if op == "remember":
+            ghosts.remember(k, step)
+            model.setdefault(k, step)
+            if len(model) > limit:
+                model.popitem(last=False)
+        elif op == "recall":
+            assert ghosts.recall(k) == (model.pop(k, None) is not None)
+        elif op == "recall_stamp":
+            assert ghosts.recall_stamp(k) == model.pop(k, -1)
+        else:
+            ghosts.pop(k)
+            model.pop(k, None)
+        assert len(ghosts) == len(model)
+        assert [i for i in range(10) if key(i) in ghosts] == [
+            i for i in range(10) if key(i) in model
+        ]
