@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
@@ -25,9 +26,9 @@ from kvcache_offload.control.policies.base import (
 
 __all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
 
-Queue = dict[OffloadKey, Any] | GhostList | StampQueue
-"""What a queue policy keeps keys in: ordered dicts and stamp queues (queues, marks) and ghost
-lists."""
+Queue = dict[OffloadKey, Any] | FifoQueue | GhostList | StampQueue
+"""What a queue policy keeps keys in: ordered dicts, FIFO and stamp queues (queues, marks) and
+ghost lists."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable

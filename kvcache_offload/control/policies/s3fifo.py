@@ -9,12 +9,13 @@ reinsertion while a small use counter lasts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
@@ -23,20 +24,6 @@ from kvcache_offload.control.policies.base import BlockStatus
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
 _MAX_FREQ = 3
-
-
-def _next_idle(
-    keys: Iterator[OffloadKey],
-    blocks: dict[OffloadKey, BlockStatus],
-    protected: Collection[OffloadKey],
-    guarded: bool,
-) -> OffloadKey | None:
-    """The next evictable key of a queue's walk, or None at its end (a loop, not ``next``:
-    cheaper when compiled). ``guarded``: whether ``protected`` holds any key at all."""
-    for key in keys:
-        if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
-            return key
-    return None
 
 
 _SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
@@ -63,7 +50,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._small = FifoQueue()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
         self._small_target = 0.0
@@ -100,7 +87,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             main_ghost.recall(key)
             self._main[key] = None
         else:
-            self._small[key] = None
+            self._small.append(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -128,17 +115,24 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         """
         blocks, freq = self._blocks, self._freq
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
-        small_keys = iter(self._small)
+        small = self._small
+        index = small.first()  # the small queue's walk: its next key to look at
         main = VirtualFifo(self._main)
         new_freq: dict[OffloadKey, int] = {}
         steps: list[tuple[int, OffloadKey]] = []
-        small_len = len(self._small)
+        small_len = len(small)
         reinsert = not self._main_lru
         victims = 0
         small_done = main_done = False
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
-                key = _next_idle(small_keys, blocks, protected, guarded)
+                key: OffloadKey | None = None
+                while index >= 0:  # the next evictable key of the small queue
+                    candidate = small.key_at(index)
+                    index = small.after(index)
+                    if blocks[candidate].ref_cnt == 0 and not (guarded and candidate in protected):
+                        key = candidate
+                        break
                 if key is not None:
                     small_len -= 1
                     if freq[key] > 0:
@@ -180,7 +174,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         for step, key in steps:
             if step == _SMALL_TO_MAIN:
-                del small[key]
+                small.remove(key)
                 main[key] = None
                 freq[key] = 0
             elif step == _MAIN_REINSERT:
@@ -188,7 +182,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 freq[key] -= 1
             else:
                 if step == _SMALL_EVICT:
-                    del small[key]
+                    small.remove(key)
                     ghost.remember(key)
                 else:
                     del main[key]
