@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
@@ -23,10 +23,14 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
-_MAX_FREQ = 3
+_MAX_FREQ: Final = 3
 
 
-_SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
+# The steps of a plan. Final: compiled, a plain module constant is a dict lookup per read.
+_SMALL_TO_MAIN: Final = 0
+_SMALL_EVICT: Final = 1
+_MAIN_REINSERT: Final = 2
+_MAIN_EVICT: Final = 3
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable

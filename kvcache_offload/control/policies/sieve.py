@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from itertools import chain
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -20,7 +21,10 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["SIEVECachePolicy"]
 
-_KEEP, _CLEAR, _EVICT = range(3)
+# The steps of a plan. Final: compiled, a plain module constant is a dict lookup per read.
+_KEEP: Final = 0
+_CLEAR: Final = 1
+_EVICT: Final = 2
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
