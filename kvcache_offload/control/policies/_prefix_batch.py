@@ -142,15 +142,26 @@ class PlannedQueuePolicy(QueuePolicy):
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        steps = self._plan(n, protected)
-        return None if steps is None else self._apply(steps)
+        # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
+        moves: list[int] = []
+        keys: list[OffloadKey] = []
+        if not self._plan(n, protected, moves, keys):
+            return None
+        return self._apply(moves, keys)
 
     @abstractmethod
     def _plan(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[int, OffloadKey]] | None:
-        """The moves that yield ``n`` victims, or None when there are not enough."""
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        moves: list[int],
+        keys: list[OffloadKey],
+    ) -> bool:
+        """Append the moves that yield ``n`` victims and the key of each to ``moves`` and
+        ``keys``; False when there are not enough."""
 
     @abstractmethod
-    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+    def _apply(
+        self, moves: list[int], keys: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         """Carry out planned moves; the victims in eviction order."""

@@ -26,7 +26,7 @@ __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 _MAX_FREQ: Final = 3
 
 
-# The steps of a plan. Final: compiled, a plain module constant is a dict lookup per read.
+# The moves of a plan. Final: compiled, a plain module constant is a dict lookup per read.
 _SMALL_TO_MAIN: Final = 0
 _SMALL_EVICT: Final = 1
 _MAIN_REINSERT: Final = 2
@@ -110,9 +110,13 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 freq[key] = count + 1
 
     def _plan(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[int, OffloadKey]] | None:
-        """Choose the victims without changing anything: the steps to apply, or None.
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        moves: list[int],
+        keys: list[OffloadKey],
+    ) -> bool:
+        """Choose the victims without changing anything: the steps to apply, or False.
 
         Skipped (pinned or protected) blocks keep their place; the walk over the main queue
         sees the keys it re-appends (promotions, reinsertions) after the original ones.
@@ -123,7 +127,6 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         index = small.first()  # the small queue's walk: its next key to look at
         main = VirtualFifo(self._main)
         new_freq: dict[OffloadKey, int] = {}
-        steps: list[tuple[int, OffloadKey]] = []
         small_len = len(small)
         reinsert = not self._main_lru
         victims = 0
@@ -140,43 +143,51 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 if key is not None:
                     small_len -= 1
                     if freq[key] > 0:
-                        steps.append((_SMALL_TO_MAIN, key))
+                        moves.append(_SMALL_TO_MAIN)
+                        keys.append(key)
                         new_freq[key] = 0
                         main.append(key)
                         main_done = False
                     else:
-                        steps.append((_SMALL_EVICT, key))
+                        moves.append(_SMALL_EVICT)
+                        keys.append(key)
                         victims += 1
                     continue
                 small_done = True
             if main_done:
-                return None
+                return False
             key = main.pop()
             while key is not None and (blocks[key].ref_cnt != 0 or (guarded and key in protected)):
                 key = main.pop()
             if key is None:
                 main_done = True
                 if small_done:
-                    return None
+                    return False
                 continue
             count = new_freq.get(key)
             if count is None:
                 count = freq[key]
             if reinsert and count > 0:
                 new_freq[key] = count - 1
-                steps.append((_MAIN_REINSERT, key))
+                moves.append(_MAIN_REINSERT)
+                keys.append(key)
                 main.append(key)
             else:
-                steps.append((_MAIN_EVICT, key))
+                moves.append(_MAIN_EVICT)
+                keys.append(key)
                 victims += 1
-        return steps
+        return True
 
-    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+    def _apply(
+        self, moves: list[int], keys: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         blocks, freq = self._blocks, self._freq
         small, main, ghost = self._small, self._main, self._ghost
         main_ghost = self._main_ghost if self._adaptive else None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
-        for step, key in steps:
+        for index in range(len(keys)):
+            step = moves[index]
+            key = keys[index]
             if step == _SMALL_TO_MAIN:
                 small.remove(key)
                 main[key] = None
