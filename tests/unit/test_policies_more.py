@@ -431,3 +431,84 @@ def test_manager_replay_keeps_working_and_hits(name: str) -> None:
         total += len(request)
     assert len(manager.policy) <= 40
     assert hits / total > 0.2
+
+
+# -- the ghost list ----------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2, 3, 6, 50]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["remember", "recall", "recall_stamp", "pop"]), st.integers(0, 9)
+        ),
+        max_size=400,
+    ),
+)
+def test_ghost_list_forgets_like_an_ordered_dict_of_its_remembers(
+    limit: int, ops: list[tuple[str, int]]
+) -> None:
+    # Recalls leave dead log entries; a list that never fills (limit 50) compacts its log.
+    from kvcache_offload.control.policies._ghosts import GhostList
+
+    ghosts = GhostList(limit)
+    model: OrderedDict[OffloadKey, int] = OrderedDict()
+    for step, (op, i) in enumerate(ops):
+        k = key(i)
+        if op == "remember":
+            ghosts.remember(k, step)
+            model.setdefault(k, step)
+            if len(model) > limit:
+                model.popitem(last=False)
+        elif op == "recall":
+            assert ghosts.recall(k) == (model.pop(k, None) is not None)
+        elif op == "recall_stamp":
+            assert ghosts.recall_stamp(k) == model.pop(k, -1)
+        else:
+            ghosts.pop(k)
+            model.pop(k, None)
+        assert len(ghosts) == len(model)
+        assert [i for i in range(10) if key(i) in ghosts] == [
+            i for i in range(10) if key(i) in model
+        ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["append", "append", "remove", "pop"]), st.integers(0, 30)),
+        min_size=300,
+        max_size=600,
+    )
+)
+def test_fifo_queue_keeps_arrival_order_through_removals_anywhere(
+    ops: list[tuple[str, int]],
+) -> None:
+    # Removals at the head, in walk order and out of it leave holes, trim and compact the log.
+    from kvcache_offload.control.policies._fifo_queue import FifoQueue
+
+    queue = FifoQueue()
+    model: list[OffloadKey] = []
+    for op, i in ops:
+        if op == "append":
+            if key(i) not in model:
+                queue.append(key(i))
+                model.append(key(i))
+        elif op == "remove":
+            if model:  # the i-th oldest, or the oldest few in walk order
+                for k in model[i % len(model) :: 1 + i % 3][: 1 + i % 4]:
+                    queue.remove(k)
+                    model.remove(k)
+        elif op == "pop":
+            queue.pop(key(i))
+            if key(i) in model:
+                model.remove(key(i))
+        walked = []
+        index = queue.first()
+        while index >= 0:
+            walked.append(queue.key_at(index))
+            index = queue.after(index)
+        assert walked == model
+        assert len(queue) == len(model)
+        assert all((key(j) in queue) == (key(j) in model) for j in range(31))

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
@@ -25,9 +26,9 @@ from kvcache_offload.control.policies.base import (
 
 __all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
 
-Queue = dict[OffloadKey, Any] | GhostList | StampQueue
-"""What a queue policy keeps keys in: ordered dicts and stamp queues (queues, marks) and ghost
-lists."""
+Queue = dict[OffloadKey, Any] | FifoQueue | GhostList | StampQueue
+"""What a queue policy keeps keys in: ordered dicts, FIFO and stamp queues (queues, marks) and
+ghost lists."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -141,15 +142,26 @@ class PlannedQueuePolicy(QueuePolicy):
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        steps = self._plan(n, protected)
-        return None if steps is None else self._apply(steps)
+        # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
+        moves: list[int] = []
+        keys: list[OffloadKey] = []
+        if not self._plan(n, protected, moves, keys):
+            return None
+        return self._apply(moves, keys)
 
     @abstractmethod
     def _plan(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[int, OffloadKey]] | None:
-        """The moves that yield ``n`` victims, or None when there are not enough."""
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        moves: list[int],
+        keys: list[OffloadKey],
+    ) -> bool:
+        """Append the moves that yield ``n`` victims and the key of each to ``moves`` and
+        ``keys``; False when there are not enough."""
 
     @abstractmethod
-    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+    def _apply(
+        self, moves: list[int], keys: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         """Carry out planned moves; the victims in eviction order."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
@@ -37,7 +37,7 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["AdaptiveLRUCachePolicy"]
 
-_DEMOTED = -(1 << 62)
+_DEMOTED: Final = -(1 << 62)
 """Stamp of a demoted block: older than anything, so it is the first to go."""
 
 

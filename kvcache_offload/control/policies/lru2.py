@@ -21,9 +21,9 @@ evictions.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Sequence
-from heapq import heapify, heappop, heappush
-from typing import ClassVar, final
+from typing import ClassVar, Final, final
 
 from mypy_extensions import mypyc_attr
 
@@ -34,6 +34,10 @@ from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
+
+# Final: compiled, a function imported by name is looked up in the module dict on every call.
+_heappush: Final = heapq.heappush
+_heappop: Final = heapq.heappop
 
 
 @final
@@ -54,12 +58,12 @@ class _Heap:
         self.stamp = 0
 
     def push(self, stamp: int, key: OffloadKey) -> None:
-        heappush(self._stamps, stamp)
+        _heappush(self._stamps, stamp)
         self.keys[stamp] = key
 
     def pop(self) -> OffloadKey:
         """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
-        stamp = heappop(self._stamps)
+        stamp = _heappop(self._stamps)
         self.stamp = stamp
         keys = self.keys
         key = keys[stamp]  # get and del: compiled, ``dict.pop`` is a generic method call
@@ -68,7 +72,7 @@ class _Heap:
 
     def rebuild(self, keys: dict[int, OffloadKey]) -> None:
         stamps = list(keys)
-        heapify(stamps)
+        heapq.heapify(stamps)
         self._stamps = stamps
         self.keys = keys
 

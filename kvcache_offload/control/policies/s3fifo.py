@@ -9,12 +9,13 @@ reinsertion while a small use counter lasts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
-from typing import ClassVar
+from collections.abc import Collection, Sequence
+from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
 from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
@@ -22,24 +23,14 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
-_MAX_FREQ = 3
+_MAX_FREQ: Final = 3
 
 
-def _next_idle(
-    keys: Iterator[OffloadKey],
-    blocks: dict[OffloadKey, BlockStatus],
-    protected: Collection[OffloadKey],
-    guarded: bool,
-) -> OffloadKey | None:
-    """The next evictable key of a queue's walk, or None at its end (a loop, not ``next``:
-    cheaper when compiled). ``guarded``: whether ``protected`` holds any key at all."""
-    for key in keys:
-        if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
-            return key
-    return None
-
-
-_SMALL_TO_MAIN, _SMALL_EVICT, _MAIN_REINSERT, _MAIN_EVICT = range(4)
+# The moves of a plan. Final: compiled, a plain module constant is a dict lookup per read.
+_SMALL_TO_MAIN: Final = 0
+_SMALL_EVICT: Final = 1
+_MAIN_REINSERT: Final = 2
+_MAIN_EVICT: Final = 3
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -63,7 +54,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._small = FifoQueue()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
         self._small_target = 0.0
@@ -100,7 +91,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             main_ghost.recall(key)
             self._main[key] = None
         else:
-            self._small[key] = None
+            self._small.append(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -119,68 +110,86 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 freq[key] = count + 1
 
     def _plan(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[int, OffloadKey]] | None:
-        """Choose the victims without changing anything: the steps to apply, or None.
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        moves: list[int],
+        keys: list[OffloadKey],
+    ) -> bool:
+        """Choose the victims without changing anything: the steps to apply, or False.
 
         Skipped (pinned or protected) blocks keep their place; the walk over the main queue
         sees the keys it re-appends (promotions, reinsertions) after the original ones.
         """
         blocks, freq = self._blocks, self._freq
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
-        small_keys = iter(self._small)
+        small = self._small
+        index = small.first()  # the small queue's walk: its next key to look at
         main = VirtualFifo(self._main)
         new_freq: dict[OffloadKey, int] = {}
-        steps: list[tuple[int, OffloadKey]] = []
-        small_len = len(self._small)
+        small_len = len(small)
         reinsert = not self._main_lru
         victims = 0
         small_done = main_done = False
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
-                key = _next_idle(small_keys, blocks, protected, guarded)
+                key: OffloadKey | None = None
+                while index >= 0:  # the next evictable key of the small queue
+                    candidate = small.key_at(index)
+                    index = small.after(index)
+                    if blocks[candidate].ref_cnt == 0 and not (guarded and candidate in protected):
+                        key = candidate
+                        break
                 if key is not None:
                     small_len -= 1
                     if freq[key] > 0:
-                        steps.append((_SMALL_TO_MAIN, key))
+                        moves.append(_SMALL_TO_MAIN)
+                        keys.append(key)
                         new_freq[key] = 0
                         main.append(key)
                         main_done = False
                     else:
-                        steps.append((_SMALL_EVICT, key))
+                        moves.append(_SMALL_EVICT)
+                        keys.append(key)
                         victims += 1
                     continue
                 small_done = True
             if main_done:
-                return None
+                return False
             key = main.pop()
             while key is not None and (blocks[key].ref_cnt != 0 or (guarded and key in protected)):
                 key = main.pop()
             if key is None:
                 main_done = True
                 if small_done:
-                    return None
+                    return False
                 continue
             count = new_freq.get(key)
             if count is None:
                 count = freq[key]
             if reinsert and count > 0:
                 new_freq[key] = count - 1
-                steps.append((_MAIN_REINSERT, key))
+                moves.append(_MAIN_REINSERT)
+                keys.append(key)
                 main.append(key)
             else:
-                steps.append((_MAIN_EVICT, key))
+                moves.append(_MAIN_EVICT)
+                keys.append(key)
                 victims += 1
-        return steps
+        return True
 
-    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+    def _apply(
+        self, moves: list[int], keys: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         blocks, freq = self._blocks, self._freq
         small, main, ghost = self._small, self._main, self._ghost
         main_ghost = self._main_ghost if self._adaptive else None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
-        for step, key in steps:
+        for index in range(len(keys)):
+            step = moves[index]
+            key = keys[index]
             if step == _SMALL_TO_MAIN:
-                del small[key]
+                small.remove(key)
                 main[key] = None
                 freq[key] = 0
             elif step == _MAIN_REINSERT:
@@ -188,7 +197,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 freq[key] -= 1
             else:
                 if step == _SMALL_EVICT:
-                    del small[key]
+                    small.remove(key)
                     ghost.remember(key)
                 else:
                     del main[key]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from itertools import chain
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -20,7 +21,10 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["SIEVECachePolicy"]
 
-_KEEP, _CLEAR, _EVICT = range(3)
+# The moves of a plan. Final: compiled, a plain module constant is a dict lookup per read.
+_KEEP: Final = 0
+_CLEAR: Final = 1
+_EVICT: Final = 2
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -56,9 +60,13 @@ class SIEVECachePolicy(PlannedQueuePolicy):
                 visited[key] = None
 
     def _plan(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[int, OffloadKey]] | None:
-        """The hand's moves until ``n`` victims, without changing anything; None if stuck.
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        moves: list[int],
+        keys: list[OffloadKey],
+    ) -> bool:
+        """The hand's moves until ``n`` victims, without changing anything; False if stuck.
 
         The walk reads the queue in hand order and then the blocks it passed over (kept),
         so it may lap; a whole lap with neither a victim nor a bit cleared means the
@@ -68,33 +76,39 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         walk = VirtualFifo(chain(self._ahead, self._behind))
         cleared: set[OffloadKey] = set()
-        steps: list[tuple[int, OffloadKey]] = []
         victims = 0
         idle_steps = 0
         limit = len(blocks)
         while victims < n:
             key = walk.pop()
             if key is None or idle_steps > limit:
-                return None
+                return False
             if blocks[key].ref_cnt != 0 or (guarded and key in protected):
-                steps.append((_KEEP, key))
+                moves.append(_KEEP)
+                keys.append(key)
                 walk.append(key)
                 idle_steps += 1
             elif key in visited and key not in cleared:
                 cleared.add(key)
-                steps.append((_CLEAR, key))
+                moves.append(_CLEAR)
+                keys.append(key)
                 walk.append(key)
                 idle_steps = 0
             else:
-                steps.append((_EVICT, key))
+                moves.append(_EVICT)
+                keys.append(key)
                 victims += 1
                 idle_steps = 0
-        return steps
+        return True
 
-    def _apply(self, steps: list[tuple[int, OffloadKey]]) -> list[tuple[OffloadKey, BlockStatus]]:
+    def _apply(
+        self, moves: list[int], keys: list[OffloadKey]
+    ) -> list[tuple[OffloadKey, BlockStatus]]:
         blocks, visited = self._blocks, self._visited
         victims: list[tuple[OffloadKey, BlockStatus]] = []
-        for step, key in steps:
+        for index in range(len(keys)):
+            step = moves[index]
+            key = keys[index]
             if not self._ahead:
                 self._ahead, self._behind = self._behind, self._ahead
             # The hand's key is the oldest of ``_ahead``: deleting it by key is
