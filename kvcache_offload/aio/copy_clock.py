@@ -2,7 +2,7 @@
 
 The poller looks for finished CUDA copies by itself (one event query per loop iteration) for
 as long as it expects one to end soon; past that it hands them to a thread that sleeps in the
-driver. On the H200 host that sleep woke 50-600 us after the copy's end (the longer the
+driver. On the H200 host that sleep woke ~70-640 us after the copy's end (the longer the
 sleep, the later), which made a 64-block load 1.3x its floor. The clock predicts each
 copy's end from the seconds per block the direction's last copies took on the GPU (start to
 end event), queued behind the copies of the same direction still running, so the poller

@@ -18,8 +18,8 @@ by about a third; the watchers are not even handed the copies meanwhile. The tas
 looking until the copies in flight are predicted to end
 (:class:`~kvcache_offload.aio.copy_clock.CopyClock`: the GPU seconds per block of the
 direction's last copies, up to ``predicted_spin_cap_s``),
-because the watcher's wake-up grows with the time it slept: 50 us after a 0.3 ms copy, about
-600 us after a 2.6 ms one. (Not with the CPU
+because the watcher's wake-up grows with the time it slept: ~70 us after a 0.34 ms copy, ~640 us
+after a 2.6 ms one (H200 host). (Not with the CPU
 backend: on two cores, a looking loop took the core its copy threads needed, and its streams
 fell from 0.78 to 0.46 of a single-thread copy.) Past that window the task only
 sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
@@ -267,7 +267,7 @@ class TransferPoller:
                     # A copy in flight should end soon (moments after the last submission
                     # or completion, or within its predicted duration): one loop iteration
                     # is far cheaper than the watcher's wake-up, which on the H200 host
-                    # took 50-600 us after a long sleep in the driver.
+                    # took ~70-640 us after a long sleep in the driver.
                     await asyncio.sleep(0)
                 else:
                     self._spinning = False

@@ -234,16 +234,13 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if not self._planner.write_single_units(
             src_ids, dst_ids, size, int(starts[0]), table[GROUP_ROW:entries]
         ):
-            self._pools.slots.append(slot)
+            self._pools.return_slot(slot)
             return False
-        table[0], table[1], table[2], table[3] = 0, size, self._launcher.ref_start[0], 0
+        jobs = [(job_id, nbytes)]
         transfer = self._launcher.lone_kernel(
-            [(job_id, nbytes)], slot, entries, size, len(single.tensors) * size, single.max_size
+            jobs, slot, size, len(single.tensors) * size, single.max_size
         )
-        self._transfers.append(transfer)
-        self._in_flight_ids.add(job_id)
-        self._watch.issued(transfer)
-        self.jobs_by_mechanism["kernel"] += 1
+        self._track(transfer, jobs, "kernel")
         return True
 
     # -- the handler contract ---------------------------------------------------------------
@@ -353,6 +350,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 transfer = self._launcher.staged(jobs, plan, prev, inline=True)
             else:
                 transfer = self._launcher.direct(jobs, plan, mechanism, prev)
+        self._track(transfer, jobs, mechanism)
+
+    def _track(self, transfer: InFlightCopy, jobs: list[tuple[int, int]], mechanism: str) -> None:
+        """Keep an issued copy until it ends, and count its jobs."""
         self._transfers.append(transfer)
         self._in_flight_ids.update(job_id for job_id, _ in jobs)
         self._watch.issued(transfer)

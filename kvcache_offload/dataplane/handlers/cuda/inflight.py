@@ -160,6 +160,10 @@ class CopyPools:
     def slot(self) -> TableSlot:
         return self.slots.pop() if self.slots else TableSlot(self.device)
 
+    def return_slot(self, slot: TableSlot) -> None:
+        """Take back a slot that no copy used."""
+        self.slots.append(slot)
+
     def sync_event(self) -> torch.cuda.Event:
         return self.sync_events.pop() if self.sync_events else torch.cuda.Event()
 
@@ -180,7 +184,7 @@ class CopyPools:
             self.streams.append(t.stream)
         self.timing_events.extend((t.start_event, t.end_event))
         if t.slot is not None:
-            self.slots.append(t.slot)
+            self.return_slot(t.slot)
         if t.side_stream is not None:
             self.side_streams.append(t.side_stream)
         if t.sync_events is not None:

@@ -158,20 +158,10 @@ class CopyLauncher:
                     dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
                 )
             if kernel_part is not None and slot is not None:
-                assert slot.dev is not None and self.ref_table is not None
-                launch_copy_kernel(
-                    self.ref_table,
-                    slot.dev,
-                    n_groups=len(k_groups),
-                    n_units=n_units,
-                    total_pairs=kernel_part.num_fragments,
-                    max_size=kernel_part.max_size,
-                    src_factor=self.src_geom.factor,
-                    dst_factor=self.dst_geom.factor,
-                    alignment=self.kernel_align,
-                    config=self.kernel_config,
-                    stream=handle,
-                )
+                self._launch_kernel(
+                    slot, len(k_groups), n_units, kernel_part.num_fragments,
+                    kernel_part.max_size, handle,
+                )  # fmt: skip
             if side is not None and sync is not None:
                 sync[1].record(side)
                 stream.wait_event(sync[1])
@@ -182,39 +172,53 @@ class CopyLauncher:
         self,
         jobs: list[tuple[int, int]],
         slot: TableSlot,
-        entries: int,
         n_units: int,
         num_fragments: int,
         max_size: int,
     ) -> InFlightCopy:
-        """Issue a one-group kernel copy on an idle direction, its job table already written
-        to ``slot`` (``entries`` int64 values): a serving engine's lone request, without the
-        plan objects and the general path's checks (on the H200 host those cost about as
-        much as the copy's CUDA calls)."""
-        assert self.ref_table is not None and slot.dev is not None
+        """Issue a copy of the one group (group 0, no ref offset) on an idle direction,
+        its ``n_units`` source then destination units already written to ``slot`` after
+        the group row: a serving engine's lone request, without the plan objects and the
+        general path's checks (on the H200 host those cost about as much as the copy's CUDA
+        calls)."""
+        assert slot.host_np is not None
+        _write_group_row(slot.host_np, n_units, int(self.ref_start[0]))
         stream = self.pools.stream()
         start, end = self.pools.timing_pair()
         handle = stream.cuda_stream
         with on_device(self.device):
-            self._upload_table(slot, entries, stream)
+            self._upload_table(slot, GROUP_ROW + 2 * n_units, stream)
             if self.gpu_to_cpu:
                 self._after_current_stream(stream)
             start.record(stream)
-            launch_copy_kernel(
-                self.ref_table,
-                slot.dev,
-                n_groups=1,
-                n_units=n_units,
-                total_pairs=num_fragments,
-                max_size=max_size,
-                src_factor=self.src_geom.factor,
-                dst_factor=self.dst_geom.factor,
-                alignment=self.kernel_align,
-                config=self.kernel_config,
-                stream=handle,
-            )
+            self._launch_kernel(slot, 1, n_units, num_fragments, max_size, handle)
             end.record(stream)
         return InFlightCopy(jobs, stream, start, end, slot, "kernel")
+
+    def _launch_kernel(
+        self,
+        slot: TableSlot,
+        n_groups: int,
+        n_units: int,
+        total_pairs: int,
+        max_size: int,
+        stream: int,
+    ) -> None:
+        """The copy kernel over ``slot``'s uploaded job table, on the raw ``stream``."""
+        assert slot.dev is not None and self.ref_table is not None
+        launch_copy_kernel(
+            self.ref_table,
+            slot.dev,
+            n_groups=n_groups,
+            n_units=n_units,
+            total_pairs=total_pairs,
+            max_size=max_size,
+            src_factor=self.src_geom.factor,
+            dst_factor=self.dst_geom.factor,
+            alignment=self.kernel_align,
+            config=self.kernel_config,
+            stream=stream,
+        )
 
     def _upload_table(self, slot: TableSlot, entries: int, stream: torch.cuda.Stream) -> None:
         """The job table's first ``entries`` values to the GPU, on ``stream``: one runtime
@@ -271,10 +275,7 @@ class CopyLauncher:
         if n_groups == 1:  # the common case: four scalars and two unit runs, no reductions
             g = groups[0]
             n_units = len(g.src_units)
-            out[0] = 0
-            out[1] = n_units
-            out[2] = self.ref_start[g.index] + g.ref_offset
-            out[3] = 0
+            _write_group_row(out, n_units, int(self.ref_start[g.index]) + g.ref_offset)
             out[GROUP_ROW : GROUP_ROW + n_units] = g.src_units
             out[GROUP_ROW + n_units : GROUP_ROW + 2 * n_units] = g.dst_units
             return n_units
@@ -293,3 +294,9 @@ class CopyLauncher:
         np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
         np.concatenate([g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units])
         return n_units
+
+
+def _write_group_row(out: np.ndarray, n_units: int, ref_row: int) -> None:
+    """The job table's row of a job of one group: its first pair, its unit count, the row of
+    its first ref in the ref table, its first unit."""
+    out[0], out[1], out[2], out[3] = 0, n_units, ref_row, 0
