@@ -899,6 +899,28 @@ def _step(policy: Policy, keys: Sequence[int]) -> int:
     return n
 
 
+class ReplicaDuel:
+    """Full-size replicas played on the same requests, each scored on its hits, the scores
+    halved every ``period`` x capacity requested blocks (set dueling, Qureshi et al.,
+    ISCA'07, with whole replicas instead of sampled sets)."""
+
+    def __init__(self, replicas: Sequence[Policy], cap: int, period: float) -> None:
+        self.replicas = list(replicas)
+        self.scores = [0.0] * len(self.replicas)
+        self.period = max(1, int(period * cap))
+        self.seen = 0
+
+    def leader_after(self, keys: Sequence[int]) -> int:
+        """Play one request on every replica; the index of the best-scoring one."""
+        for i, r in enumerate(self.replicas):
+            self.scores[i] += _step(r, keys)
+        self.seen += len(keys)
+        if self.seen >= self.period:
+            self.seen = 0
+            self.scores = [x / 2 for x in self.scores]
+        return max(range(len(self.scores)), key=self.scores.__getitem__)
+
+
 class DuelDoc(DocInsert):
     """:class:`DocInsert` whose share (and reused rule) follow the best of full-size
     replicas, one per setting, scored on hits decayed by half every ``period`` x capacity
@@ -909,21 +931,11 @@ class DuelDoc(DocInsert):
 
     def __init__(self, cap: int, period: float = 2.0) -> None:
         super().__init__(cap, 1.0)
-        self.replicas = [DocInsert(cap, f, r) for f, r in self.settings]
-        self.scores = [0.0] * len(self.replicas)
-        self.period = max(1, int(period * cap))
-        self.seen = 0
+        self.duel = ReplicaDuel([DocInsert(cap, f, r) for f, r in self.settings], cap, period)
 
     def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
         if not new:
-            for i, r in enumerate(self.replicas):
-                self.scores[i] += _step(r, keys)
-            self.seen += len(keys)
-            if self.seen >= self.period:
-                self.seen = 0
-                self.scores = [x / 2 for x in self.scores]
-            best = max(range(len(self.scores)), key=self.scores.__getitem__)
-            self.share, self.reused = self.settings[best]
+            self.share, self.reused = self.settings[self.duel.leader_after(keys)]
         super().touch(keys, new)
 
 
@@ -958,20 +970,11 @@ class DuelLRU2Doc(LRU2Doc):
 
     def __init__(self, cap: int, period: float = 2.0) -> None:
         super().__init__(cap, 1.0)
-        self.replicas = [LRU2Doc(cap, f) for f in self.shares]
-        self.scores = [0.0] * len(self.replicas)
-        self.period = max(1, int(period * cap))
-        self.seen = 0
+        self.duel = ReplicaDuel([LRU2Doc(cap, f) for f in self.shares], cap, period)
 
     def touch(self, keys: Sequence[int], new: frozenset[int]) -> None:
         if not new:
-            for i, r in enumerate(self.replicas):
-                self.scores[i] += _step(r, keys)
-            self.seen += len(keys)
-            if self.seen >= self.period:
-                self.seen = 0
-                self.scores = [x / 2 for x in self.scores]
-            self.share = self.shares[max(range(len(self.scores)), key=self.scores.__getitem__)]
+            self.share = self.shares[self.duel.leader_after(keys)]
         super().touch(keys, new)
 
 
