@@ -58,14 +58,8 @@ class GhostList:
         while True:
             key = log[head]
             head += 1
-            if dead:
-                count = dead.get(key, 0)
-                if count:  # a recalled key's entry
-                    if count == 1:
-                        del dead[key]
-                    else:
-                        dead[key] = count - 1
-                    continue
+            if dead and _passed_dead(dead, key):  # a recalled key's entry
+                continue
             del keys[key]
             break
         if head > 64 and 2 * head > len(log):
@@ -80,13 +74,7 @@ class GhostList:
         log = self._log
         for index in range(self._head, len(log)):
             key = log[index]
-            count = dead.get(key, 0)
-            if count:
-                if count == 1:
-                    del dead[key]
-                else:
-                    dead[key] = count - 1
-            else:
+            if not _passed_dead(dead, key):
                 live.append(key)
         self._log = live
         self._head = 0
@@ -132,3 +120,15 @@ class GhostList:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _passed_dead(dead: dict[OffloadKey, int], key: OffloadKey) -> bool:
+    """Whether the log entry of ``key`` just passed is one counted dead (then one fewer is)."""
+    count = dead.get(key, 0)
+    if not count:
+        return False
+    if count == 1:
+        del dead[key]
+    else:
+        dead[key] = count - 1
+    return True
