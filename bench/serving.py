@@ -312,6 +312,33 @@ async def bench_engine(
     }
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mechanism's passes as one run: single-job times and stream job times pooled, a
+    stream's rate as all its bytes over all its seconds, its cores averaged over time."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    single = {
+        d: {n: [t for r in runs for t in r["single"][d][n]] for n in first["single"][d]}
+        for d in first["single"]
+    }
+    streams = []
+    for idx, s in enumerate(first["streams"]):
+        parts: list[StreamResult] = [r["streams"][idx] for r in runs]
+        seconds = sum(p.seconds for p in parts)
+        streams.append(
+            StreamResult(
+                s.name,
+                sum(p.bytes_moved for p in parts),
+                seconds,
+                [t for p in parts for t in p.job_times],
+                sum(p.cpu_cores * p.seconds for p in parts) / seconds,
+                s.bytes_in_flight,
+            )
+        )
+    return {**first, "single": single, "streams": streams, "passes": len(runs)}
+
+
 def _us(x: float) -> str:
     return f"{x * 1e6:,.0f} us" if x < 1e-2 else f"{x * 1e3:,.2f} ms"
 
@@ -422,11 +449,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         layout = LAYOUTS[name]
         if args.warmup_s > 0:
             await warm_up(layout, device, args)
-        runs = []
-        for mechanism in mechanisms:
-            runs.append(await bench_engine(layout, device, mechanism, args, floors))
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        passes: dict[str, list[dict[str, Any]]] = {m: [] for m in mechanisms}
+        for index in range(args.passes):
+            # Every other pass runs the engines in the opposite order: on the H200 host an
+            # engine's streams depended on its place in the run by 10-15 % (the same path
+            # under two names differed that much), which otherwise favours a fixed column.
+            for mechanism in mechanisms if index % 2 == 0 else mechanisms[::-1]:
+                passes[mechanism].append(
+                    await bench_engine(layout, device, mechanism, args, floors)
+                )
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        runs = [pooled(passes[m]) for m in mechanisms]
         results.append(report(layout, device, runs, floors, args))
     return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
 
@@ -442,9 +476,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--warmup-s", type=float, default=0.5, help="a throwaway engine's stream per layout"
     )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="runs of every engine, in alternating order, pooled (see main_async)",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the event loop (the HTTP service runs on uvloop; a library user brings theirs)",
+    )
     parser.add_argument("--out", default=str(OUT_DIR / "serving.json"))
     args = parser.parse_args(argv)
-    result = asyncio.run(main_async(args))
+    if args.passes < 1:
+        parser.error("--passes must be at least 1")
+    if args.loop == "uvloop":
+        import uvloop
+
+        result = uvloop.run(main_async(args))
+    else:
+        result = asyncio.run(main_async(args))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)

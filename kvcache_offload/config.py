@@ -76,11 +76,12 @@ class OffloadConfig(BaseSettings):
     size (docs/transfers.md gives the rule and the measurements behind it); the others force
     one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
     plain torch ops). Ignored by the CPU backend."""
-    staged_when_busy: bool = False
-    """Under "auto", send a job that queues behind copies in flight through the staged path
-    (the copy engines, which overlap the other direction) instead of the kernel. Off by
-    default: on the H200 host its mixed streams reached 1.2-1.3x one way in some engines and
-    0.7 in others (docs/transfers.md)."""
+    staged_when_busy: Literal["off", "stores", "both"] = "off"
+    """Under "auto", which directions send a job that queues behind copies in flight through
+    the staged path (the copy engines, which overlap the other direction) instead of the
+    kernel: "stores", "both" or "off". A lone job keeps the kernel either way. ``true`` /
+    ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the A/B behind the
+    default."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None
@@ -169,6 +170,22 @@ class OffloadConfig(BaseSettings):
     """Write jobs (one per completed store) queued for the tiers; more are dropped, counted."""
     tier_read_timeout_s: float = Field(default=0.5, gt=0)
     """A tier that takes longer to answer a lookup or a read is a miss (and backed off)."""
+
+    @field_validator("staged_when_busy", mode="before")
+    @classmethod
+    def _staged_when_busy_words(cls, value: Any) -> Any:
+        """Booleans (and their spellings in the environment) from before the setting had
+        three values: on means both directions."""
+        if isinstance(value, bool):
+            return "both" if value else "off"
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return "both"
+            if word in ("0", "false", "no", ""):
+                return "off"
+            return word
+        return value
 
     @field_validator("cpu_bytes_to_use", "disk_bytes")
     @classmethod

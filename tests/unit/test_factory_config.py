@@ -121,9 +121,14 @@ def test_from_dict_accepts_vllm_extra_config_keys() -> None:
     assert cfg.eviction_policy == "arc"
 
 
-def test_staged_when_busy_comes_from_the_environment_and_is_off_by_default(
+def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_booleans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().staged_when_busy is False
-    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", "1")
-    assert OffloadConfig().staged_when_busy is True
+    assert OffloadConfig().staged_when_busy == "off"
+    for spelling, meaning in (("stores", "stores"), ("BOTH", "both"), ("1", "both"), ("0", "off")):
+        monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", spelling)
+        assert OffloadConfig().staged_when_busy == meaning
+    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY")
+    assert OffloadConfig(staged_when_busy=True).staged_when_busy == "both"
+    with pytest.raises(ConfigError, match="staged_when_busy"):
+        OffloadConfig.from_dict({"staged_when_busy": "loads"})

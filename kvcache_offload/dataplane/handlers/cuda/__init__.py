@@ -41,6 +41,7 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_STAGED_MIN_JOB_BYTES,
     CompletionWait,
     Mechanism,
+    StagedWhenBusy,
 )
 
 __all__ = [
@@ -52,5 +53,6 @@ __all__ = [
     "CpuGpuOffloadingHandlers",
     "Mechanism",
     "SingleDirectionOffloadingHandler",
+    "StagedWhenBusy",
     "StagingConfig",
 ]

@@ -18,6 +18,8 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_STAGED_MIN_JOB_BYTES,
     CompletionWait,
     Mechanism,
+    StagedWhenBusy,
+    staged_when_busy_per_direction,
 )
 from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 
@@ -50,7 +52,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
-        staged_when_busy: bool = False,
+        staged_when_busy: StagedWhenBusy = "off",
     ) -> None:
         self.gpu_tensors = canonical_views_on(
             kv_caches,
@@ -70,12 +72,24 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             "staging": staging,
             "staged_min_job_bytes": staged_min_job_bytes,
             "completion_wait": completion_wait,
-            "staged_when_busy": staged_when_busy,
         }
+        busy_stores, busy_loads = staged_when_busy_per_direction(staged_when_busy)
         refs = kv_caches.group_data_refs
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, True, **kwargs
+            self.gpu_tensors,
+            self.cpu_tensors,
+            block_size_factor,
+            refs,
+            True,
+            staged_when_busy=busy_stores,
+            **kwargs,
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            self.gpu_tensors, self.cpu_tensors, block_size_factor, refs, False, **kwargs
+            self.gpu_tensors,
+            self.cpu_tensors,
+            block_size_factor,
+            refs,
+            False,
+            staged_when_busy=busy_loads,
+            **kwargs,
         )

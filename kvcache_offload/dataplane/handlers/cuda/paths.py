@@ -30,11 +30,13 @@ __all__ = [
     "DEFAULT_STAGED_MIN_JOB_BYTES",
     "CompletionWait",
     "Mechanism",
+    "StagedWhenBusy",
     "build_ref_table",
     "check_tensors",
     "make_torch_fallback",
     "probe_paths",
     "resolve_mechanism",
+    "staged_when_busy_per_direction",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,20 @@ DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
 """``auto`` sends a small-fragment job through the staged path only from this size on; a
 smaller job goes through the kernel, which starts at once instead of queueing on the submit
 thread (bench.serving, docs/transfers.md)."""
+
+StagedWhenBusy = Literal["off", "stores", "both"] | bool
+"""Which directions ``auto`` sends through the staged path when the job queues behind copies
+in flight (``True``/``False``: both/none)."""
+
+
+def staged_when_busy_per_direction(setting: StagedWhenBusy) -> tuple[bool, bool]:
+    """(stores, loads): whether each direction's handler takes the staged path when busy."""
+    if isinstance(setting, bool):
+        return setting, setting
+    if setting not in ("off", "stores", "both"):
+        raise ConfigError(f"staged_when_busy must be 'off', 'stores' or 'both', got {setting!r}")
+    return setting != "off", setting == "both"
+
 
 CompletionWait = Literal["blocking", "spin"]
 """How the completion watcher waits on a job's end event: ``blocking`` sleeps in the
