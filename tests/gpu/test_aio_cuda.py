@@ -92,9 +92,16 @@ async def test_aclose_with_jobs_in_flight_leaves_no_transfer_behind() -> None:
     assert engine.stats().transfers_in_flight == 0
 
 
-async def test_the_config_turns_staged_when_busy_on_for_both_directions() -> None:
-    for wanted in (False, True):
-        engine, _ = build(staged_when_busy=wanted)
+async def test_the_config_sets_staged_when_busy_per_direction() -> None:
+    expected = {"off": (False, False), "stores": (True, False), "both": (True, True)}
+    for setting, (stores, loads) in expected.items():
+        engine, _ = build(staged_when_busy=setting)
         async with engine:
             assert engine.worker is not None
-            assert [h.staged_when_busy for h in engine.worker.handlers] == [wanted, wanted]
+            flags = {h.gpu_to_cpu: h.staged_when_busy for h in engine.worker.handlers}
+            assert flags == {True: stores, False: loads}, setting
+    engine, _ = build()
+    async with engine:  # the default: stores only
+        assert engine.worker is not None
+        flags = {h.gpu_to_cpu: h.staged_when_busy for h in engine.worker.handlers}
+        assert flags == {True: True, False: False}
