@@ -101,7 +101,6 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
             flags = {h.gpu_to_cpu: h.staged_when_busy for h in engine.worker.handlers}
             assert flags == {True: stores, False: loads}, setting
     engine, _ = build()
-    async with engine:  # the default: stores only
+    async with engine:  # the default: the kernel behind copies in flight too
         assert engine.worker is not None
-        flags = {h.gpu_to_cpu: h.staged_when_busy for h in engine.worker.handlers}
-        assert flags == {True: True, False: False}
+        assert not any(h.staged_when_busy for h in engine.worker.handlers)

@@ -124,7 +124,7 @@ def test_from_dict_accepts_vllm_extra_config_keys() -> None:
 def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_booleans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().staged_when_busy == "stores"
+    assert OffloadConfig().staged_when_busy == "off"
     for spelling, meaning in (("stores", "stores"), ("BOTH", "both"), ("1", "both"), ("0", "off")):
         monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", spelling)
         assert OffloadConfig().staged_when_busy == meaning
