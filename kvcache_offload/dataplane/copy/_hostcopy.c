@@ -25,6 +25,54 @@
 #ifdef __linux__
 #include <sys/eventfd.h>
 #endif
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define HOSTCOPY_STREAM 1
+#else
+#define HOSTCOPY_STREAM 0
+#endif
+
+/* Copies into the CPU tier bypass the cache (non-temporal stores): an offloaded block is
+ * read again, if ever, by a later load, while ordinary stores first read every destination
+ * line into the cache (a read for ownership) and evict lines the engine is using. Below
+ * STREAM_MIN_BYTES the plain memcpy is as fast, and what it leaves in the cache is small. */
+#define STREAM_MIN_BYTES 4096
+
+static void copy_streaming(char *d, const char *s, size_t n) {
+#if HOSTCOPY_STREAM
+    if (n >= STREAM_MIN_BYTES) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* stream stores need 16-byte aligned d */
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        size_t blocks = n / 64;
+        for (size_t i = 0; i < blocks; i++, d += 64, s += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        memcpy(d, s, n % 64);
+        return;
+    }
+#endif
+    memcpy(d, s, n);
+}
+
+/* Streaming stores are weakly ordered: fence them before a job is reported done, so that a
+ * reader told "finished" sees every byte. */
+static void stream_fence(int streamed) {
+#if HOSTCOPY_STREAM
+    if (streamed) _mm_sfence();
+#else
+    (void)streamed;
+#endif
+}
 
 static PyObject *copy_fragments(PyObject *self, PyObject *args) {
     Py_buffer src, dst, sizes;
@@ -69,12 +117,17 @@ done:
 static void copy_unit_run(const int64_t *a_b, const int64_t *a_st, const int64_t *a_sub,
                           int64_t sf, const int64_t *b_b, const int64_t *b_st,
                           const int64_t *b_sub, int64_t df, const int64_t *n, Py_ssize_t refs,
-                          const int64_t *u_s, const int64_t *u_d, Py_ssize_t units) {
+                          const int64_t *u_s, const int64_t *u_d, Py_ssize_t units,
+                          int streaming) {
     for (Py_ssize_t r = 0; r < refs; r++) {
         for (Py_ssize_t i = 0; i < units; i++) {
             int64_t s = a_b[r] + (u_s[i] / sf) * a_st[r] + (u_s[i] % sf) * a_sub[r];
             int64_t d = b_b[r] + (u_d[i] / df) * b_st[r] + (u_d[i] % df) * b_sub[r];
-            memcpy((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)n[r]);
+            if (streaming) {
+                copy_streaming((char *)(intptr_t)d, (const char *)(intptr_t)s, (size_t)n[r]);
+            } else {
+                memcpy((void *)(intptr_t)d, (const void *)(intptr_t)s, (size_t)n[r]);
+            }
         }
     }
 }
@@ -91,9 +144,10 @@ static int same_len(Py_buffer *b, Py_ssize_t n, const char *what) {
 static PyObject *copy_units(PyObject *self, PyObject *args) {
     Py_buffer sb, sst, ssub, db, dst, dsub, sizes, su, du;
     Py_ssize_t sf, df;
+    int streaming = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*ny*y*y*ny*y*y*", &sb, &sst, &ssub, &sf, &db, &dst, &dsub,
-                          &df, &sizes, &su, &du)) {
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*y*y*ny*y*y*|p", &sb, &sst, &ssub, &sf, &db, &dst, &dsub,
+                          &df, &sizes, &su, &du, &streaming)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -113,7 +167,9 @@ static PyObject *copy_units(PyObject *self, PyObject *args) {
         const int64_t *b_b = db.buf, *b_st = dst.buf, *b_sub = dsub.buf;
         const int64_t *n = sizes.buf, *u_s = su.buf, *u_d = du.buf;
         Py_BEGIN_ALLOW_THREADS
-        copy_unit_run(a_b, a_st, a_sub, sf, b_b, b_st, b_sub, df, n, refs, u_s, u_d, units);
+        copy_unit_run(a_b, a_st, a_sub, sf, b_b, b_st, b_sub, df, n, refs, u_s, u_d, units,
+                      streaming);
+        stream_fence(streaming);
         Py_END_ALLOW_THREADS
     }
     result = Py_None;
@@ -201,6 +257,7 @@ typedef struct {
     Py_buffer bufs[7]; /* src base, stride, sub; dst base, stride, sub; sizes */
     int64_t sf, df;
     Py_ssize_t refs;
+    int streaming; /* destination written with non-temporal stores (see copy_streaming) */
 } QGroup;
 
 typedef struct {
@@ -284,13 +341,16 @@ static void *queue_thread(void *arg) {
         if (!q->head) q->tail = NULL;
         pthread_mutex_unlock(&q->mu);
         double start = monotonic_s();
+        int streamed = 0;
         for (Py_ssize_t p = 0; p < job->nparts; p++) {
             QPart *part = &job->parts[p];
             QGroup *g = part->group;
             copy_unit_run(g->bufs[0].buf, g->bufs[1].buf, g->bufs[2].buf, g->sf, g->bufs[3].buf,
                           g->bufs[4].buf, g->bufs[5].buf, g->df, g->bufs[6].buf, g->refs,
-                          part->su, part->du, part->units);
+                          part->su, part->du, part->units, g->streaming);
+            streamed |= g->streaming;
         }
+        stream_fence(streamed);
         job->seconds = monotonic_s() - start;
         pthread_mutex_lock(&q->mu);
         queue_finish_locked(q, job);
@@ -414,11 +474,13 @@ static PyObject *queue_add_group(CopyQueue *q, PyObject *args) {
     if (!g) return PyErr_NoMemory();
     Py_buffer *b = g->bufs;
     Py_ssize_t sf, df;
-    if (!PyArg_ParseTuple(args, "y*y*y*ny*y*y*ny*", &b[0], &b[1], &b[2], &sf, &b[3], &b[4], &b[5],
-                          &df, &b[6])) {
+    int streaming = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*y*y*ny*|p", &b[0], &b[1], &b[2], &sf, &b[3], &b[4],
+                          &b[5], &df, &b[6], &streaming)) {
         PyMem_RawFree(g);
         return NULL;
     }
+    g->streaming = streaming;
     g->refs = b[6].len / 8;
     g->sf = sf;
     g->df = df;
@@ -561,7 +623,7 @@ static PyObject *queue_fileno(CopyQueue *q, PyObject *unused) {
 static PyMethodDef queue_methods[] = {
     {"add_group", (PyCFunction)queue_add_group, METH_VARARGS,
      "add_group(src_base, src_stride, src_sub, src_factor, dst_base, dst_stride, dst_sub, "
-     "dst_factor, sizes) -> group id"},
+     "dst_factor, sizes, streaming=False) -> group id"},
     {"submit", (PyCFunction)queue_submit, METH_O,
      "submit([(group, src_units, dst_units), ...]) -> sequence number"},
     {"take_finished", (PyCFunction)queue_take_finished, METH_NOARGS,
@@ -589,7 +651,8 @@ static PyMethodDef methods[] = {
     {"plan_units", plan_units, METH_VARARGS,
      "plan_units(src_ids, dst_ids, size, start, sf, df, src_rows, dst_rows, out) -> bool"},
     {"copy_units", copy_units, METH_VARARGS,
-     "copy_units(...): memcpy every (ref, unit) fragment of one group, GIL released."},
+     "copy_units(..., streaming=False): copy every (ref, unit) fragment of one group, GIL "
+     "released; streaming: non-temporal stores to the destination."},
     {NULL, NULL, 0, NULL},
 };
 

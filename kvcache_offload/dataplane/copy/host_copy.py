@@ -48,9 +48,13 @@ class HostCopier:
     pointer table).
     """
 
-    def __init__(self, sides: CopySides) -> None:
+    def __init__(self, sides: CopySides, streaming: bool = False) -> None:
+        """``streaming``: write the destination with non-temporal stores (the C walk only),
+        for copies into the CPU tier, whose bytes are not read again soon: a store then
+        neither reads every destination line first nor evicts what the engine works on."""
         self._keep = sides
         self.src_geom, self.dst_geom = sides.geometry()
+        self.streaming = streaming
         self._table = np.empty((3, 0), dtype=np.int64)
 
     def ref_columns(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> tuple[Any, ...]:
@@ -78,6 +82,7 @@ class HostCopier:
                     *self.ref_columns(g.ref_tensors, g.ref_sizes),
                     np.ascontiguousarray(g.src_units, dtype=np.int64),
                     np.ascontiguousarray(g.dst_units, dtype=np.int64),
+                    self.streaming,
                 )
             return
         if self._table.shape[1] < n:

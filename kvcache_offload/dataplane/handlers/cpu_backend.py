@@ -169,9 +169,11 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         max_staging_bytes: int = 64 * 1024 * 1024,
         inline_max_bytes: int = HOST_INLINE_MAX_BYTES,
         native_queue: bool = True,
+        stream_stores: bool = True,
     ) -> None:
         """``native_queue``: copy on the C extension's GIL-free thread where it is built (a
-        Python copy thread otherwise, or with False)."""
+        Python copy thread otherwise, or with False). ``stream_stores``: stores write the
+        CPU tier with non-temporal stores (x86-64 with the extension; see ``HostCopier``)."""
         self.gpu_tensors = canonical_views_on(kv_caches, "cpu", "the CPU backend needs CPU tensors")
         self.block_size_factor = int(block_size_factor)
         self.cpu_tensors = allocate_cpu_tensors(
@@ -179,6 +181,9 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         )
         del max_staging_bytes  # the host copy needs no staging; kept for callers that pass it
         self.native_queue = native_queue and HostCopyQueue.available()
+        self.stream_stores = stream_stores
+        self.host_copiers: dict[str, HostCopier] = {}
+        """Each direction's copier ("store", "load"), for its settings."""
         self.gpu_to_cpu_handler, self.cpu_to_gpu_handler = (
             self._direction(kv_caches, gpu_to_cpu, inline_max_bytes) for gpu_to_cpu in (True, False)
         )
@@ -189,7 +194,8 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         sides = CopySides.of_direction(
             self.gpu_tensors, self.cpu_tensors, self.block_size_factor, gpu_to_cpu
         )
-        copier = HostCopier(sides)
+        copier = HostCopier(sides, streaming=gpu_to_cpu and self.stream_stores)
+        self.host_copiers["store" if gpu_to_cpu else "load"] = copier
         name = "kvoffload-" + ("store" if gpu_to_cpu else "load")
         return ThreadedOffloadingHandler(
             sides=sides,

@@ -65,7 +65,8 @@ class HostCopyQueue:
         content = (np.asarray(ref_tensors).tobytes(), np.asarray(ref_sizes).tobytes())
         gid = self._group_of_refs.get(content)
         if gid is None:
-            gid = int(self._native.add_group(*self._copier.ref_columns(ref_tensors, ref_sizes)))
+            columns = self._copier.ref_columns(ref_tensors, ref_sizes)
+            gid = int(self._native.add_group(*columns, self._copier.streaming))
             self._group_of_refs[content] = gid
         if len(self._groups) < 64:
             self._groups[id(ref_tensors)] = (ref_tensors, gid)
