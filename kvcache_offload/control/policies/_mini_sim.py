@@ -97,6 +97,7 @@ class WeightDuel:
         min_rate: float = 0.001,
         decay_every: int = 1024,
         initial_weight: float = 1.0,
+        margin: float = 0.0,
     ) -> None:
         rate = min(1.0, max(shadow_blocks / max(cache_capacity, 1), min_rate))
         self.rate = rate
@@ -105,6 +106,7 @@ class WeightDuel:
         self._caches = [_MiniCache(w, capacity) for w in weights]
         self._decay_every = decay_every
         self._steps = 0
+        self._margin = margin
         self.weight = initial_weight
 
     def sampled(self, key: OffloadKey) -> bool:
@@ -131,7 +133,10 @@ class WeightDuel:
 
         Each copy uses them tail first (as ``touch`` does) and scores the hits up to its
         first miss in prefix order: past a miss the real lookup would stop too. Every
-        ``decay_every`` sampled keys the weight is re-chosen.
+        ``decay_every`` sampled keys the weight is re-chosen: the best copy's, unless it
+        beats the first copy (weight 1, plain LRU) by less than ``margin`` (relative), in
+        which case LRU's. Sampling noise then settles on LRU, not on a weight that only
+        looked better (on the synthetic trace that fell below LRU).
         """
         for cache in self._caches:
             # Hits since the last miss, tail first: the hits before the first miss in
@@ -143,10 +148,12 @@ class WeightDuel:
         self._steps += len(keys)
         if self._steps >= self._decay_every:
             self._steps = 0
-            best = self._caches[0]
+            first = best = self._caches[0]
             for cache in self._caches:
                 if cache.hits > best.hits:
                     best = cache
+            if best.hits < (1.0 + self._margin) * first.hits:
+                best = first
             self.weight = best.weight
             for cache in self._caches:
                 cache.hits *= 0.5
