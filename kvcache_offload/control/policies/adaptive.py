@@ -9,9 +9,11 @@ candidate's miniature has led by a margin twice in a row, the live cache switche
 S3-FIFO and plain LRU raced too until the seventh round of the lab: neither ever took over
 on either trace, at any capacity or slice, and their miniatures cost as much as the others.
 
-The miniatures are shared: a live adaptive LRU does not run miniatures of its own to pick
-its weight but follows the weight of its miniature in the race (which runs them, on the
-race's sample), so each miniature runs once.
+The miniatures are shared: the race's miniature of the adaptive LRU does not run weight
+miniatures of its own while the adaptive LRU serves, but follows the live policy's weight
+(chosen on the live traffic, exactly as the adaptive LRU alone would), so they run once;
+while another candidate serves, it runs its own again. Until a switch, the live cache
+decides exactly as the first candidate alone.
 
 A switch hands the blocks over in the old policy's eviction order: the old policy is drained
 victim by victim (pinned and unfinished blocks last) and the new one takes each block as if
@@ -75,11 +77,15 @@ class AdaptiveCachePolicy(CachePolicy):
         self._share_miniatures(self._live, first)
 
     def _share_miniatures(self, live: CachePolicy, name: str) -> None:
-        """Let a live adaptive LRU follow its miniature's weight (see module doc)."""
-        if isinstance(live, AdaptiveLRUCachePolicy):
-            twin = self._race.policy(name)
+        """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
+        doc)."""
+        for candidate in self.candidates:
+            twin = self._race.policy(candidate)
             if isinstance(twin, AdaptiveLRUCachePolicy):
-                live.follow(twin)
+                if candidate == name and isinstance(live, AdaptiveLRUCachePolicy):
+                    twin.follow(live)
+                else:
+                    twin.lead()
 
     @property
     def live_policy(self) -> str:

@@ -12,7 +12,7 @@ weight on a hashed sample of the keys
 store repeats the request's hit prefix, which every copy hits alike, so it would cost a
 third of the copies' work at larger sizes and tell them nothing. A policy may also
 :meth:`~AdaptiveLRUCachePolicy.follow` another one's copies instead of running its own (the
-adaptive policy's live cache follows the miniature it races, so the copies run once).
+adaptive policy's miniature of this policy follows the live one, so the copies run once).
 
 Two prefix-specific rules, since a lookup stops at a prefix's first miss:
 
@@ -96,10 +96,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     queue_attributes = ("_probation", "_main", "_ghost", "_main_ghost", "_tails")
     prefix_order = True
     weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
-    shadow_blocks: ClassVar[int] = 512
-    """Size of each weight's miniature (the sampling rate is this over the capacity)."""
-    duel_margin: ClassVar[float] = 0.0
-    """How much more (relative) a weight's miniature must hit than weight 1's to be used."""
+    shadow_blocks: ClassVar[int] = 256
+    """Size of each weight's miniature (the sampling rate is this over the capacity). 512
+    until the lab's seventh round: twice the work below 10 % of the traces' unique blocks,
+    and no better (``docs/policy-lab.md``)."""
     dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
 
@@ -126,21 +126,25 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _reset_learning(self) -> None:
         self._now = 0
-        self._duel = WeightDuel(
-            self.cache_capacity,
-            self.weights,
-            shadow_blocks=self.shadow_blocks,
-            margin=self.duel_margin,
-        )
+        self._duel = self._new_duel()
         self._feeds_duel = True
         self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
         self._demote_tails = False
+
+    def _new_duel(self) -> WeightDuel:
+        return WeightDuel(self.cache_capacity, self.weights, shadow_blocks=self.shadow_blocks)
 
     def follow(self, leader: AdaptiveLRUCachePolicy) -> None:
         """Use ``leader``'s weight from now on and stop running miniatures of one's own
         (``leader`` keeps feeding its own, on its own traffic)."""
         self._duel = leader._duel
         self._feeds_duel = False
+
+    def lead(self) -> None:
+        """Run miniatures of one's own again after :meth:`follow` (afresh: weight 1)."""
+        if not self._feeds_duel:
+            self._duel = self._new_duel()
+            self._feeds_duel = True
 
     # -- storage -------------------------------------------------------------------------
 
