@@ -9,8 +9,8 @@ never-reused blocks sooner (best when the cache is small and one-off prefixes wo
 it). The weight is chosen online by running a small copy of this policy per candidate
 weight on a hashed sample of the keys
 (:mod:`._mini_sim`), fed the first ``touch`` of each request only: the one right after a
-store repeats the request's hit prefix, which every copy hits alike, so it would cost a
-third of the copies' work at larger sizes and tell them nothing. A policy may also
+store repeats the request's hit prefix, which every copy hits alike, so it would cost the
+copies work and tell them nothing. A policy may also
 :meth:`~AdaptiveLRUCachePolicy.follow` another one's copies instead of running its own (the
 adaptive policy's miniature of this policy follows the live one, so the copies run once).
 
@@ -98,8 +98,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
     shadow_blocks: ClassVar[int] = 256
     """Size of each weight's miniature (the sampling rate is this over the capacity). 512
-    until the lab's seventh round: twice the work below 10 % of the traces' unique blocks,
-    and no better (``docs/policy-lab.md``)."""
+    until the lab's seventh round: twice the sampled keys above 512 blocks, and no better
+    hit rates in the lab (``docs/policy-lab.md``)."""
     dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
 
