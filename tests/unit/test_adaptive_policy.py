@@ -162,3 +162,15 @@ def test_adaptive_decides_the_same_compiled_and_pure() -> None:
     assert here == pure
     trace = load_trace(sample_trace_path())
     assert here[0][0] > 0 and trace.num_requests > 0
+
+
+def test_adaptive_decides_exactly_as_alru_until_it_switches() -> None:
+    # The race's alru follows the live alru's weight instead of running miniatures of its
+    # own, and nothing of the race reaches the live cache before a switch.
+    trace = load_trace(sample_trace_path())
+    for capacity in (40, 400):
+        adaptive = CPUOffloadingManager(capacity, "adaptive")
+        alone = CPUOffloadingManager(capacity, "alru")
+        a, b = replay_trace(adaptive, trace), replay_trace(alone, trace)
+        assert adaptive.policy.debug_state()["switches"] == 0
+        assert (a.block_hits, a.evictions) == (b.block_hits, b.evictions)

@@ -21,6 +21,7 @@ from kvcache_offload.control.policies import (
     SLRUCachePolicy,
     get_cache_policy_cls,
 )
+from kvcache_offload.control.policies._mini_sim import WeightDuel
 from tests.unit._keys import key, key_ids, keys
 
 NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru", "lru2", "adaptive"]
@@ -512,3 +513,15 @@ def test_fifo_queue_keeps_arrival_order_through_removals_anywhere(
         assert walked == model
         assert len(queue) == len(model)
         assert all((key(j) in queue) == (key(j) in model) for j in range(31))
+
+
+def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds() -> None:
+    # The miniatures index their state by small ids shared by all copies; a key that every
+    # copy has forgotten (not cached, not a ghost) gives its id back, so a stream of new
+    # keys does not grow the tables.
+    duel = WeightDuel(64, (1.0, 4.0, 64.0), shadow_blocks=64)
+    for start in range(0, 20_000, 4):
+        duel.access([key(i) for i in range(start, start + 4)])
+    held = 3 * 3 * 64  # per copy: the cache plus a ghost list per queue, each <= capacity
+    assert len(duel._ids.refs) <= held + 4  # type: ignore[attr-defined]
+    assert max(duel.sizes()) == 64

@@ -160,6 +160,13 @@ class ShadowRace:
             runner.spread *= 0.5
         return changed
 
+    def policy(self, name: str) -> CachePolicy | None:
+        """The miniature of candidate ``name`` (the first of that name), or None."""
+        for runner in self._runners:
+            if runner.name == name:
+                return runner.policy
+        return None
+
     def scores(self) -> dict[str, float]:
         """Each candidate's decayed hit count (what the race compares)."""
         return {runner.name: runner.score for runner in self._runners}

@@ -1,11 +1,19 @@
 """An eviction policy that runs whichever candidate policy its miniature simulations favour.
 
 No single policy wins everywhere in the lab (``docs/policy-lab.md``): LRU-2 is far ahead in
-small caches under a flood of one-off prefixes, the adaptive LRU in most other places, and
-plain LRU where the cache holds nearly all the reuse. This policy serves with one candidate
-at a time (starting with the first, LRU) while every candidate runs in miniature on a hashed
-sample of the keys (:mod:`._shadow_race`); when another candidate's miniature has led by a
-margin twice in a row, the live cache switches to it.
+small caches under a flood of one-off prefixes, the adaptive LRU in most other places (and,
+at weight 1, plain LRU where the cache holds nearly all the reuse). This policy serves with
+one candidate at a time (starting with the first, the adaptive LRU) while every candidate
+runs in miniature on a hashed sample of the keys (:mod:`._shadow_race`); when another
+candidate's miniature has led by a margin twice in a row, the live cache switches to it.
+S3-FIFO and plain LRU raced too until the seventh round of the lab: neither ever took over
+on either trace, at any capacity or slice, and their miniatures cost as much as the others.
+
+The miniatures are shared: the race's miniature of the adaptive LRU does not run weight
+miniatures of its own while the adaptive LRU serves, but follows the live policy's weight
+(chosen on the live traffic, exactly as the adaptive LRU alone would), so they run once;
+while another candidate serves, it runs its own again. Until a switch, the live cache
+decides exactly as the first candidate alone.
 
 A switch hands the blocks over in the old policy's eviction order: the old policy is drained
 victim by victim (pinned and unfinished blocks last) and the new one takes each block as if
@@ -25,6 +33,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._shadow_race import ShadowRace
+from kvcache_offload.control.policies.alru import AdaptiveLRUCachePolicy
 from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
 
@@ -38,7 +47,7 @@ class AdaptiveCachePolicy(CachePolicy):
     """Serves with the candidate whose miniature hits most (see module doc)."""
 
     name = "adaptive"
-    candidates: ClassVar[tuple[str, ...]] = ("alru", "lru2", "s3fifo-prefix", "lru")
+    candidates: ClassVar[tuple[str, ...]] = ("alru", "lru2")
     """Registered policy names; the first one serves until the race names another."""
     shadow_blocks: ClassVar[int] = 256
     """Size of each miniature (the sampling rate is this over the capacity)."""
@@ -65,6 +74,18 @@ class AdaptiveCachePolicy(CachePolicy):
             window=self.window,
         )
         self._last_stored: OffloadKey | None = None
+        self._share_miniatures(self._live, first)
+
+    def _share_miniatures(self, live: CachePolicy, name: str) -> None:
+        """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
+        doc)."""
+        for candidate in self.candidates:
+            twin = self._race.policy(candidate)
+            if isinstance(twin, AdaptiveLRUCachePolicy):
+                if candidate == name and isinstance(live, AdaptiveLRUCachePolicy):
+                    twin.follow(live)
+                else:
+                    twin.lead()
 
     @property
     def live_policy(self) -> str:
@@ -130,6 +151,7 @@ class AdaptiveCachePolicy(CachePolicy):
         drained = {key for key, _ in order}
         order.extend((key, block) for key, block in self._blocks.items() if key not in drained)
         new = self._classes[name](self.cache_capacity)
+        self._share_miniatures(new, name)
         for pair in order:
             new.insert_many([pair])
             new.touch([pair[0]])

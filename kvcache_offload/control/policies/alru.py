@@ -8,7 +8,11 @@ probation goes first if its age times ``weight`` is at least the main block's ag
 never-reused blocks sooner (best when the cache is small and one-off prefixes would flush
 it). The weight is chosen online by running a small copy of this policy per candidate
 weight on a hashed sample of the keys
-(:mod:`._mini_sim`).
+(:mod:`._mini_sim`), fed the first ``touch`` of each request only: the one right after a
+store repeats the request's hit prefix, which every copy hits alike, so it would cost the
+copies work and tell them nothing. A policy may also
+:meth:`~AdaptiveLRUCachePolicy.follow` another one's copies instead of running its own (the
+adaptive policy's miniature of this policy follows the live one, so the copies run once).
 
 Two prefix-specific rules, since a lookup stops at a prefix's first miss:
 
@@ -92,6 +96,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     queue_attributes = ("_probation", "_main", "_ghost", "_main_ghost", "_tails")
     prefix_order = True
     weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+    shadow_blocks: ClassVar[int] = 256
+    """Size of each weight's miniature (the sampling rate is this over the capacity). 512
+    until the lab's seventh round: twice the sampled keys above 512 blocks, and no better
+    hit rates in the lab (``docs/policy-lab.md``)."""
     dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
 
@@ -106,6 +114,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._tails: dict[OffloadKey, None] = {}
         self._dead_tail_ratio = self.dead_tail_ratio  # read once (a lookup when compiled)
         self._now = 0
+        self._feeds_duel = True
         self._reset_learning()
 
     def _learned_state(self) -> dict[str, object]:
@@ -117,9 +126,25 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _reset_learning(self) -> None:
         self._now = 0
-        self._duel = WeightDuel(self.cache_capacity, self.weights)
+        self._duel = self._new_duel()
+        self._feeds_duel = True
         self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
         self._demote_tails = False
+
+    def _new_duel(self) -> WeightDuel:
+        return WeightDuel(self.cache_capacity, self.weights, shadow_blocks=self.shadow_blocks)
+
+    def follow(self, leader: AdaptiveLRUCachePolicy) -> None:
+        """Use ``leader``'s weight from now on and stop running miniatures of one's own
+        (``leader`` keeps feeding its own, on its own traffic)."""
+        self._duel = leader._duel
+        self._feeds_duel = False
+
+    def lead(self) -> None:
+        """Run miniatures of one's own again after :meth:`follow` (afresh: weight 1)."""
+        if not self._feeds_duel:
+            self._duel = self._new_duel()
+            self._feeds_duel = True
 
     # -- storage -------------------------------------------------------------------------
 
@@ -150,13 +175,20 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     # -- use -----------------------------------------------------------------------------
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self._flush_batch()
         blocks, probation, main = self._blocks, self._probation, self._main
-        duel = self._duel
-        # The miniature caches see the request's sampled keys, except stores just prepared.
-        sampled = duel.sample(keys, blocks)
-        if sampled:
-            duel.access(sampled)
+        # The touch right after a store (its keys still being written), as vLLM and the
+        # lab's driver make it.
+        batch = self._batch
+        last = blocks.get(batch[-1]) if batch else None
+        after_store = last is not None and last.ref_cnt == -1
+        self._flush_batch()
+        if self._feeds_duel and not after_store:
+            # The miniature caches see the request's sampled keys, except stores just
+            # prepared; the touch after a store only repeats the hit prefix.
+            duel = self._duel
+            sampled = duel.sample(keys, blocks)
+            if sampled:
+                duel.access(sampled)
         now, tails = self._now, self._tails  # the clock in a local, stored back at the end
         for key in reversed(keys):
             block = blocks.get(key)
