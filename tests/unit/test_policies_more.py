@@ -65,7 +65,10 @@ def _snapshot(policy: CachePolicy) -> str:
         elif isinstance(value, set):
             value = sorted(value)
         elif isinstance(value, dict):
-            value = sorted(value.items())
+            # A block's ``mark`` (the policy's use count or visited bit) is state too.
+            value = sorted(
+                (k, (v, v.mark) if isinstance(v, BlockStatus) else v) for k, v in value.items()
+            )
         parts.append(f"{name}={value!r}")
     return "\n".join(parts)
 
