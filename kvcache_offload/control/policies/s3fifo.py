@@ -62,6 +62,10 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._adaptive = self.adaptive
         self._adapt_gain = self.adapt_gain
         self._main_lru = self.main_lru
+        # The mark of a block entering the main queue: its use count (0), or, when the main
+        # queue is an LRU (which reads no count), -1, so ``touch`` tells a main-queue block by
+        # its mark instead of looking its key up in the queue.
+        self._main_mark = -1 if self.main_lru else 0
         self._reset_learning()
         # The ghosts of the small queue: as many keys as the main queue may hold.
         ghost_limit = (
@@ -85,11 +89,13 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 step = self._adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
             ghost.recall(key)
+            block.mark = self._main_mark
             self._main[key] = None
         elif key in main_ghost:
             step = self._adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
             main_ghost.recall(key)
+            block.mark = self._main_mark
             self._main[key] = None
         else:
             self._small.append(key)
@@ -97,16 +103,15 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks, main = self._blocks, self._main
-        main_lru = self._main_lru
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is None or block.ref_cnt == -1:
                 continue
-            if main_lru and key in main:
+            count = block.mark
+            if count < 0:  # in the main queue, an LRU
                 main.move_to_end(key)
                 continue
-            count = block.mark
             if count < _MAX_FREQ:
                 block.mark = count + 1
 
@@ -193,6 +198,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     ) -> list[tuple[OffloadKey, BlockStatus]]:
         blocks = self._blocks
         small, main, ghost = self._small, self._main, self._ghost
+        main_mark = self._main_mark
         main_ghost = self._main_ghost if self._adaptive else None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         for index in range(len(keys)):
@@ -201,7 +207,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if step == _SMALL_TO_MAIN:
                 small.remove(key)
                 main[key] = None
-                blocks[key].mark = 0
+                blocks[key].mark = main_mark
             elif step == _MAIN_REINSERT:
                 main.move_to_end(key)
                 blocks[key].mark -= 1
