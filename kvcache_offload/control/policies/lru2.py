@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
-from typing import ClassVar, Final, final
+from typing import Any, ClassVar, Final, final
 
 from mypy_extensions import mypyc_attr
 
@@ -48,33 +48,38 @@ class _Heap:
 
     Shown (``repr``) as its sorted (stamp, key) pairs: a failed eviction pops and pushes back
     entries, which can reorder the list but never changes what it holds.
+
+    The heap and the dict hold each stamp as one Python int object (typed ``Any``): an ``int``
+    compiled is unboxed, and every use of it as a list item or dict key would box it again,
+    allocating a new int object per push and two per pop.
     """
 
     __slots__ = ("_stamps", "keys", "stamp")
 
     def __init__(self) -> None:
-        self._stamps: list[int] = []
-        self.keys: dict[int, OffloadKey] = {}
+        self._stamps: list[Any] = []  # int objects
+        self.keys: dict[Any, OffloadKey] = {}  # int object -> key
         self.stamp = 0
 
     def push(self, stamp: int, key: OffloadKey) -> None:
-        _heappush(self._stamps, stamp)
-        self.keys[stamp] = key
+        boxed: Any = stamp  # boxed once for both
+        _heappush(self._stamps, boxed)
+        self.keys[boxed] = key
 
     def pop(self) -> OffloadKey:
         """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
-        stamp = _heappop(self._stamps)
-        self.stamp = stamp
+        boxed = _heappop(self._stamps)
+        self.stamp = boxed
         keys = self.keys
-        key = keys[stamp]  # get and del: compiled, ``dict.pop`` is a generic method call
-        del keys[stamp]
+        key = keys[boxed]  # get and del: compiled, ``dict.pop`` is a generic method call
+        del keys[boxed]
         return key
 
     def rebuild(self, keys: dict[int, OffloadKey]) -> None:
-        stamps = list(keys)
+        stamps: list[Any] = list(keys)
         heapq.heapify(stamps)
         self._stamps = stamps
-        self.keys = keys
+        self.keys = dict(keys)
 
     def clear(self) -> None:
         self._stamps.clear()
