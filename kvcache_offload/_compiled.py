@@ -34,6 +34,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies._ghosts",
     "kvcache_offload.control.policies._prefix_batch",
     "kvcache_offload.control.policies._stamp_queue",
+    "kvcache_offload.control.policies._mark_queue",
     "kvcache_offload.control.policies._mini_sim",
     "kvcache_offload.control.policies.alru",
     "kvcache_offload.control.policies.s3fifo",

@@ -233,16 +233,18 @@ class CPUOffloadingManager(OffloadingManager):
         _check_keys(keys)
         table = self._blocks
         keys_to_store: list[OffloadKey] = []
+        distinct: set[OffloadKey] = set()  # built in the loop: cheaper than ``set(list)``
         present: list[BlockStatus] = []
         for key in keys:
             block = table.get(key)
             if block is None:
                 keys_to_store.append(key)
+                distinct.add(key)
             elif block.ref_cnt >= 0:
                 present.append(block)
         if not keys_to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
-        if len(set(keys_to_store)) != len(keys_to_store):
+        if len(distinct) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
         needed = len(keys_to_store) - self._num_free()

@@ -66,7 +66,10 @@ def _snapshot(policy: CachePolicy) -> str:
         elif isinstance(value, set):
             value = sorted(value)
         elif isinstance(value, dict):
-            value = sorted(value.items())
+            # A block's ``mark`` (the policy's use count or visited bit) is state too.
+            value = sorted(
+                (k, (v, v.mark) if isinstance(v, BlockStatus) else v) for k, v in value.items()
+            )
         parts.append(f"{name}={value!r}")
     return "\n".join(parts)
 
@@ -525,3 +528,83 @@ def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds() -> None:
     held = 3 * 3 * 64  # per copy: the cache plus a ghost list per queue, each <= capacity
     assert len(duel._ids.refs) <= held + 4  # type: ignore[attr-defined]
     assert max(duel.sizes()) == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push", "take", "take_walked", "evict", "restore"]),
+            st.integers(0, 30),
+        ),
+        min_size=300,
+        max_size=600,
+    )
+)
+def test_mark_queue_keeps_arrival_order_of_its_members(ops: list[tuple[str, int]]) -> None:
+    # Members leave anywhere (a use), in walk order (an eviction) or with their key (the
+    # block table drops it); a key stored again gets a new stamp. Dead entries are skipped,
+    # trimmed at the head and compacted; the walk must always be the model's order.
+    from kvcache_offload.control.policies._mark_queue import MarkQueue
+
+    blocks: dict[OffloadKey, BlockStatus] = {}
+    queue = MarkQueue(blocks)
+    model: list[OffloadKey] = []  # members, oldest first
+    stamps: dict[OffloadKey, int] = {}
+    clock = 0
+    for op, i in ops:
+        k = key(i)
+        if op == "push" and k not in model:
+            block = blocks.get(k)
+            if block is None:
+                block = blocks[k] = BlockStatus(i)
+            clock += 1
+            queue.push(k, block, clock)
+            model.append(k)
+            stamps[k] = clock
+        elif op == "take" and k in model:
+            assert queue.take(blocks[k]) == stamps[k]
+            blocks[k].mark = -1  # a used block: no longer a member, still stored
+            model.remove(k)
+        elif op == "take_walked" and model:
+            index = queue.first()
+            for _ in range(i % len(model)):
+                index = queue.after(index)
+            taken = queue.key_at(index)
+            assert queue.block is blocks[taken]
+            queue.take(blocks[taken])
+            del blocks[taken]  # evicted
+            model.remove(taken)
+        elif op == "evict" and k in blocks and k not in model:
+            del blocks[k]  # a used block leaves: its old entries stay dead
+        elif op == "restore" and k in blocks and k not in model:
+            del blocks[k]  # a used block leaves and the key is stored again, a new member
+            clock += 1
+            block = blocks[k] = BlockStatus(i)
+            queue.push(k, block, clock)
+            model.append(k)
+            stamps[k] = clock
+        walked = []
+        index = queue.first()
+        while index >= 0:
+            walked.append(queue.key_at(index))
+            assert queue.block is blocks[walked[-1]]
+            index = queue.after(index)
+        assert walked == model
+        assert len(queue) == len(model)
+        assert all(MarkQueue.holds(blocks[k]) == (k in model) for k in blocks)
+
+
+def test_lru2_failed_store_of_a_batched_ghost_key_leaves_no_heap_entry() -> None:
+    # Regression: ``remove`` looked for the key among the used blocks before flushing the
+    # batch, whose flush then put the ghost key there; the next eviction raised KeyError.
+    policy = get_cache_policy_cls("lru2")(2)
+    _store(policy, 1, 2)
+    policy.touch([])
+    (gone,) = _evicted_ids(policy, 1)
+    policy.insert(key(gone), BlockStatus(9))  # a ghost key, still in the insert batch
+    policy.remove(key(gone))  # its store failed
+    _store(policy, 3)
+    policy.touch(keys(3))
+    assert sorted(_evicted_ids(policy, 2)) == sorted({1, 2, 3} - {gone})
+    assert len(policy) == 0

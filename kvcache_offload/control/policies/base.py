@@ -3,7 +3,7 @@
 Storage and decision cannot be split cleanly (ARC's ghost lists, segmented queues), so one
 object does both. Policies are pure Python and know nothing of torch or transfers; they only
 see each block's ``ref_cnt``: -1 being written, 0 idle (the only evictable state), >0 being
-read by that many loads.
+read by that many loads. A block also carries one int for the policy holding it (``mark``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,19 @@ __all__ = ["BlockStatus", "CachePolicy"]
 
 
 class BlockStatus:
-    """State of one CPU slot: its id and its reference count (-1 = being written)."""
+    """State of one CPU slot: its id and its reference count (-1 = being written), plus a
+    small int the policy holding the block keeps there (:attr:`mark`)."""
 
-    __slots__ = ("block_id", "ref_cnt")
+    __slots__ = ("block_id", "mark", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = -1
+        # The policy's own per-block state (S3-FIFO's use count, SIEVE's visited bit), set
+        # when it enqueues the block; the manager never reads it. Compiled, an attribute of
+        # the block already in hand costs a few instructions where a per-key dict costs a
+        # hash-table probe on every read, write and delete.
+        self.mark = 0
 
     @property
     def is_ready(self) -> bool:

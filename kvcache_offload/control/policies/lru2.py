@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
-from typing import ClassVar, Final, final
+from typing import Any, ClassVar, Final, final
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._mark_queue import MarkQueue
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
-from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
@@ -48,33 +48,38 @@ class _Heap:
 
     Shown (``repr``) as its sorted (stamp, key) pairs: a failed eviction pops and pushes back
     entries, which can reorder the list but never changes what it holds.
+
+    The heap and the dict hold each stamp as one Python int object (typed ``Any``): an ``int``
+    compiled is unboxed, and every use of it as a list item or dict key would box it again,
+    allocating a new int object per push and two per pop.
     """
 
     __slots__ = ("_stamps", "keys", "stamp")
 
     def __init__(self) -> None:
-        self._stamps: list[int] = []
-        self.keys: dict[int, OffloadKey] = {}
+        self._stamps: list[Any] = []  # int objects
+        self.keys: dict[Any, OffloadKey] = {}  # int object -> key
         self.stamp = 0
 
     def push(self, stamp: int, key: OffloadKey) -> None:
-        _heappush(self._stamps, stamp)
-        self.keys[stamp] = key
+        boxed: Any = stamp  # boxed once for both
+        _heappush(self._stamps, boxed)
+        self.keys[boxed] = key
 
     def pop(self) -> OffloadKey:
         """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
-        stamp = _heappop(self._stamps)
-        self.stamp = stamp
+        boxed = _heappop(self._stamps)
+        self.stamp = boxed
         keys = self.keys
-        key = keys[stamp]  # get and del: compiled, ``dict.pop`` is a generic method call
-        del keys[stamp]
+        key = keys[boxed]  # get and del: compiled, ``dict.pop`` is a generic method call
+        del keys[boxed]
         return key
 
     def rebuild(self, keys: dict[int, OffloadKey]) -> None:
-        stamps = list(keys)
+        stamps: list[Any] = list(keys)
         heapq.heapify(stamps)
         self._stamps = stamps
-        self.keys = keys
+        self.keys = dict(keys)
 
     def clear(self) -> None:
         self._stamps.clear()
@@ -92,41 +97,53 @@ class LRU2CachePolicy(QueuePolicy):
     """Probation (used once) first, then used blocks by oldest second-last access."""
 
     name = "lru2"
-    queue_attributes = ("_probation", "_main", "_ghost")
+    queue_attributes = ("_main", "_ghost")  # and the probation queue, which lives in marks
     prefix_order = True
     history: ClassVar[float] = 8.0
     """Evicted keys remembered (with their last access), as a multiple of the capacity."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        # key -> time of its only access (its store), oldest first.
-        self._probation = StampQueue()
-        # key -> (second-last access, last access) for used blocks; the heap orders them and
-        # holds exactly one entry per key of this dict.
-        self._main: dict[OffloadKey, tuple[int, int]] = {}
+        # Each block's ``mark`` holds its last access: > 0, the time of its only access (its
+        # store) while on probation; -1 - its last access once used. No per-key dict of stamps.
+        # The blocks on probation, oldest first (their marks are their stamps).
+        self._probation = MarkQueue(self._blocks)
+        # key -> second-last access of each used block; the heap orders them and holds
+        # exactly one entry per key of this dict.
+        self._main: dict[OffloadKey, int] = {}
         self._heap = _Heap()
         # Evicted key -> its last access, oldest first, ``history`` x capacity of them.
         self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
         self._now = 0
 
     def _reset_learning(self) -> None:
+        self._probation.clear()
         self._heap.clear()
         self._now = 0
 
+    def _learned_state(self) -> dict[str, object]:
+        return {"probation": len(self._probation)}
+
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
-        self._now += 1
+        now = self._now + 1
+        self._now = now
         last = self._ghost.recall_stamp(key)
         if last < 0:
-            self._probation.push(key, self._now)
+            self._probation.push(key, block, now)
         else:
-            self._main[key] = (last, self._now)
+            self._main[key] = last
+            block.mark = -1 - now
             self._heap.push(last, key)
 
     def remove(self, key: OffloadKey) -> None:
+        self._flush_batch()  # first: a batched key may be enqueued (into main) by the flush
+        block = self._blocks[key]
+        if MarkQueue.holds(block):
+            self._probation.take(block)
         in_main = key in self._main
         super().remove(key)
         if in_main:  # a failed store of a ghost key: its heap entry goes too (rare)
-            self._heap.rebuild({stamps[0]: k for k, stamps in self._main.items()})
+            self._heap.rebuild({second: k for k, second in self._main.items()})
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -137,13 +154,14 @@ class LRU2CachePolicy(QueuePolicy):
             if block is None or block.ref_cnt == -1:
                 continue
             now += 1
-            stamps = main.get(key)
-            if stamps is not None:
-                main[key] = (stamps[1], now)  # its heap entry is refreshed when on top
+            mark = block.mark
+            if mark < 0:  # used before: its heap entry is refreshed when on top
+                main[key] = -1 - mark
             else:
-                previous = probation.take(key)
-                main[key] = (previous, now)
+                previous = probation.take(block)
+                main[key] = previous
                 heap.push(previous, key)
+            block.mark = -1 - now
         self._now = now
 
     def _select(
@@ -156,7 +174,7 @@ class LRU2CachePolicy(QueuePolicy):
         index = probation.first()
         while index >= 0:
             key = probation.key_at(index)
-            if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
+            if probation.block.ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
                 if len(chosen) == n:
                     break
@@ -172,7 +190,7 @@ class LRU2CachePolicy(QueuePolicy):
             stamp = heap.stamp
             popped.append(stamp)
             popped_keys.append(key)
-            current = main[key][0]
+            current = main[key]
             if current != stamp:
                 heap.push(current, key)  # used since: its place is further on
                 continue
@@ -186,17 +204,17 @@ class LRU2CachePolicy(QueuePolicy):
         victims = []
         ghost = self._ghost
         for i, key in enumerate(chosen):
+            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
             if i < from_probation:
-                last = probation.take(key)
+                last = probation.take(block)
             else:
-                last = main[key][1]
+                last = -1 - block.mark
                 del main[key]
             ghost.remember(key, last)
-            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
             del blocks[key]
             victims.append((key, block))
         for key in skipped:
-            heap.push(main[key][0], key)
+            heap.push(main[key], key)
         return victims
 
     def _restore(self, popped: list[int], popped_keys: list[OffloadKey]) -> None:
@@ -204,12 +222,12 @@ class LRU2CachePolicy(QueuePolicy):
         the ones it pushed again (an outdated entry's key, popped a second time up to date)."""
         main = self._main
         refreshed = {
-            key for stamp, key in zip(popped, popped_keys, strict=True) if main[key][0] != stamp
+            key for stamp, key in zip(popped, popped_keys, strict=True) if main[key] != stamp
         }
         self._heap.rebuild(
             {
                 stamp: key
                 for stamp, key in zip(popped, popped_keys, strict=True)
-                if key not in refreshed or main[key][0] != stamp
+                if key not in refreshed or main[key] != stamp
             }
         )

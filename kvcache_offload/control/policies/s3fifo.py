@@ -44,7 +44,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
     """
 
     name = "s3fifo"
-    queue_attributes = ("_small", "_main", "_ghost", "_main_ghost", "_freq")
+    queue_attributes = ("_small", "_main", "_ghost", "_main_ghost")
     small_ratio: ClassVar[float] = 0.1
     adaptive: ClassVar[bool] = False
     """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
@@ -56,12 +56,16 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         super().__init__(cache_capacity)
         self._small = FifoQueue()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._freq: dict[OffloadKey, int] = {}
+        # Each block's use count (0 to _MAX_FREQ) is its ``mark``: no per-key dict to probe.
         self._small_target = 0.0
         # The tunables, read once: compiled, a class attribute costs a lookup on every read.
         self._adaptive = self.adaptive
         self._adapt_gain = self.adapt_gain
         self._main_lru = self.main_lru
+        # The mark of a block entering the main queue: its use count (0), or, when the main
+        # queue is an LRU (which reads no count), -1, so ``touch`` tells a main-queue block by
+        # its mark instead of looking its key up in the queue.
+        self._main_mark = -1 if self.main_lru else 0
         self._reset_learning()
         # The ghosts of the small queue: as many keys as the main queue may hold.
         ghost_limit = (
@@ -74,40 +78,42 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._small_target = float(max(1, round(self.cache_capacity * self.small_ratio)))
 
     def _learned_state(self) -> dict[str, object]:
-        return {"small_target": self._small_target}
+        # "freq": the keys with a use count, which is every block (it is kept in the block).
+        return {"freq": len(self._blocks), "small_target": self._small_target}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
-        self._freq[key] = 0
+        block.mark = 0
         ghost, main_ghost = self._ghost, self._main_ghost
         if key in ghost:
             if self._adaptive:
                 step = self._adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
             ghost.recall(key)
+            block.mark = self._main_mark
             self._main[key] = None
         elif key in main_ghost:
             step = self._adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
             main_ghost.recall(key)
+            block.mark = self._main_mark
             self._main[key] = None
         else:
             self._small.append(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, freq, main = self._blocks, self._freq, self._main
-        main_lru = self._main_lru
+        blocks, main = self._blocks, self._main
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is None or block.ref_cnt == -1:
                 continue
-            if main_lru and key in main:
+            count = block.mark
+            if count < 0:  # in the main queue, an LRU
                 main.move_to_end(key)
                 continue
-            count = freq[key]
             if count < _MAX_FREQ:
-                freq[key] = count + 1
+                block.mark = count + 1
 
     def _plan(
         self,
@@ -121,7 +127,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         Skipped (pinned or protected) blocks keep their place; the walk over the main queue
         sees the keys it re-appends (promotions, reinsertions) after the original ones.
         """
-        blocks, freq = self._blocks, self._freq
+        blocks = self._blocks
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         small = self._small
         index = small.first()  # the small queue's walk: its next key to look at
@@ -134,15 +140,18 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
                 key: OffloadKey | None = None
+                used = False
                 while index >= 0:  # the next evictable key of the small queue
                     candidate = small.key_at(index)
                     index = small.after(index)
-                    if blocks[candidate].ref_cnt == 0 and not (guarded and candidate in protected):
+                    block = blocks[candidate]
+                    if block.ref_cnt == 0 and not (guarded and candidate in protected):
                         key = candidate
+                        used = block.mark > 0
                         break
                 if key is not None:
                     small_len -= 1
-                    if freq[key] > 0:
+                    if used:
                         moves.append(_SMALL_TO_MAIN)
                         keys.append(key)
                         new_freq[key] = 0
@@ -157,32 +166,39 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if main_done:
                 return False
             key = main.pop()
-            while key is not None and (blocks[key].ref_cnt != 0 or (guarded and key in protected)):
+            mark = 0
+            while key is not None:  # the next evictable key of the main queue
+                block = blocks[key]
+                if block.ref_cnt == 0 and not (guarded and key in protected):
+                    mark = block.mark
+                    break
                 key = main.pop()
             if key is None:
                 main_done = True
                 if small_done:
                     return False
                 continue
-            count = new_freq.get(key)
-            if count is None:
-                count = freq[key]
-            if reinsert and count > 0:
-                new_freq[key] = count - 1
-                moves.append(_MAIN_REINSERT)
-                keys.append(key)
-                main.append(key)
-            else:
-                moves.append(_MAIN_EVICT)
-                keys.append(key)
-                victims += 1
+            if reinsert:
+                count = new_freq.get(key)
+                if count is None:
+                    count = mark
+                if count > 0:
+                    new_freq[key] = count - 1
+                    moves.append(_MAIN_REINSERT)
+                    keys.append(key)
+                    main.append(key)
+                    continue
+            moves.append(_MAIN_EVICT)
+            keys.append(key)
+            victims += 1
         return True
 
     def _apply(
         self, moves: list[int], keys: list[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]]:
-        blocks, freq = self._blocks, self._freq
+        blocks = self._blocks
         small, main, ghost = self._small, self._main, self._ghost
+        main_mark = self._main_mark
         main_ghost = self._main_ghost if self._adaptive else None
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         for index in range(len(keys)):
@@ -191,10 +207,10 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if step == _SMALL_TO_MAIN:
                 small.remove(key)
                 main[key] = None
-                freq[key] = 0
+                blocks[key].mark = main_mark
             elif step == _MAIN_REINSERT:
                 main.move_to_end(key)
-                freq[key] -= 1
+                blocks[key].mark -= 1
             else:
                 if step == _SMALL_EVICT:
                     small.remove(key)
@@ -203,7 +219,6 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                     del main[key]
                     if main_ghost is not None:
                         main_ghost.remember(key)
-                del freq[key]
                 block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
                 del blocks[key]
                 victims.append((key, block))

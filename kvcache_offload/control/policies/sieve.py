@@ -38,26 +38,29 @@ class SIEVECachePolicy(PlannedQueuePolicy):
     """
 
     name = "sieve"
-    queue_attributes = ("_ahead", "_behind", "_visited")
+    queue_attributes = ("_ahead", "_behind")
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._ahead: OrderedDict[OffloadKey, None] = OrderedDict()
         self._behind: OrderedDict[OffloadKey, None] = OrderedDict()
-        # The visited bits: a key is here while its bit is set.
-        self._visited: dict[OffloadKey, None] = {}
+        # A block's visited bit is its ``mark`` (1 set, 0 clear): no per-key dict to probe.
+
+    def _learned_state(self) -> dict[str, object]:
+        return {"visited": sum(1 for block in self._blocks.values() if block.mark)}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        block.mark = 0
         self._ahead[key] = None
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, visited = self._blocks, self._visited
+        blocks = self._blocks
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is not None and block.ref_cnt != -1:
-                visited[key] = None
+                block.mark = 1
 
     def _plan(
         self,
@@ -72,7 +75,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         so it may lap; a whole lap with neither a victim nor a bit cleared means the
         remaining blocks are all pinned or protected.
         """
-        blocks, visited = self._blocks, self._visited
+        blocks = self._blocks
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         walk = VirtualFifo(chain(self._ahead, self._behind))
         cleared: set[OffloadKey] = set()
@@ -83,12 +86,13 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             key = walk.pop()
             if key is None or idle_steps > limit:
                 return False
-            if blocks[key].ref_cnt != 0 or (guarded and key in protected):
+            block = blocks[key]
+            if block.ref_cnt != 0 or (guarded and key in protected):
                 moves.append(_KEEP)
                 keys.append(key)
                 walk.append(key)
                 idle_steps += 1
-            elif key in visited and key not in cleared:
+            elif block.mark and key not in cleared:
                 cleared.add(key)
                 moves.append(_CLEAR)
                 keys.append(key)
@@ -104,7 +108,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
     def _apply(
         self, moves: list[int], keys: list[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]]:
-        blocks, visited = self._blocks, self._visited
+        blocks = self._blocks
         victims: list[tuple[OffloadKey, BlockStatus]] = []
         for index in range(len(keys)):
             step = moves[index]
@@ -115,13 +119,11 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             # ``popitem(last=False)`` without a method call by name (costly when compiled).
             del self._ahead[key]
             if step == _EVICT:
-                if key in visited:  # not ``pop``: compiled, a generic method call
-                    del visited[key]
                 block = blocks[key]
                 del blocks[key]
                 victims.append((key, block))
             else:
                 self._behind[key] = None
-                if step == _CLEAR and key in visited:
-                    del visited[key]
+                if step == _CLEAR:
+                    blocks[key].mark = 0
         return victims
