@@ -73,6 +73,10 @@ class _Job:
     """Predicted end (``perf_counter``); 0: not predicted."""
 
 
+def _always() -> bool:
+    return True
+
+
 def _blocks_and_source(spec: TransferSpec) -> tuple[int, str]:
     """How many blocks a job names on its source side, and that side's medium."""
     src = spec[0]
@@ -122,6 +126,8 @@ class TransferPoller:
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
+        self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", _always)
+        """Whether a handler holds a job to flush (a worker that cannot say: always)."""
         self._spinning = False
 
     @property
@@ -143,18 +149,22 @@ class TransferPoller:
         called then (the caller rolls back itself).
         """
         loop = asyncio.get_running_loop()
-        self._waker.bind(loop)
+        waker = self._waker
+        waker.bind(loop)
         job_id = self._next_job_id
         self._next_job_id += 1
         if not self.worker.transfer_async(job_id, spec):
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
-        if self.batched and not self._flush_scheduled:
+        # A job issued at once (its handler was idle) leaves nothing to flush: the flush is
+        # scheduled by the first submission of the tick that a handler held.
+        if self.batched and not self._flush_scheduled and self._holds_jobs():
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         now = time.perf_counter()
-        job = self._jobs[job_id] = _Job(loop.create_future(), on_done, now, 0, "")
+        future = loop.create_future()
+        job = self._jobs[job_id] = _Job(future, on_done, now, 0, "")
         self._last_activity = now
         if self.on_demand:  # only a poller that looks by itself predicts ends
             job.blocks, job.source = blocks, source = _blocks_and_source(spec)
@@ -163,8 +173,8 @@ class TransferPoller:
                 job.ends = ends
             ends = min(ends, now + self.predicted_spin_cap_s)
             self._look_until = max(self._look_until, ends + self.completion_spin_s)
-        self._waker.wake()
-        return self._jobs[job_id].future
+        waker.wake()
+        return future
 
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without

@@ -77,6 +77,10 @@ class BatchingSwitch:
             self.flush()
         self._batching = enabled
 
+    def holds_jobs(self) -> bool:
+        """Whether a job is held, i.e. whether :meth:`flush` would issue anything."""
+        return bool(self._held.jobs)
+
     def flush(self) -> None:
         """Issue the held jobs now (a no-op when none is held)."""
         if self._held:

@@ -23,6 +23,18 @@ __all__ = ["OffloadingWorker"]
 logger = logging.getLogger(__name__)
 
 
+def _always() -> bool:
+    return True
+
+
+def _hold_probe(handler: BatchesJobs) -> Callable[[], bool]:
+    """The handler's ``holds_jobs`` (the shared ``BatchingSwitch`` has one); a third-party
+    batching handler without it is asked to flush after every submission, as the contract
+    promises it."""
+    probe = getattr(handler, "holds_jobs", None)
+    return probe if callable(probe) else _always
+
+
 class OffloadingWorker:
     """Routes each job to the handler registered for its (source, destination) media."""
 
@@ -30,6 +42,7 @@ class OffloadingWorker:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
         self._batching: list[BatchesJobs] = []
+        self._hold_probes: list[Callable[[], bool]] = []
         self._on_demand: list[WatchesOnDemand] = []
 
     def register_handler(
@@ -116,7 +129,16 @@ class OffloadingWorker:
         self._batching = [h for h in self.handlers if isinstance(h, BatchesJobs)]
         for handler in self._batching:
             handler.set_batching(True)
+        self._hold_probes = [_hold_probe(h) for h in self._batching]
         return bool(self._batching)
+
+    def holds_jobs(self) -> bool:
+        """Whether a batching handler holds a job, so that :meth:`flush` has work to do
+        (a handler that cannot say is assumed to hold one)."""
+        for probe in self._hold_probes:
+            if probe():
+                return True
+        return False
 
     def flush(self) -> None:
         """Issue the jobs held by batching handlers; a handler that raises is logged."""
