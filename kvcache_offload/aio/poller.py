@@ -214,16 +214,18 @@ class TransferPoller:
             if job is None:
                 logger.warning("worker reported unknown job %d", result.job_id)
                 continue
-            if len(results) == 1 and result.transfer_time and job.blocks:
+            if job.blocks and len(results) == 1 and result.transfer_time:
                 # Jobs that end together may have shared one copy (a batch), whose time
                 # each reports: only a lone end times one job's blocks.
                 self._copy_clock.observe(job.source, job.blocks, result.transfer_time)
             self._finish(job, result)
         if results:
             self._last_activity = now = time.perf_counter()
-            self._look_until = max(self._look_until, now + self.completion_spin_s)
+            if self.on_demand:  # only a poller that looks by itself predicts or looks on
+                self._look_until = max(self._look_until, now + self.completion_spin_s)
             if not self._jobs:
-                self._copy_clock.idle()
+                if self.on_demand:
+                    self._copy_clock.idle()
                 if self._drained is not None:
                     self._drained.set()
         return len(results)

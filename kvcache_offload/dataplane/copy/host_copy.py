@@ -43,13 +43,11 @@ def native_available() -> bool:
 _INT64 = np.dtype(np.int64)
 
 
-def _is_flat_int64(units: np.ndarray) -> bool:
-    """Whether ``units`` is what ``copy_units`` takes as is (what the planners write), so the
-    per-job ``np.ascontiguousarray`` calls are skipped."""
-    return units.dtype == _INT64 and units.flags.c_contiguous
-
-
 def _flat_int64(units: np.ndarray) -> np.ndarray:
+    """``units`` as ``copy_units`` takes them: the planners' own arrays (native int64,
+    contiguous) as they are, without a numpy call per job; anything else converted."""
+    if units.dtype is _INT64 and units.flags.c_contiguous:
+        return units
     return np.ascontiguousarray(units, dtype=np.int64)
 
 
@@ -97,8 +95,9 @@ class HostCopier:
             self._columns[key] = (ref_tensors, ref_sizes, columns)
         return columns
 
-    def run(self, plan: TransferPlan) -> None:
-        """Copy every fragment of ``plan``; returns when the bytes are in place."""
+    def run(self, plan: TransferPlan, _token: object = None) -> None:
+        """Copy every fragment of ``plan``; returns when the bytes are in place. (``_token``
+        is ignored: it lets a handler call this as its ``run_plan`` without a wrapper.)"""
         n = plan.num_fragments
         if n == 0:
             return
@@ -106,11 +105,10 @@ class HostCopier:
             for g in plan.groups:
                 if len(g.ref_tensors) == 0 or len(g.src_units) == 0:
                     continue
-                src_units, dst_units = g.src_units, g.dst_units
                 _copy_units(
                     *self._cached_columns(g.ref_tensors, g.ref_sizes),
-                    src_units if _is_flat_int64(src_units) else _flat_int64(src_units),
-                    dst_units if _is_flat_int64(dst_units) else _flat_int64(dst_units),
+                    _flat_int64(g.src_units),
+                    _flat_int64(g.dst_units),
                     self.streaming,
                 )
             return

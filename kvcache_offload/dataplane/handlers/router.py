@@ -135,7 +135,7 @@ class OffloadingWorker:
     def holds_jobs(self) -> bool:
         """Whether a batching handler holds a job, so that :meth:`flush` has work to do
         (a handler that cannot say is assumed to hold one)."""
-        for probe in self._hold_probes:
+        for probe in self._hold_probes:  # noqa: SIM110 - per job: no generator for any()
             if probe():
                 return True
         return False
