@@ -82,9 +82,7 @@ class ManagerSteps(EngineBase):
         self._publish_manager_events()
         if self._tiers is not None:
             self._tiers.on_store_failed(keys)
-        self._hub.publish(
-            _STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason}
-        )
+        self._hub.publish(_STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason})
 
     def _prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         self._check_open()
