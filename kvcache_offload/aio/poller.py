@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 OnDone = Callable[[TransferResult], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     future: asyncio.Future[TransferResult]
     on_done: OnDone

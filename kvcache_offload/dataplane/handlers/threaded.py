@@ -54,7 +54,7 @@ GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     job_id: int
     num_bytes: int
