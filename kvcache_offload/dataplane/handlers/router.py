@@ -16,6 +16,7 @@ from kvcache_offload.contracts.handler import (
     WatchesOnDemand,
 )
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["OffloadingWorker"]
@@ -42,7 +43,10 @@ class OffloadingWorker:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
         self._batching: list[BatchesJobs] = []
+        self._held: list[HeldJobs] = []
+        """The held batches of the handlers that share ``BatchingSwitch``."""
         self._hold_probes: list[Callable[[], bool]] = []
+        """``holds_jobs`` of the other batching handlers."""
         self._on_demand: list[WatchesOnDemand] = []
 
     def register_handler(
@@ -129,12 +133,18 @@ class OffloadingWorker:
         self._batching = [h for h in self.handlers if isinstance(h, BatchesJobs)]
         for handler in self._batching:
             handler.set_batching(True)
-        self._hold_probes = [_hold_probe(h) for h in self._batching]
+        self._held = [h.held_jobs() for h in self._batching if isinstance(h, BatchingSwitch)]
+        self._hold_probes = [
+            _hold_probe(h) for h in self._batching if not isinstance(h, BatchingSwitch)
+        ]
         return bool(self._batching)
 
     def holds_jobs(self) -> bool:
         """Whether a batching handler holds a job, so that :meth:`flush` has work to do
-        (a handler that cannot say is assumed to hold one)."""
+        (a handler that cannot say is assumed to hold one). Asked once per submission."""
+        for held in self._held:
+            if held.jobs:
+                return True
         for probe in self._hold_probes:  # noqa: SIM110 - per job: no generator for any()
             if probe():
                 return True

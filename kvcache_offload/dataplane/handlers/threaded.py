@@ -210,15 +210,13 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return results
 
     def _result(self, job: _Job) -> TransferResult:
-        if job.future.cancelled():
+        cancelled, exc, seconds = job.future.outcome()
+        if cancelled:
             return TransferResult(job.job_id, False, job.num_bytes, None, self.transfer_type)
-        exc = job.future.exception()
         if exc is not None:
             logger.warning("job %d (%s) failed: %s", job.job_id, self.transfer_type, exc)
             return TransferResult(job.job_id, False, job.num_bytes, None, self.transfer_type)
-        return TransferResult(
-            job.job_id, True, job.num_bytes, job.future.result(), self.transfer_type
-        )
+        return TransferResult(job.job_id, True, job.num_bytes, seconds, self.transfer_type)
 
     def wait(self, job_ids: set[int]) -> None:
         self.flush()
