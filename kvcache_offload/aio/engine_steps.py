@@ -27,6 +27,14 @@ __all__ = ["ManagerSteps", "block_ids_of"]
 
 logger = logging.getLogger("kvcache_offload.aio.engine")
 
+# The members, bound once: an attribute of an enum class costs ~0.25 us on Python 3.11, and
+# every job publishes one to three events.
+_STORED = EventType.STORED
+_EVICTED = EventType.EVICTED
+_LOAD_COMPLETED = EventType.LOAD_COMPLETED
+_LOAD_FAILED = EventType.LOAD_FAILED
+_STORE_FAILED = EventType.STORE_FAILED
+
 
 def block_ids_of(spec: object) -> list[int]:
     """The CPU block ids of a manager's answer (the only kind of spec this manager returns)."""
@@ -74,9 +82,7 @@ class ManagerSteps(EngineBase):
         self._publish_manager_events()
         if self._tiers is not None:
             self._tiers.on_store_failed(keys)
-        self._hub.publish(
-            EventType.STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason}
-        )
+        self._hub.publish(_STORE_FAILED, keys, detail={"req_id": ctx.req_id, "reason": reason})
 
     def _prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int]:
         self._check_open()
@@ -90,17 +96,15 @@ class ManagerSteps(EngineBase):
         self.manager.complete_load(keys, ctx)
         if success:
             self._totals.load_blocks_completed += len(keys)
-            self._hub.publish(
-                EventType.LOAD_COMPLETED, keys, detail={"req_id": ctx.req_id, **detail}
-            )
+            self._hub.publish(_LOAD_COMPLETED, keys, detail={"req_id": ctx.req_id, **detail})
         else:
             self._totals.load_blocks_failed += len(keys)
-            self._hub.publish(EventType.LOAD_FAILED, keys, detail={"req_id": ctx.req_id, **detail})
+            self._hub.publish(_LOAD_FAILED, keys, detail={"req_id": ctx.req_id, **detail})
 
     def _publish_manager_events(self) -> None:
+        publish = self._hub.publish
         for event in self.manager.take_events():
-            kind = EventType.EVICTED if event.removed else EventType.STORED
-            self._hub.publish(kind, event.keys, medium=event.medium)
+            publish(_EVICTED if event.removed else _STORED, event.keys, medium=event.medium)
 
     def _record_transfer(self, direction: str, result: TransferResult) -> None:
         if result.success:

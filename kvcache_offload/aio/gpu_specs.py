@@ -59,7 +59,9 @@ def gpu_spec_for_keys(
                 "cannot be narrowed to the keys that need storing; pass one id per GPU block"
             )
     else:
-        ids = np.asarray(gpu_blocks, dtype=np.int64).reshape(-1)
+        ids = np.asarray(gpu_blocks, dtype=np.int64)
+        if ids.ndim != 1:  # a flat list is 1-D already: no reshape call per job
+            ids = ids.reshape(-1)
     if selected is not None and len(selected) != len(keys):
         idx = np.asarray(selected, dtype=np.int64)
         per_key = ids.reshape(len(keys), factor) if len(ids) == len(keys) * factor else None
@@ -74,6 +76,8 @@ def gpu_spec_for_keys(
     total = len(keys) * factor
     skip = total - len(ids)
     if skip == 0:
+        if num_groups == 1:  # the common model: what _group_sizes answers, without the call
+            return GPULoadStoreSpec.checked_parts(ids, (total,), (0,))
         sizes = _group_sizes(keys, num_groups, factor)
         return GPULoadStoreSpec.checked_parts(ids, tuple(sizes), (0,) * num_groups)
     if num_groups == 1 and 0 < skip < factor:

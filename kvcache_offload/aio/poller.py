@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 OnDone = Callable[[TransferResult], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     future: asyncio.Future[TransferResult]
     on_done: OnDone
@@ -71,6 +71,10 @@ class _Job:
     source: str
     ends: float = 0.0
     """Predicted end (``perf_counter``); 0: not predicted."""
+
+
+def _always() -> bool:
+    return True
 
 
 def _blocks_and_source(spec: TransferSpec) -> tuple[int, str]:
@@ -122,6 +126,8 @@ class TransferPoller:
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
+        self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", _always)
+        """Whether a handler holds a job to flush (a worker that cannot say: always)."""
         self._spinning = False
 
     @property
@@ -143,18 +149,22 @@ class TransferPoller:
         called then (the caller rolls back itself).
         """
         loop = asyncio.get_running_loop()
-        self._waker.bind(loop)
+        waker = self._waker
+        waker.bind(loop)
         job_id = self._next_job_id
         self._next_job_id += 1
         if not self.worker.transfer_async(job_id, spec):
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
-        if self.batched and not self._flush_scheduled:
+        # A job issued at once (its handler was idle) leaves nothing to flush: the flush is
+        # scheduled by the first submission of the tick that a handler held.
+        if self.batched and not self._flush_scheduled and self._holds_jobs():
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         now = time.perf_counter()
-        job = self._jobs[job_id] = _Job(loop.create_future(), on_done, now, 0, "")
+        future = loop.create_future()
+        job = self._jobs[job_id] = _Job(future, on_done, now, 0, "")
         self._last_activity = now
         if self.on_demand:  # only a poller that looks by itself predicts ends
             job.blocks, job.source = blocks, source = _blocks_and_source(spec)
@@ -163,8 +173,8 @@ class TransferPoller:
                 job.ends = ends
             ends = min(ends, now + self.predicted_spin_cap_s)
             self._look_until = max(self._look_until, ends + self.completion_spin_s)
-        self._waker.wake()
-        return self._jobs[job_id].future
+        waker.wake()
+        return future
 
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without
@@ -204,16 +214,18 @@ class TransferPoller:
             if job is None:
                 logger.warning("worker reported unknown job %d", result.job_id)
                 continue
-            if len(results) == 1 and result.transfer_time and job.blocks:
+            if job.blocks and len(results) == 1 and result.transfer_time:
                 # Jobs that end together may have shared one copy (a batch), whose time
                 # each reports: only a lone end times one job's blocks.
                 self._copy_clock.observe(job.source, job.blocks, result.transfer_time)
             self._finish(job, result)
         if results:
             self._last_activity = now = time.perf_counter()
-            self._look_until = max(self._look_until, now + self.completion_spin_s)
+            if self.on_demand:  # only a poller that looks by itself predicts or looks on
+                self._look_until = max(self._look_until, now + self.completion_spin_s)
             if not self._jobs:
-                self._copy_clock.idle()
+                if self.on_demand:
+                    self._copy_clock.idle()
                 if self._drained is not None:
                     self._drained.set()
         return len(results)

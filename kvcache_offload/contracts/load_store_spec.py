@@ -45,7 +45,10 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     def block_ids(self) -> np.ndarray:
         array = self._block_ids
         if array is None:
-            array = self._block_ids = np.asarray(self._owned_ids, dtype=np.int64).reshape(-1)
+            array = np.asarray(self._owned_ids, dtype=np.int64)
+            if array.ndim != 1:  # a list of ints is 1-D already: no reshape call per job
+                array = array.reshape(-1)
+            self._block_ids = array
             self._owned_ids = None
         return array
 

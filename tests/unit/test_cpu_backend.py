@@ -579,3 +579,55 @@ def test_fresh_ref_arrays_of_the_same_refs_reuse_one_native_group():
                     )
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("native_queue", QUEUES)
+def test_a_job_held_behind_one_copied_at_once_is_still_flushed_by_the_poller(native_queue):
+    """The poller schedules its end-of-tick flush only when a handler holds a job: the
+    first job of the tick is copied at once (idle handler), the second is held behind it
+    and must still go out and complete, after the first."""
+    import asyncio
+
+    from kvcache_offload.aio.poller import TransferPoller
+
+    kv = _caches(8)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, native_queue=native_queue)
+    store = h.gpu_to_cpu_handler
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, store)
+    worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, h.cpu_to_gpu_handler)
+    rng = np.random.default_rng(8)
+    jobs = [
+        random_job(
+            rng,
+            group_sizes=[2, 0, 0, 0],
+            block_indices=[0, 0, 0, 0],
+            factor=1,
+            num_gpu_blocks=64,
+            num_cpu_blocks=64,
+        )
+        for _ in range(2)
+    ]
+
+    async def run() -> list[int]:
+        poller = TransferPoller(worker)
+        assert poller.batched
+        task = asyncio.create_task(poller.run())
+        try:
+            done: list[int] = []
+            futures = []
+            for job in jobs:
+                spec = (job.gpu_spec, job.cpu_spec)
+                futures.append(poller.submit(spec, lambda r: done.append(r.job_id)))
+            assert store.holds_jobs()  # the second, behind the first's unreported copy
+            results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+            assert all(r.success for r in results)
+            assert not store.holds_jobs()
+            return done
+        finally:
+            task.cancel()
+
+    try:
+        assert asyncio.run(run()) == [0, 1]
+    finally:
+        h.shutdown()

@@ -123,3 +123,54 @@ def test_wait_and_shutdown_reach_every_handler():
     assert h12.waited == [{1, 2}] and h21.waited == [{1, 2}]
     worker.shutdown()
     assert h12.shut and h21.shut
+
+
+class _BatchingFake(FakeHandler):
+    """A third-party batching handler: set_batching and flush, no way to say what it holds."""
+
+    def __init__(self, transfer_type: tuple[str, str]) -> None:
+        super().__init__(transfer_type)
+        self.flushes = 0
+
+    def set_batching(self, enabled: bool) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_holds_jobs_reads_shared_batches_and_assumes_a_job_for_handlers_that_cannot_say():
+    from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
+
+    class Shared(BatchingSwitch, FakeHandler):
+        def __init__(self, transfer_type: tuple[str, str]) -> None:
+            FakeHandler.__init__(self, transfer_type)
+            self._held = HeldJobs()
+            self._batching = False
+
+        def _flush_locked(self) -> None:
+            self._held.take()
+
+    import threading
+
+    shared = Shared(("1", "2"))
+    shared._lock = threading.Lock()
+    worker = OffloadingWorker()
+    worker.register_handler(Spec1, Spec2, shared)
+    assert worker.enable_batching()
+    assert not worker.holds_jobs()  # nothing held: the poller schedules no flush
+    shared._held.add(7, _empty_plan())
+    assert worker.holds_jobs() and shared.holds_jobs()
+    worker.flush()
+    assert not worker.holds_jobs()
+
+    other = _BatchingFake(("2", "1"))
+    worker.register_handler(Spec2, Spec1, other)
+    assert worker.enable_batching()
+    assert worker.holds_jobs()  # it cannot say, so it is flushed after every submission
+
+
+def _empty_plan():  # type: ignore[no-untyped-def]
+    from kvcache_offload.dataplane.copy.plan import TransferPlan
+
+    return TransferPlan([], 0, 0, None, 0, 1)

@@ -40,6 +40,17 @@ def native_available() -> bool:
     return _copy_fragments is not None
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _flat_int64(units: np.ndarray) -> np.ndarray:
+    """``units`` as ``copy_units`` takes them: the planners' own arrays (native int64,
+    contiguous) as they are, without a numpy call per job; anything else converted."""
+    if units.dtype is _INT64 and units.flags.c_contiguous:
+        return units
+    return np.ascontiguousarray(units, dtype=np.int64)
+
+
 class HostCopier:
     """Copies plans between two lists of 2-D int8 host tensors, one ``memcpy`` per fragment.
 
@@ -56,6 +67,9 @@ class HostCopier:
         self.src_geom, self.dst_geom = sides.geometry()
         self.streaming = streaming
         self._table = np.empty((3, 0), dtype=np.int64)
+        self._columns: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[Any, ...]]] = {}
+        """``ref_columns`` by the ids of a group's ref arrays: a handler's plans pass the same
+        two arrays job after job, and gathering the columns again cost five numpy calls."""
 
     def ref_columns(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> tuple[Any, ...]:
         """What the C copy needs of a group's refs before its units: each side's base, row
@@ -69,8 +83,21 @@ class HostCopier:
             np.ascontiguousarray(ref_sizes, dtype=np.int64),
         )  # fmt: skip
 
-    def run(self, plan: TransferPlan) -> None:
-        """Copy every fragment of ``plan``; returns when the bytes are in place."""
+    def _cached_columns(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> tuple[Any, ...]:
+        """:meth:`ref_columns`, kept per pair of arrays (the arrays with it, so ids stay valid;
+        numpy arrays the plans share are never written after the handler built them)."""
+        key = (id(ref_tensors), id(ref_sizes))
+        hit = self._columns.get(key)
+        if hit is not None and hit[0] is ref_tensors and hit[1] is ref_sizes:
+            return hit[2]
+        columns = self.ref_columns(ref_tensors, ref_sizes)
+        if len(self._columns) < 64:
+            self._columns[key] = (ref_tensors, ref_sizes, columns)
+        return columns
+
+    def run(self, plan: TransferPlan, _token: object = None) -> None:
+        """Copy every fragment of ``plan``; returns when the bytes are in place. (``_token``
+        is ignored: it lets a handler call this as its ``run_plan`` without a wrapper.)"""
         n = plan.num_fragments
         if n == 0:
             return
@@ -79,9 +106,9 @@ class HostCopier:
                 if len(g.ref_tensors) == 0 or len(g.src_units) == 0:
                     continue
                 _copy_units(
-                    *self.ref_columns(g.ref_tensors, g.ref_sizes),
-                    np.ascontiguousarray(g.src_units, dtype=np.int64),
-                    np.ascontiguousarray(g.dst_units, dtype=np.int64),
+                    *self._cached_columns(g.ref_tensors, g.ref_sizes),
+                    _flat_int64(g.src_units),
+                    _flat_int64(g.dst_units),
                     self.streaming,
                 )
             return

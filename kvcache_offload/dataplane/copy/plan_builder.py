@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec, GPULoadStoreSpec
+from kvcache_offload.contracts.load_store_spec import (
+    BlockIDsLoadStoreSpec,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+)
 from kvcache_offload.dataplane.copy.plan import (
     GroupPlan,
     SideGeometry,
@@ -200,13 +204,13 @@ class PlanBuilder:
     ) -> TransferPlan:
         """The plan of a job of the one group with refs, from its checked units."""
         size = len(s_units)
-        return TransferPlan(
-            groups=[GroupPlan(single.tensors, single.sizes, s_units, d_units, 0)],
-            num_fragments=len(single.tensors) * size,
-            num_bytes=single.bytes_per_unit * size,
-            uniform_size=self._single_uniform,
-            max_size=single.max_size,
-            alignment=self._single_alignment,
+        return TransferPlan(  # positional: keywords cost ~0.3 us on a per-job path
+            [GroupPlan(single.tensors, single.sizes, s_units, d_units, 0)],
+            len(single.tensors) * size,
+            single.bytes_per_unit * size,
+            self._single_uniform,
+            single.max_size,
+            self._single_alignment,
         )
 
 
@@ -280,12 +284,16 @@ def parse_job(
     except (TypeError, ValueError):
         raise TransferError(f"a job spec is a (source, destination) pair, got {spec!r}") from None
     gpu_spec, cpu_spec = (src, dst) if gpu_to_cpu else (dst, src)
-    if not isinstance(gpu_spec, GPULoadStoreSpec):
+    # The exact classes the engine passes are told apart by ``type`` first: an isinstance
+    # against these ABCs runs the ABC machinery (~0.3 us each per job).
+    if type(gpu_spec) is not GPULoadStoreSpec and not isinstance(gpu_spec, GPULoadStoreSpec):
         raise TransferError(
             f"the {'source' if gpu_to_cpu else 'destination'} of this handler must be a "
             f"GPULoadStoreSpec, got {type(gpu_spec).__name__}"
         )
-    if not isinstance(cpu_spec, BlockIDsLoadStoreSpec) or cpu_spec.medium() != "CPU":
+    if type(cpu_spec) is not CPULoadStoreSpec and (
+        not isinstance(cpu_spec, BlockIDsLoadStoreSpec) or cpu_spec.medium() != "CPU"
+    ):
         raise TransferError(
             f"the {'destination' if gpu_to_cpu else 'source'} of this handler must be a "
             f"CPU block-id spec, got {type(cpu_spec).__name__}"

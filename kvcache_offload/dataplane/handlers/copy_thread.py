@@ -63,6 +63,10 @@ class QueuedCopy:
     def exception(self) -> BaseException | None:
         return self._error
 
+    def outcome(self) -> tuple[bool, BaseException | None, float]:
+        """``(cancelled, error, seconds)`` of a done copy in one call (read once per job)."""
+        return self._cancelled, self._error, self._seconds
+
     def result(self) -> float:
         if self._error is not None:
             raise self._error

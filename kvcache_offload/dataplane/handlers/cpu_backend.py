@@ -201,7 +201,7 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
             sides=sides,
             group_data_refs=kv_caches.group_data_refs,
             gpu_to_cpu=gpu_to_cpu,
-            run_plan=lambda plan, _token: copier.run(plan),
+            run_plan=copier.run,
             thread_name=name,
             can_batch=True,
             inline_max_bytes=inline_max_bytes,

@@ -77,6 +77,15 @@ class BatchingSwitch:
             self.flush()
         self._batching = enabled
 
+    def holds_jobs(self) -> bool:
+        """Whether a job is held, i.e. whether :meth:`flush` would issue anything."""
+        return bool(self._held.jobs)
+
+    def held_jobs(self) -> HeldJobs:
+        """The batch being gathered (the same object for the handler's lifetime), for a
+        caller that asks :meth:`holds_jobs` per submission without a call per handler."""
+        return self._held
+
     def flush(self) -> None:
         """Issue the held jobs now (a no-op when none is held)."""
         if self._held:

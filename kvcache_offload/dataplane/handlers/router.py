@@ -16,11 +16,24 @@ from kvcache_offload.contracts.handler import (
     WatchesOnDemand,
 )
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
+from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["OffloadingWorker"]
 
 logger = logging.getLogger(__name__)
+
+
+def _always() -> bool:
+    return True
+
+
+def _hold_probe(handler: BatchesJobs) -> Callable[[], bool]:
+    """The handler's ``holds_jobs`` (the shared ``BatchingSwitch`` has one); a third-party
+    batching handler without it is asked to flush after every submission, as the contract
+    promises it."""
+    probe = getattr(handler, "holds_jobs", None)
+    return probe if callable(probe) else _always
 
 
 class OffloadingWorker:
@@ -30,6 +43,10 @@ class OffloadingWorker:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
         self._batching: list[BatchesJobs] = []
+        self._held: list[HeldJobs] = []
+        """The held batches of the handlers that share ``BatchingSwitch``."""
+        self._hold_probes: list[Callable[[], bool]] = []
+        """``holds_jobs`` of the other batching handlers."""
         self._on_demand: list[WatchesOnDemand] = []
 
     def register_handler(
@@ -116,7 +133,22 @@ class OffloadingWorker:
         self._batching = [h for h in self.handlers if isinstance(h, BatchesJobs)]
         for handler in self._batching:
             handler.set_batching(True)
+        self._held = [h.held_jobs() for h in self._batching if isinstance(h, BatchingSwitch)]
+        self._hold_probes = [
+            _hold_probe(h) for h in self._batching if not isinstance(h, BatchingSwitch)
+        ]
         return bool(self._batching)
+
+    def holds_jobs(self) -> bool:
+        """Whether a batching handler holds a job, so that :meth:`flush` has work to do
+        (a handler that cannot say is assumed to hold one). Asked once per submission."""
+        for held in self._held:
+            if held.jobs:
+                return True
+        for probe in self._hold_probes:  # noqa: SIM110 - per job: no generator for any()
+            if probe():
+                return True
+        return False
 
     def flush(self) -> None:
         """Issue the jobs held by batching handlers; a handler that raises is logged."""

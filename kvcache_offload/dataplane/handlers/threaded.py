@@ -54,7 +54,7 @@ GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     job_id: int
     num_bytes: int
@@ -132,13 +132,15 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        plan = self.plan(spec)
+        src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
+        plan = self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
         with self._lock:
             if not self._open:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            if job_id in self._pending or job_id in self._held:
+            held = self._held.jobs  # the list itself: no HeldJobs dunder call per job
+            if job_id in self._pending or (held and job_id in self._held):
                 raise TransferError(f"job {job_id} is already in flight on this handler")
-            if self._batching and (self._jobs or self._held):
+            if self._batching and (self._jobs or held):
                 # Copies are queued or running: hold this job for the batch. An idle thread
                 # gets the job at once, so a lone request pays no extra loop iteration.
                 self._held.add(job_id, plan)
@@ -195,6 +197,8 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return self._queue.fileno() if self._queue is not None and self._open else None
 
     def get_finished(self) -> list[TransferResult]:
+        if not self._jobs:  # nothing to report (a copy ended since is collected with its job)
+            return []
         results = []
         with self._lock:
             if self._queue is not None:
@@ -206,15 +210,13 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return results
 
     def _result(self, job: _Job) -> TransferResult:
-        if job.future.cancelled():
+        cancelled, exc, seconds = job.future.outcome()
+        if cancelled:
             return TransferResult(job.job_id, False, job.num_bytes, None, self.transfer_type)
-        exc = job.future.exception()
         if exc is not None:
             logger.warning("job %d (%s) failed: %s", job.job_id, self.transfer_type, exc)
             return TransferResult(job.job_id, False, job.num_bytes, None, self.transfer_type)
-        return TransferResult(
-            job.job_id, True, job.num_bytes, job.future.result(), self.transfer_type
-        )
+        return TransferResult(job.job_id, True, job.num_bytes, seconds, self.transfer_type)
 
     def wait(self, job_ids: set[int]) -> None:
         self.flush()
