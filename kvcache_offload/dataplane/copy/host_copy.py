@@ -23,7 +23,7 @@ from kvcache_offload.dataplane.copy.plan import (
     TransferPlan,
 )
 
-__all__ = ["HostCopier", "NativeCopyQueue", "native_available"]
+__all__ = ["HostCopier", "NativeCopyQueue", "flat_int64", "native_available"]
 
 try:
     from kvcache_offload.dataplane.copy._hostcopy import CopyQueue as NativeCopyQueue
@@ -43,9 +43,10 @@ def native_available() -> bool:
 _INT64 = np.dtype(np.int64)
 
 
-def _flat_int64(units: np.ndarray) -> np.ndarray:
-    """``units`` as ``copy_units`` takes them: the planners' own arrays (native int64,
-    contiguous) as they are, without a numpy call per job; anything else converted."""
+def flat_int64(units: np.ndarray) -> np.ndarray:
+    """``units`` as ``copy_units`` and ``CopyQueue.submit`` take them: the planners' own
+    arrays (native int64, contiguous) as they are, without a numpy call per job; anything
+    else converted."""
     if units.dtype is _INT64 and units.flags.c_contiguous:
         return units
     return np.ascontiguousarray(units, dtype=np.int64)
@@ -107,8 +108,8 @@ class HostCopier:
                     continue
                 _copy_units(
                     *self._cached_columns(g.ref_tensors, g.ref_sizes),
-                    _flat_int64(g.src_units),
-                    _flat_int64(g.dst_units),
+                    flat_int64(g.src_units),
+                    flat_int64(g.dst_units),
                     self.streaming,
                 )
             return

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache_offload.dataplane.copy.host_copy import HostCopier, NativeCopyQueue
+from kvcache_offload.dataplane.copy.host_copy import HostCopier, NativeCopyQueue, flat_int64
 from kvcache_offload.dataplane.copy.plan import TransferPlan
 from kvcache_offload.dataplane.handlers.copy_thread import QueuedCopy
 
@@ -77,8 +77,8 @@ class HostCopyQueue:
         parts = [
             (
                 self._group_id(g.ref_tensors, g.ref_sizes),
-                np.ascontiguousarray(g.src_units, dtype=np.int64),
-                np.ascontiguousarray(g.dst_units, dtype=np.int64),
+                flat_int64(g.src_units),
+                flat_int64(g.dst_units),
             )
             for g in plan.groups
             if len(g.ref_tensors) and len(g.src_units)
