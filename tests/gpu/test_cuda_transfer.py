@@ -440,3 +440,51 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         assert lone["n"] == 6
     finally:
         h.shutdown()
+
+
+def test_small_kernel_copies_use_small_work_items_and_copy_exactly(monkeypatch):
+    # A copy with too few 16 KiB work items to fill the grid is cut into 4 KiB items; a
+    # larger one keeps the configured size. Both must move the exact bytes.
+    skip_unless_available("kernel")
+    from kvcache_offload.dataplane.copy import triton_kernel
+
+    blocks_used: list[int] = []
+    real_launch = triton_kernel.BoundCopyKernel.launch
+
+    def spy(self, job_table, **kw):
+        work = kw["total_pairs"] * -(-kw["max_size"] // self.config.block_bytes)
+        blocks_used.append(
+            triton_kernel.SMALL_JOB_BLOCK_BYTES
+            if work < 2 * self._grid
+            else self.config.block_bytes
+        )
+        return real_launch(self, job_table, **kw)
+
+    monkeypatch.setattr(triton_kernel.BoundCopyKernel, "launch", spy)
+    gen = torch.Generator().manual_seed(44)
+    kv = make_caches(
+        num_tensors=4,
+        num_gpu_blocks=600,
+        page=65536,
+        group_layers=[[(0, 65536), (1, 65536), (2, 65000), (3, 65536)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 520, "kernel")
+    try:
+        rng = np.random.default_rng(7)
+        for i, n in enumerate((1, 3, 512)):  # 16 / 48 work items, then 8,192
+            job = random_job(
+                rng, group_sizes=[n], block_indices=[0], factor=1, num_gpu_blocks=600,
+                num_cpu_blocks=520,
+            )  # fmt: skip
+            store, load = round_trip(h, kv, job, job_ids=(200 + 2 * i, 201 + 2 * i))
+            assert store.success and load.success
+            assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
+    finally:
+        h.shutdown()
+    small, large = (
+        triton_kernel.SMALL_JOB_BLOCK_BYTES,
+        triton_kernel.DEFAULT_KERNEL_CONFIG.block_bytes,
+    )
+    assert blocks_used == [small, small, small, small, large, large]

@@ -445,7 +445,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._transfers.clear()
             self._in_flight_ids.clear()
             self._pools.clear()
-            self._launcher.ref_table = None
+            self._launcher.close()
             self.gpu_tensors = []
             self.cpu_tensors = []
 

@@ -9,7 +9,7 @@ stream, and returns the :class:`~.inflight.InFlightCopy` that the handler then t
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,13 +25,20 @@ from kvcache_offload.dataplane.copy.staged import (
 )
 from kvcache_offload.dataplane.copy.triton_kernel import (
     GROUP_ROW,
+    BoundCopyKernel,
     KernelConfig,
-    launch_copy_kernel,
     on_device,
 )
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlightCopy, TableSlot
 
 __all__ = ["CopyLauncher"]
+
+
+def _current_raw_stream_getter() -> Callable[[int], int] | None:
+    """torch's current stream of a device as a raw handle, without a stream object (a
+    private binding; None where this torch lacks it, and the public call is used)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return getter if callable(getter) else None
 
 
 class CopyLauncher:
@@ -61,10 +68,32 @@ class CopyLauncher:
         self.ref_start = np.zeros(1, dtype=np.int64)
         self.kernel_align = 1
         self._staged: StagedCopier | None = None
+        self._kernel: BoundCopyKernel | None = None
         self._current_mark = torch.cuda.Event()
+        self._raw_mark = 0
+        """A raw event for the same ordering through the runtime (0: torch's event)."""
+        self._current_raw_stream = _current_raw_stream_getter()
+        if runtime is not None and self._current_raw_stream is not None:
+            self._raw_mark = runtime.event_create()
+
+    def close(self) -> None:
+        """Release the raw event and the tables (the handler's shutdown, after its copies
+        ended)."""
+        if self._raw_mark and self.runtime is not None:
+            self.runtime.event_destroy(self._raw_mark)
+        self._raw_mark = 0
+        self._kernel = None
+        self.ref_table = None
 
     def set_ref_table(self, table: torch.Tensor, ref_start: np.ndarray, align: int) -> None:
         self.ref_table, self.ref_start, self.kernel_align = table, ref_start, align
+        self._kernel = BoundCopyKernel(
+            table,
+            src_factor=self.src_geom.factor,
+            dst_factor=self.dst_geom.factor,
+            alignment=align,
+            config=self.kernel_config,
+        )
 
     def start_staged(
         self,
@@ -205,18 +234,13 @@ class CopyLauncher:
         stream: int,
     ) -> None:
         """The copy kernel over ``slot``'s uploaded job table, on the raw ``stream``."""
-        assert slot.dev is not None and self.ref_table is not None
-        launch_copy_kernel(
-            self.ref_table,
+        assert slot.dev is not None and self._kernel is not None
+        self._kernel.launch(
             slot.dev,
             n_groups=n_groups,
             n_units=n_units,
             total_pairs=total_pairs,
             max_size=max_size,
-            src_factor=self.src_geom.factor,
-            dst_factor=self.dst_geom.factor,
-            alignment=self.kernel_align,
-            config=self.kernel_config,
             stream=stream,
         )
 
@@ -234,7 +258,18 @@ class CopyLauncher:
         """Make ``stream`` wait for the work enqueued so far on the current stream (a store
         must copy what the model wrote). One reused event: a wait is bound to the record
         before it, so recording the event again later does not move an earlier wait, and it
-        costs half of ``wait_stream``, which creates an event per call."""
+        costs half of ``wait_stream``, which creates an event per call. Through the runtime
+        where it is loaded: torch's ``current_stream()`` builds a stream object per call
+        (3.4 us on the H200 host, against 0.2 us for the raw handle)."""
+        raw, current = self._raw_mark, self._current_raw_stream
+        if raw and current is not None and self.runtime is not None:
+            index = self.device.index
+            self.runtime.stream_after(
+                stream.cuda_stream,
+                current(index if index is not None else torch.cuda.current_device()),
+                raw,
+            )
+            return
         self._current_mark.record(torch.cuda.current_stream(self.device))
         stream.wait_event(self._current_mark)
 
