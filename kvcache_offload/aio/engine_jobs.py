@@ -52,32 +52,40 @@ class TransferJobs(Lifecycle):
         poller = self._require_poller()
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
-        out = self._prepare_store(keys, ctx)
+        # The manager's events (its evictions) are published once the copy is on its way:
+        # a lone store's copy starts that much sooner, and nothing else runs on the loop in
+        # between, so subscribers see the same events in the same order.
+        out = self._prepare_store(keys, ctx, publish=False)
         stored = out.keys_to_store
-        if not stored:
-            return StoreResult([], out.evicted_keys)
         try:
-            gpu_spec = gpu_spec_for_keys(
-                keys,
-                gpu_blocks,
-                factor=self._factor,
-                num_groups=self._num_groups,
-                selected=self._positions(keys, stored),
-            )
-        except BaseException:
-            self._finish_store(stored, ctx, False, "invalid GPU block ids")
-            raise
+            if not stored:
+                return StoreResult([], out.evicted_keys)
+            try:
+                gpu_spec = gpu_spec_for_keys(
+                    keys,
+                    gpu_blocks,
+                    factor=self._factor,
+                    num_groups=self._num_groups,
+                    selected=self._positions(keys, stored),
+                )
+            except BaseException:
+                self._publish_manager_events()
+                self._finish_store(stored, ctx, False, "invalid GPU block ids")
+                raise
 
-        def on_done(result: TransferResult) -> None:
-            self._record_transfer(STORE_DIRECTION, result)
-            self._finish_store(stored, ctx, result.success, "transfer failed")
+            def on_done(result: TransferResult) -> None:
+                self._record_transfer(STORE_DIRECTION, result)
+                self._finish_store(stored, ctx, result.success, "transfer failed")
 
-        self._ensure_started()
-        try:
-            future = poller.submit((gpu_spec, out.store_spec), on_done)
-        except BaseException:
-            self._finish_store(stored, ctx, False, "transfer refused")
-            raise
+            self._ensure_started()
+            try:
+                future = poller.submit((gpu_spec, out.store_spec), on_done)
+            except BaseException:
+                self._publish_manager_events()
+                self._finish_store(stored, ctx, False, "transfer refused")
+                raise
+        finally:
+            self._publish_manager_events()  # a no-op when published above
         result = await future
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")

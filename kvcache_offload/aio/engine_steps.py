@@ -46,7 +46,11 @@ def block_ids_of(spec: object) -> list[int]:
 class ManagerSteps(EngineBase):
     """Prepare/complete with the manager, count, publish, tell the tiers."""
 
-    def _prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput:
+    def _prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, *, publish: bool = True
+    ) -> PrepareStoreOutput:
+        """Prepare with the manager; ``publish=False`` leaves its events (evictions) for the
+        caller to publish, which must happen before it yields to the loop."""
         self._check_open()
         if self._observers.watches_stores:
             self._observers.on_store(keys)
@@ -63,7 +67,8 @@ class ManagerSteps(EngineBase):
         self._totals.evicted_blocks += len(out.evicted_keys)
         if self._tiers is not None:
             self._tiers.on_prepared(out.keys_to_store, out.store_spec, out.evicted_keys)
-        self._publish_manager_events()
+        if publish:
+            self._publish_manager_events()
         return out
 
     def _finish_store(

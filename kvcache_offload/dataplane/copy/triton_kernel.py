@@ -32,7 +32,6 @@ import torch
 
 __all__ = [
     "DEFAULT_KERNEL_CONFIG",
-    "SMALL_JOB_BLOCK_BYTES",
     "BoundCopyKernel",
     "KernelConfig",
     "launch_copy_kernel",
@@ -257,22 +256,11 @@ def launch_copy_kernel(
     return kernel
 
 
-SMALL_JOB_BLOCK_BYTES = 4096
-"""Work-item size of a copy too small to give every program two items of the configured
-size."""
-
-
 class BoundCopyKernel:
     """The copy kernel of one handler direction: ref table, factors, alignment and config
     fixed, so a launch computes only what depends on the job (on the H200 host the generic
     :func:`launch_copy_kernel` spent 4-5 us of a lone job's host time around the launcher's
     own 4 us).
-
-    A copy with fewer work items than twice the persistent grid is cut into 4 KiB items
-    instead: a 1-block llama8b load (32 fragments of 64 KiB, 128 items of 16 KiB for 132 SMs)
-    then spreads over the whole grid. Kernel-config sweep on the H200 host, GPU time p50:
-    1-block loads 59 -> 54 us, 2 blocks 100 -> 96, 4 blocks 182 -> 177, 8 blocks unchanged
-    (347); stores and 8 KiB fragments unchanged.
     """
 
     def __init__(
@@ -293,8 +281,7 @@ class BoundCopyKernel:
         device = ref_table.device
         self._device_index = device.index or 0
         self._grid = config.ctas_per_sm * _num_sms(device) if config.ctas_per_sm > 0 else 0
-        small = min(SMALL_JOB_BLOCK_BYTES, config.block_bytes)
-        self._small_block = small if self._grid and small < config.block_bytes else 0
+        self._key = (self._device_index, config.block_bytes, alignment, config.num_warps)
 
     def launch(
         self,
@@ -314,16 +301,8 @@ class BoundCopyKernel:
         chunks = -(-max_size // block)
         total_work = total_pairs * chunks
         grid = self._grid
-        if self._small_block and total_work < 2 * grid:
-            block = self._small_block
-            chunks = -(-max_size // block)
-            total_work = total_pairs * chunks
         programs = min(total_work, grid) if grid else total_work
-        compiled = (
-            _COMPILED.get((self._device_index, block, self._alignment, self.config.num_warps))
-            if _DIRECT
-            else None
-        )
+        compiled = _COMPILED.get(self._key) if _DIRECT else None
         if compiled is not None:
             hooks = triton.knobs.runtime
             try:
@@ -347,7 +326,7 @@ class BoundCopyKernel:
             src_factor=self._src_factor,
             dst_factor=self._dst_factor,
             alignment=self._alignment,
-            config=KernelConfig(block, self.config.num_warps, self.config.ctas_per_sm),
+            config=self.config,
             stream=stream,
             job_offset=job_offset,
         )
