@@ -76,13 +76,12 @@ class OffloadConfig(BaseSettings):
     size (docs/transfers.md gives the rule and the measurements behind it); the others force
     one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
     plain torch ops). Ignored by the CPU backend."""
-    staged_when_busy: Literal["off", "stores", "both"] = "off"
+    staged_when_busy: Literal["off", "stores", "both", "mixed"] = "off"
     """Under "auto", which directions send a job that queues behind copies in flight through
     the staged path (the copy engines, which overlap the other direction) instead of the
-    kernel: "stores", "both" or "off". A lone job keeps the kernel either way. ``true`` /
-    ``false`` (or 1 / 0) mean "both" / "off". Off by default: on the H200 host "stores" moved
-    7-14 % more with loads and stores in flight together, but doubled the p99 of those jobs
-    and swung stores-only streams down to 0.8 of the link (docs/transfers.md)."""
+    kernel: "stores", "both", "mixed" (both directions, but only while the other direction
+    is copying too) or "off". A lone job keeps the kernel either way. ``true`` / ``false``
+    (or 1 / 0) mean "both" / "off". docs/transfers.md has the measurements of each."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None

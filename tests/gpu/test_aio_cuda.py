@@ -93,13 +93,20 @@ async def test_aclose_with_jobs_in_flight_leaves_no_transfer_behind() -> None:
 
 
 async def test_the_config_sets_staged_when_busy_per_direction() -> None:
-    expected = {"off": (False, False), "stores": (True, False), "both": (True, True)}
+    expected = {
+        "off": (False, False),
+        "stores": (True, False),
+        "both": (True, True),
+        "mixed": (True, True),
+    }
     for setting, (stores, loads) in expected.items():
         engine, _ = build(staged_when_busy=setting)
         async with engine:
             assert engine.worker is not None
             flags = {h.gpu_to_cpu: h.staged_when_busy for h in engine.worker.handlers}
             assert flags == {True: stores, False: loads}, setting
+            paired = [h._other_direction is not None for h in engine.worker.handlers]
+            assert paired == [setting == "mixed"] * 2, setting
     engine, _ = build()
     async with engine:  # the default: the kernel behind copies in flight too
         assert engine.worker is not None

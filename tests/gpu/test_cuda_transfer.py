@@ -152,13 +152,15 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
 
 
 @pytest.mark.parametrize(
-    "mechanism", ["kernel", "dma", "staged", "hybrid", "torch", "auto-staged-when-busy"]
+    "mechanism",
+    ["kernel", "dma", "staged", "hybrid", "torch", "auto-staged-when-busy", "auto-when-mixed"],
 )
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch):
     # auto-staged-when-busy: the first job of each direction takes the kernel, the ones
     # queued behind it the staged path, so both paths' jobs interleave in one direction.
+    # auto-when-mixed: the same, as both directions are in flight together.
     kw = {}
-    if mechanism == "auto-staged-when-busy":
+    if mechanism in ("auto-staged-when-busy", "auto-when-mixed"):
         import dataclasses
 
         from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG
@@ -166,7 +168,8 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         skip_unless_available("staged")
         # This layout's blocks are 128 KiB pieces on the CPU side: let auto stage them.
         staging = dataclasses.replace(DEFAULT_STAGING_CONFIG, auto_min_piece_bytes=64 * 1024)
-        mechanism, kw = "auto", {"staged_when_busy": True, "staging": staging}
+        rule = "mixed" if mechanism == "auto-when-mixed" else True
+        mechanism, kw = "auto", {"staged_when_busy": rule, "staging": staging}
     skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(5)
     kv = make_caches(
@@ -438,5 +441,54 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         with pytest.raises(TransferError, match="99"):  # the slot does not exist
             h.gpu_to_cpu_handler.transfer_async(50, (bad.gpu_spec, bad.cpu_spec))
         assert lone["n"] == 6
+    finally:
+        h.shutdown()
+
+
+def test_staged_when_mixed_keeps_one_way_traffic_on_the_kernel(monkeypatch):
+    # With traffic one way only, jobs queued behind copies in flight keep the batched
+    # kernel under "mixed"; the bytes are exact.
+    import dataclasses
+
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG
+    from kvcache_offload.dataplane.handlers.cuda.inflight import InFlightCopy
+
+    skip_unless_available("staged")
+    staging = dataclasses.replace(DEFAULT_STAGING_CONFIG, auto_min_piece_bytes=64 * 1024)
+    gen = torch.Generator().manual_seed(8)
+    kv = make_caches(
+        num_tensors=4,
+        num_gpu_blocks=64,
+        page=32768,
+        group_layers=[[(0, 32768), (1, 32768), (2, 32768), (3, 32768)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 64, "auto", staged_when_busy="mixed", staging=staging)
+    try:
+        assert h.gpu_to_cpu_handler.staged_when_busy and h.cpu_to_gpu_handler.staged_when_busy
+        gpu_tensors = [t.tensor for t in kv.tensors]
+        poison(h.cpu_tensors)
+        cpu_before, gpu_before = snapshot(h.cpu_tensors), snapshot(gpu_tensors)
+        monkeypatch.setattr(InFlightCopy, "done", lambda self: False)  # every job queues
+        specs = []
+        for i in range(4):
+            ids = np.arange(8 * i, 8 * i + 8)
+            specs.append((GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)))
+            assert h.gpu_to_cpu_handler.transfer_async(30 + i, specs[-1])
+        monkeypatch.undo()
+        results = finish(h.gpu_to_cpu_handler, [30, 31, 32, 33])
+        assert all(r.success for r in results)
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism["staged"] == 0
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism["kernel"] == 4
+        from tests._roundtrip import Job
+
+        want = cpu_before
+        for gpu_spec, cpu_spec in specs:
+            frags = [(0, int(b), int(b), 0) for b in gpu_spec.block_ids]
+            want = expected_after_store(kv, want, Job(gpu_spec, cpu_spec, frags))
+        assert_same(h.cpu_tensors, want)
+        assert_same(gpu_tensors, gpu_before)
     finally:
         h.shutdown()

@@ -125,7 +125,14 @@ def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_bool
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert OffloadConfig().staged_when_busy == "off"
-    for spelling, meaning in (("stores", "stores"), ("BOTH", "both"), ("1", "both"), ("0", "off")):
+    spellings = (
+        ("stores", "stores"),
+        ("BOTH", "both"),
+        ("Mixed", "mixed"),
+        ("1", "both"),
+        ("0", "off"),
+    )
+    for spelling, meaning in spellings:
         monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", spelling)
         assert OffloadConfig().staged_when_busy == meaning
     monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY")

@@ -110,6 +110,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.hybrid_dma_share = float(hybrid_dma_share)
         self.staged_min_job_bytes = int(staged_min_job_bytes)
         self.staged_when_busy = bool(staged_when_busy)
+        self._other_direction: SingleDirectionOffloadingHandler | None = None
+        """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
+        taken behind copies in flight only while this handler has copies in flight too."""
         if completion_wait not in ("blocking", "spin"):
             raise ConfigError(f"completion_wait must be blocking or spin, got {completion_wait!r}")
         self._blocking_events = completion_wait == "blocking"
@@ -311,6 +314,22 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._issue([(job_id, plan.num_bytes)], plan)
         return True
 
+    def pair_with(self, other: SingleDirectionOffloadingHandler) -> None:
+        """Take the staged path behind copies in flight only while ``other`` (the opposite
+        direction) is copying too, and make ``other`` do the same: with traffic both ways the
+        copy engines overlap the directions, which the kernel does not; with traffic one way
+        the batched kernel costs the event loop less per job (docs/transfers.md)."""
+        self._other_direction, other._other_direction = other, self
+
+    def copying(self) -> bool:
+        """Whether this direction has a copy in flight or a job held for one (read from the
+        other direction's handler, on the same loop thread; a stale answer only picks the
+        other path for one copy)."""
+        if self._held:
+            return True
+        transfers = self._transfers
+        return bool(transfers) and not transfers[-1].done()
+
     # -- batching: the jobs submitted in one event-loop tick share one copy ----------------
     def _can_hold_jobs(self) -> bool:  # BatchingSwitch: kernel and DMA jobs share a launch
         return self._fallback is None
@@ -336,6 +355,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         prev = self._transfers[-1] if self._transfers else None
         # Asked only with the rule on: done() is an event query, not free on the hot path.
         busy = self.staged_when_busy and prev is not None and not prev.done()
+        if busy and self._other_direction is not None:
+            busy = self._other_direction.copying()
         mechanism = self.choose_mechanism(plan, busy=busy)
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:

@@ -93,3 +93,5 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             staged_when_busy=busy_loads,
             **kwargs,
         )
+        if staged_when_busy == "mixed":
+            self.gpu_to_cpu_handler.pair_with(self.cpu_to_gpu_handler)

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
     "DEFAULT_HYBRID_DMA_SHARE",
     "DEFAULT_STAGED_MIN_JOB_BYTES",
+    "STAGED_WHEN_BUSY_CHOICES",
     "CompletionWait",
     "Mechanism",
     "StagedWhenBusy",
@@ -56,18 +57,24 @@ DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
 smaller job goes through the kernel, which starts at once instead of queueing on the submit
 thread (bench.serving, docs/transfers.md)."""
 
-StagedWhenBusy = Literal["off", "stores", "both"] | bool
+StagedWhenBusy = Literal["off", "stores", "both", "mixed"] | bool
 """Which directions ``auto`` sends through the staged path when the job queues behind copies
-in flight (``True``/``False``: both/none)."""
+in flight (``True``/``False``: both/none); ``mixed``: both, but only while the other
+direction has copies in flight too."""
+
+STAGED_WHEN_BUSY_CHOICES = ("off", "stores", "both", "mixed")
 
 
 def staged_when_busy_per_direction(setting: StagedWhenBusy) -> tuple[bool, bool]:
     """(stores, loads): whether each direction's handler takes the staged path when busy."""
     if isinstance(setting, bool):
         return setting, setting
-    if setting not in ("off", "stores", "both"):
-        raise ConfigError(f"staged_when_busy must be 'off', 'stores' or 'both', got {setting!r}")
-    return setting != "off", setting == "both"
+    if setting not in STAGED_WHEN_BUSY_CHOICES:
+        raise ConfigError(
+            f"staged_when_busy must be one of {', '.join(STAGED_WHEN_BUSY_CHOICES)}, "
+            f"got {setting!r}"
+        )
+    return setting != "off", setting in ("both", "mixed")
 
 
 CompletionWait = Literal["blocking", "spin"]
