@@ -185,9 +185,13 @@ class Rig:
     def __init__(self, layout: Layout, device: str, mechanism: str, num_gpu_blocks: int) -> None:
         self.kv = layout.build(num_gpu_blocks, device)
         self.block_bytes = layouts.block_nbytes(self.kv)
+        # "auto+mixed" (any staged_when_busy value after the "+"): auto with that setting, a
+        # column next to the default's in the same run.
+        mechanism, _, when_busy = mechanism.partition("+")
         config = OffloadConfig(
             cpu_bytes_to_use=1024 * self.block_bytes,
             transfer_mechanism=mechanism,  # type: ignore[arg-type]
+            staged_when_busy=when_busy or "off",  # type: ignore[arg-type]
             layout=KVCacheLayout(
                 gpu_block_sizes=[16],
                 bytes_per_block=self.block_bytes,
@@ -469,7 +473,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--layouts", default="")
-    parser.add_argument("--mechanisms", default="auto,kernel,dma,staged")
+    parser.add_argument(
+        "--mechanisms",
+        default="auto,kernel,dma,staged",
+        help="columns: a transfer_mechanism, or auto+SETTING for auto with that "
+        "staged_when_busy (e.g. auto+mixed)",
+    )
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--stream-s", type=float, default=3.0)
     parser.add_argument("--tasks", type=int, default=32)
