@@ -289,6 +289,29 @@ class WeightDuel:
                     out.append(key)
         return out
 
+    def sample_with(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: dict[OffloadKey, BlockStatus],
+        threshold: int,
+        out: list[OffloadKey],
+    ) -> list[OffloadKey]:
+        """:meth:`sample`, also appending to ``out`` the ``keys`` whose CRC's high 16 bits
+        are below ``threshold`` (the adaptive policy's race samples on them): one CRC per
+        key for both samples."""
+        own = self._threshold
+        crc = zlib.crc32
+        sampled: list[OffloadKey] = []
+        for key in keys:
+            value = crc(key)
+            if (value & 0xFFFF) < own:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    sampled.append(key)
+            if (value >> 16) < threshold:
+                out.append(key)
+        return sampled
+
     def access(self, keys: Sequence[OffloadKey]) -> None:
         """The sampled keys of one request, in prefix order.
 

@@ -114,6 +114,18 @@ class ShadowRace:
             sampled = list(dict.fromkeys(sampled))
         return sampled
 
+    @property
+    def threshold(self) -> int:
+        """A key is sampled when its CRC's high 16 bits are below this."""
+        return self._threshold
+
+    @staticmethod
+    def distinct(sampled: list[OffloadKey]) -> list[OffloadKey]:
+        """``sampled`` without repeats, in order (what :meth:`sample` returns)."""
+        if len(sampled) > 1:
+            sampled = list(dict.fromkeys(sampled))
+        return sampled
+
     def request(self, sampled: list[OffloadKey]) -> bool:
         """Feed one request's sampled keys to every miniature; True when the leader changed."""
         counts = [runner.request(sampled) for runner in self._runners]

@@ -65,7 +65,6 @@ class AdaptiveCachePolicy(CachePolicy):
     def _start(self) -> None:
         first = self.candidates[0]
         self._live_name = first
-        self._live: CachePolicy = self._classes[first](self.cache_capacity)
         self._race = ShadowRace(
             self.cache_capacity,
             list(self._classes.items()),
@@ -73,8 +72,18 @@ class AdaptiveCachePolicy(CachePolicy):
             margin=self.margin,
             window=self.window,
         )
+        self._set_live(self._classes[first](self.cache_capacity))
         self._last_stored: OffloadKey | None = None
         self._share_miniatures(self._live, first)
+
+    def _set_live(self, live: CachePolicy) -> None:
+        """Serve with ``live``; an adaptive LRU draws the race's sample with its own (one
+        CRC per key for both)."""
+        self._live: CachePolicy = live
+        self._live_alru: AdaptiveLRUCachePolicy | None = None
+        if isinstance(live, AdaptiveLRUCachePolicy):
+            live.share_hash(self._race.threshold)
+            self._live_alru = live
 
     def _share_miniatures(self, live: CachePolicy, name: str) -> None:
         """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
@@ -126,7 +135,11 @@ class AdaptiveCachePolicy(CachePolicy):
             block = self._blocks.get(stored)
             if block is not None and block.ref_cnt == -1 and stored in keys:
                 return  # the touch after this request's store: the race saw the request
-        sampled = self._race.sample(keys)
+        live = self._live_alru
+        if live is not None and live.race_source is keys:
+            sampled = ShadowRace.distinct(live.race_keys)
+        else:
+            sampled = self._race.sample(keys)
         if sampled and self._race.request(sampled):
             self._switch(self._race.leader)
 
@@ -155,7 +168,7 @@ class AdaptiveCachePolicy(CachePolicy):
         for pair in order:
             new.insert_many([pair])
             new.touch([pair[0]])
-        self._live = new
+        self._set_live(new)
         self._live_name = name
 
     def clear(self) -> None:

@@ -183,6 +183,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._dead_tail_ratio = self.dead_tail_ratio  # read once (a lookup when compiled)
         self._now = 0
         self._feeds_duel = True
+        # The adaptive policy's race sample, drawn with the duel's (:meth:`share_hash`).
+        self._race_threshold = -1
+        self.race_keys: list[OffloadKey] = []
+        self.race_source: Sequence[OffloadKey] | None = None
         self._reset_learning()
 
     def _learned_state(self) -> dict[str, object]:
@@ -213,6 +217,12 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         if not self._feeds_duel:
             self._duel = self._new_duel()
             self._feeds_duel = True
+
+    def share_hash(self, threshold: int) -> None:
+        """Also draw, with the CRC each :meth:`touch` computes for the duel, the keys whose
+        CRC's high 16 bits are below ``threshold``: :attr:`race_keys`, for the keys
+        :attr:`race_source` (None when the last touch hashed nothing)."""
+        self._race_threshold = threshold
 
     # -- storage -------------------------------------------------------------------------
 
@@ -319,11 +329,18 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         last = blocks.get(batch[-1]) if batch else None
         after_store = last is not None and last.ref_cnt == -1
         self._flush_batch()
+        self.race_source = None
         if self._feeds_duel and not after_store:
             # The miniature caches see the request's sampled keys, except stores just
             # prepared; the touch after a store only repeats the hit prefix.
             duel = self._duel
-            sampled = duel.sample(keys, blocks)
+            if self._race_threshold >= 0:
+                race_keys: list[OffloadKey] = []
+                sampled = duel.sample_with(keys, blocks, self._race_threshold, race_keys)
+                self.race_keys = race_keys
+                self.race_source = keys
+            else:
+                sampled = duel.sample(keys, blocks)
             if sampled:
                 duel.access(sampled)
         probation, main = self._probation, self._main
