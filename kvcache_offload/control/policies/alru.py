@@ -107,6 +107,16 @@ class _BlockLog:
         self.keys, self.blocks, self.stamps = keys, blocks, stamps
         self.head = 0
 
+    def pop_dead(self) -> None:
+        """Drop the dead entries at the end (the demoted stack's top): before a push, or
+        the victims just taken from the top would be buried under it and walked past by
+        every later eviction."""
+        keys, blocks, stamps = self.keys, self.blocks, self.stamps
+        while keys and not self.live(len(keys) - 1):
+            keys.pop()
+            blocks.pop()
+            stamps.pop()
+
     def trim(self, head: int) -> None:
         """Move the head to ``head`` (every entry before it dead)."""
         if head > 64 and 2 * head > len(self.keys):
@@ -270,6 +280,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 self._demoted.size += 1
                 stamp = tail.mark >> _STAMP_SHIFT
                 tail.mark = _mark(stamp, _DEMOTED_TAIL) | _TAIL
+                self._demoted.pop_dead()
                 self._demoted.push(tail_key, tail, stamp)
             else:
                 tail.mark |= _TAIL
@@ -442,11 +453,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             while head < end and not log.live(head):
                 head += 1
             log.trim(head)
-        demoted = self._demoted
-        while demoted.keys and not demoted.live(len(demoted.keys) - 1):
-            demoted.keys.pop()
-            demoted.blocks.pop()
-            demoted.stamps.pop()
+        self._demoted.pop_dead()
 
     @staticmethod
     def _next_idle(
