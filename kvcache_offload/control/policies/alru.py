@@ -264,10 +264,24 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         stats = self._tail_stats
         stats.add_store(len(batch))
         blocks = self._blocks
+        probation, main = self._probation, self._main
+        ghost, main_ghost = self._ghost, self._main_ghost
+        now = self._now
         for key in reversed(batch):
+            # :meth:`_enqueue`, inline.
             block = blocks.get(key)
-            if block is not None:
-                self._enqueue(key, block)
+            if block is None:
+                continue
+            now += 1
+            if ghost.recall(key) or main_ghost.recall(key):
+                block.mark = _mark(now, _MAIN)
+                main.size += 1
+                main.push(key, block, now)
+            else:
+                block.mark = _mark(now, _PROBATION)
+                probation.size += 1
+                probation.push(key, block, now)
+        self._now = now
         tail_key = batch[-1]
         tail = blocks.get(tail_key)
         batch.clear()
@@ -403,47 +417,60 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             in_stack = False
             p = self._next_idle(probation, probation.head, protected, guarded)
         m = self._next_idle(main, main.head, protected, guarded)
-        # Victims in the order chosen: (log, index).
-        chosen_logs: list[_BlockLog] = []
-        chosen: list[int] = []
+        # Victims in the order chosen: the keys and blocks of the logs' entries (no index
+        # boxed per victim); each block's mark still says where it is.
+        chosen_keys: list[OffloadKey] = []
+        chosen_blocks: list[BlockStatus] = []
         now, weight = self._now, self._duel.weight
         for _ in range(n):
             if p >= 0:
                 p_stamp = _DEMOTED if in_stack else probation.stamps[p]
                 if m < 0 or (now - p_stamp) * weight >= now - main.stamps[m]:
                     if in_stack:
-                        chosen_logs.append(demoted)
-                        chosen.append(p)
+                        chosen_keys.append(demoted.keys[p])
+                        chosen_blocks.append(demoted.blocks[p])
                         p = self._next_demoted(p - 1, protected, guarded)
                         if p < 0:
                             in_stack = False
                             p = self._next_idle(probation, probation.head, protected, guarded)
                     else:
-                        chosen_logs.append(probation)
-                        chosen.append(p)
+                        chosen_keys.append(probation.keys[p])
+                        chosen_blocks.append(probation.blocks[p])
                         p = self._next_idle(probation, p + 1, protected, guarded)
                     continue
             if m >= 0:
-                chosen_logs.append(main)
-                chosen.append(m)
+                chosen_keys.append(main.keys[m])
+                chosen_blocks.append(main.blocks[m])
                 m = self._next_idle(main, m + 1, protected, guarded)
             else:
                 return None
         blocks = self._blocks
         ghost, main_ghost = self._ghost, self._main_ghost
         victims: list[tuple[OffloadKey, BlockStatus]] = []
+        from_main = from_probation = from_stack = tails = 0
         for i in range(n):
-            log = chosen_logs[i]
-            index = chosen[i]
-            key = log.keys[index]
-            block = log.blocks[index]
-            if log is main:
+            key = chosen_keys[i]
+            block = chosen_blocks[i]
+            mark = block.mark
+            where = mark & 3
+            if where == _MAIN:
                 main_ghost.remember(key)
+                from_main += 1
             else:
                 ghost.remember(key)
-            self._leave(block)
+                if where == _PROBATION:
+                    from_probation += 1
+                else:
+                    from_stack += 1
+                if mark & _TAIL:
+                    tails += 1
+            block.mark = _NOWHERE
             del blocks[key]
             victims.append((key, block))
+        main.size -= from_main
+        probation.size -= from_probation
+        demoted.size -= from_stack
+        self._tails -= tails
         return victims
 
     def _trim_heads(self) -> None:
