@@ -422,10 +422,16 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         chosen_keys: list[OffloadKey] = []
         chosen_blocks: list[BlockStatus] = []
         now, weight = self._now, self._duel.weight
+        # A demoted block's weighted age, once: its stamp is beyond a native int, so the
+        # arithmetic would allocate on every comparison (the same float either way).
+        demoted_age = (now - _DEMOTED) * weight
         for _ in range(n):
             if p >= 0:
-                p_stamp = _DEMOTED if in_stack else probation.stamps[p]
-                if m < 0 or (now - p_stamp) * weight >= now - main.stamps[m]:
+                if in_stack:
+                    p_age = demoted_age
+                else:
+                    p_age = (now - probation.stamps[p]) * weight
+                if m < 0 or p_age >= now - main.stamps[m]:
                     if in_stack:
                         chosen_keys.append(demoted.keys[p])
                         chosen_blocks.append(demoted.blocks[p])
