@@ -107,6 +107,17 @@ class _BlockLog:
         self.keys, self.blocks, self.stamps = keys, blocks, stamps
         self.head = 0
 
+    def skip_dead(self) -> None:
+        """Move the head past the dead entries there (every push leaves one behind)."""
+        blocks, stamps, where = self.blocks, self.stamps, self.where
+        head, end = self.head, len(blocks)
+        while head < end:
+            mark = blocks[head].mark
+            if (mark & 3) == where and (mark >> _STAMP_SHIFT) == stamps[head]:
+                break
+            head += 1
+        self.trim(head)
+
     def pop_dead(self) -> None:
         """Drop the dead entries at the end (the demoted stack's top): before a push, or
         the victims just taken from the top would be buried under it and walked past by
@@ -481,11 +492,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _trim_heads(self) -> None:
         """Drop the dead entries at the head of each log and the end of the stack."""
-        for log in (self._probation, self._main):
-            head, end = log.head, len(log.keys)
-            while head < end and not log.live(head):
-                head += 1
-            log.trim(head)
+        self._probation.skip_dead()
+        self._main.skip_dead()
         self._demoted.pop_dead()
 
     @staticmethod
