@@ -340,3 +340,29 @@ def test_adaptive_decides_the_same_with_and_without_the_shared_crc(capacity: int
         state = policy.debug_state()
         runs.append((hits, state["scores"], state["switches"], state["live"]))
     assert runs[0] == runs[1]
+
+
+def test_adaptive_and_its_live_alru_share_one_block_table_across_switches() -> None:
+    # While the adaptive LRU serves, the adaptive policy's table is its table (one dict to
+    # update per store and eviction); a switch drains it on a copy, so the table keeps
+    # every block, and serving with the adaptive LRU again shares the table again.
+    policy = AdaptiveCachePolicy(8)
+    table = policy.block_table()
+    for i in range(12):
+        if len(policy) >= 8:
+            victims = policy.evict(1, frozenset())
+            assert victims is not None and victims[0][0] not in table
+        block = BlockStatus(i)
+        policy.insert_many([(key(i), block)])
+        block.ref_cnt = 0
+        policy.touch([key(i)])
+    policy.remove(key(11))
+    live = policy._live  # type: ignore[attr-defined]
+    assert isinstance(live, AdaptiveLRUCachePolicy) and live.block_table() is table
+    before = dict(table)
+    for name in ("lru2", "alru"):
+        policy._switch(name)  # type: ignore[attr-defined]
+        assert policy.block_table() is table and table == before
+        assert dict(policy._live.block_table()) == before  # type: ignore[attr-defined]
+    assert policy._live.block_table() is table  # type: ignore[attr-defined]
+    assert len(policy) == len(before) == 7

@@ -78,12 +78,15 @@ class AdaptiveCachePolicy(CachePolicy):
 
     def _set_live(self, live: CachePolicy) -> None:
         """Serve with ``live``; an adaptive LRU draws the race's sample with its own (one
-        CRC per key for both)."""
+        CRC per key for both) and keeps its blocks in this policy's table."""
         self._live: CachePolicy = live
         self._live_alru: AdaptiveLRUCachePolicy | None = None
         if isinstance(live, AdaptiveLRUCachePolicy):
             live.share_hash(self._race.threshold)
+            # It holds the same blocks: one table for both (``_shared``).
+            live.adopt_table(self._blocks)
             self._live_alru = live
+        self._shared = self._live_alru is not None
 
     def _share_miniatures(self, live: CachePolicy, name: str) -> None:
         """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
@@ -110,19 +113,22 @@ class AdaptiveCachePolicy(CachePolicy):
         return self._blocks
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        self._blocks[key] = block
+        if not self._shared:
+            self._blocks[key] = block
         self._live.insert(key, block)
         self._last_stored = key
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         if not pairs:
             return
-        self._blocks.update(pairs)
+        if not self._shared:
+            self._blocks.update(pairs)
         self._live.insert_many(pairs)
         self._last_stored = pairs[-1][0]
 
     def remove(self, key: OffloadKey) -> None:
-        del self._blocks[key]
+        if not self._shared:
+            del self._blocks[key]
         self._live.remove(key)
 
     # -- use and eviction ----------------------------------------------------------------
@@ -147,7 +153,7 @@ class AdaptiveCachePolicy(CachePolicy):
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = self._live.evict(n, protected)
-        if victims:
+        if victims and not self._shared:
             blocks = self._blocks
             for key, _ in victims:
                 del blocks[key]
@@ -155,6 +161,10 @@ class AdaptiveCachePolicy(CachePolicy):
 
     def _switch(self, name: str) -> None:
         old = self._live
+        if self._live_alru is not None:
+            # Drained on a table of its own: this one keeps every block, in its order.
+            self._live_alru.adopt_table(dict(self._blocks))
+            self._shared = False
         order: list[tuple[OffloadKey, BlockStatus]] = []
         while True:
             victim = old.evict(1, _NONE)

@@ -245,6 +245,12 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         :attr:`race_source` (None when the last touch hashed nothing)."""
         self._race_threshold = threshold
 
+    def adopt_table(self, table: dict[OffloadKey, BlockStatus]) -> None:
+        """Keep the blocks in ``table`` (holding exactly this policy's blocks) from now on:
+        the adaptive policy's block table, so that a store or an eviction updates one dict,
+        not two."""
+        self._blocks = table
+
     # -- storage -------------------------------------------------------------------------
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
