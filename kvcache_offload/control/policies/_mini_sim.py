@@ -71,7 +71,8 @@ class _KeyIds:
                 for cache in self.caches:
                     cache.state.append(_ABSENT)
             self._ids[key] = index
-        self.refs[index] += 1
+        refs = self.refs
+        refs[index] = refs[index] + 1  # not ``+=``: compiled, that is a generic in-place add
         return index
 
     def release(self, index: int) -> None:
@@ -199,7 +200,8 @@ class _MiniCache:
             return True
         probation = self.probation
         if where == _ABSENT:
-            self.ids.refs[index] += 1
+            refs = self.ids.refs
+            refs[index] = refs[index] + 1
             state[index] = _PROBATION
             probation.size += 1
             probation.append(boxed_id, stamp, state, last)
