@@ -366,3 +366,13 @@ def test_adaptive_and_its_live_alru_share_one_block_table_across_switches() -> N
         assert dict(policy._live.block_table()) == before  # type: ignore[attr-defined]
     assert policy._live.block_table() is table  # type: ignore[attr-defined]
     assert len(policy) == len(before) == 7
+
+
+def test_a_cache_no_larger_than_its_miniatures_samples_every_key_without_hashing() -> None:
+    ks = [key(i) for i in range(300)]
+    writing = BlockStatus(0)  # ref_cnt -1: a store just prepared is not an access
+    duel = WeightDuel(200, (1.0, 4.0), shadow_blocks=256)
+    race = ShadowRace(200, [("alru", AdaptiveLRUCachePolicy)], shadow_blocks=256)
+    assert duel.rate == race.rate == 1.0
+    assert duel.sample(ks, {ks[5]: writing}) == ks[:5] + ks[6:]
+    assert race.sample(ks + ks[:3]) == ks

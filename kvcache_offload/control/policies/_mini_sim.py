@@ -282,8 +282,16 @@ class WeightDuel:
         """The sampled ``keys`` in order, less those of ``blocks`` being written (a store
         just prepared is not an access): one loop instead of two calls per key."""
         threshold = self._threshold
-        crc = zlib.crc32
         out: list[OffloadKey] = []
+        if threshold >= _HASH_SPACE:
+            # Every key (a cache of at most ``shadow_blocks``, such as the adaptive
+            # policy's miniature of this policy): no hash needed.
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    out.append(key)
+            return out
+        crc = zlib.crc32
         for key in keys:
             if (crc(key) & 0xFFFF) < threshold:
                 block = blocks.get(key)

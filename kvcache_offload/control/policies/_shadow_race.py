@@ -108,8 +108,11 @@ class ShadowRace:
     def sample(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The sampled keys of ``keys``, in order, without repeats."""
         threshold = self._threshold
-        crc = zlib.crc32
-        sampled = [key for key in keys if (crc(key) >> 16) < threshold]
+        if threshold >= _HASH_SPACE:  # every key: no hash needed
+            sampled = list(keys)
+        else:
+            crc = zlib.crc32
+            sampled = [key for key in keys if (crc(key) >> 16) < threshold]
         if len(sampled) > 1:
             sampled = list(dict.fromkeys(sampled))
         return sampled
