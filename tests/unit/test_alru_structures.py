@@ -10,7 +10,6 @@ copy, a CRC per sample) and requires the same victims, sizes, hit counts and sam
 from __future__ import annotations
 
 import random
-import zlib
 from collections import OrderedDict
 from collections.abc import Collection
 

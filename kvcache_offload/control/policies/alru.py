@@ -444,10 +444,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         demoted_age = (now - _DEMOTED) * weight
         for _ in range(n):
             if p >= 0:
-                if in_stack:
-                    p_age = demoted_age
-                else:
-                    p_age = (now - probation.stamps[p]) * weight
+                p_age = demoted_age if in_stack else (now - probation.stamps[p]) * weight
                 if m < 0 or p_age >= now - main.stamps[m]:
                     if in_stack:
                         chosen_keys.append(demoted.keys[p])
@@ -522,9 +519,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             index += 1
         return -1
 
-    def _next_demoted(
-        self, index: int, protected: Collection[OffloadKey], guarded: bool
-    ) -> int:
+    def _next_demoted(self, index: int, protected: Collection[OffloadKey], guarded: bool) -> int:
         """The index of the next live, evictable entry of the demoted stack from ``index``
         down, or -1."""
         log = self._demoted
