@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Final, final
+from typing import Final, cast, final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import BlockStatus
@@ -37,15 +37,22 @@ class _KeyIds:
     read is a fraction of a dict lookup, and each key is hashed once per request instead of
     several times per copy). An id goes back to the free list once no copy holds its key,
     cached or ghost, and no request in progress uses it: the ids stay as few as the keys
-    the copies hold."""
+    the copies hold.
 
-    __slots__ = ("_free", "_ids", "_keys", "caches", "refs")
+    Every copy sees every access, so the time of a key's last access is the same in all of
+    them: it is kept once, in :attr:`last`, as the one boxed int per access that the copies'
+    logs share (compiled, an int stored in a list is a new object each time; here each id and
+    each access time is boxed once, and the logs only take references)."""
+
+    __slots__ = ("_free", "_ids", "_keys", "boxed", "caches", "last", "refs")
 
     def __init__(self) -> None:
         self._ids: dict[OffloadKey, int] = {}
         self._keys: list[OffloadKey | None] = []
         self._free: list[int] = []
         self.refs: list[int] = []  # copies holding the id, plus requests using it
+        self.boxed: list[object] = []  # ``boxed[i]`` is ``i``, what the logs hold
+        self.last: list[object] = []  # the time of the id's last access (None: none yet)
         self.caches: list[_MiniCache] = []
 
     def pin(self, key: OffloadKey) -> int:
@@ -59,11 +66,13 @@ class _KeyIds:
                 index = len(self._keys)
                 self._keys.append(key)
                 self.refs.append(0)
+                self.boxed.append(index)
+                self.last.append(None)
                 for cache in self.caches:
                     cache.state.append(_ABSENT)
-                    cache.stamp.append(0)
             self._ids[key] = index
-        self.refs[index] += 1
+        refs = self.refs
+        refs[index] = refs[index] + 1  # not ``+=``: compiled, that is a generic in-place add
         return index
 
     def release(self, index: int) -> None:
@@ -80,36 +89,38 @@ class _KeyIds:
 
 @final
 class _Log:
-    """One queue of a copy, oldest first: (id, stamp) entries from ``head`` on. An entry is
-    live while its id is still in this queue (``state`` is ``tag``) with that stamp; a key
-    moved on or dropped leaves a dead entry behind, skipped at the head and filtered out
-    when dead entries outnumber live ones (the same order as an ordered dict, without a
-    dict)."""
+    """One queue of a copy, oldest first: (id, stamp) entries from ``head`` on, both the
+    boxed objects of :class:`_KeyIds`. An entry is live while its id is still in this queue
+    (``state`` is ``tag``) and its stamp is still the id's last access (the same object in
+    ``last``): a key moved on, dropped or used again leaves a dead entry behind (every
+    access appends a new entry; a ghost keeps the stamp of the access before its
+    eviction), skipped at the head and filtered out when dead entries outnumber live ones
+    (the same order as an ordered dict, without a dict)."""
 
     __slots__ = ("head", "ids", "size", "stamps", "tag")
 
     def __init__(self, tag: int) -> None:
         self.tag = tag
-        self.ids: list[int] = []
-        self.stamps: list[int] = []
+        self.ids: list[object] = []
+        self.stamps: list[object] = []
         self.head = 0
         self.size = 0  # live entries
 
-    def append(self, index: int, stamp: int, state: list[int], stamp_of: list[int]) -> None:
-        self.ids.append(index)
+    def append(self, boxed_id: object, stamp: object, state: list[int], last: list[object]) -> None:
+        self.ids.append(boxed_id)
         self.stamps.append(stamp)
         if len(self.ids) - self.head > 2 * self.size + 64:
-            self._compact(state, stamp_of)
+            self._compact(state, last)
 
-    def oldest(self, state: list[int], stamp_of: list[int]) -> int:
+    def oldest(self, state: list[int], last: list[object]) -> int:
         """The position of the oldest live entry, or -1 when the queue is empty."""
         if self.size == 0:
             return -1
         ids, stamps, tag = self.ids, self.stamps, self.tag
         head = self.head
         while True:
-            index = ids[head]
-            if state[index] == tag and stamp_of[index] == stamps[head]:
+            index = cast(int, ids[head])
+            if state[index] == tag and last[index] is stamps[head]:
                 break
             head += 1
         if head > 64 and 2 * head > len(ids):
@@ -119,15 +130,16 @@ class _Log:
         self.head = head
         return head
 
-    def _compact(self, state: list[int], stamp_of: list[int]) -> None:
+    def _compact(self, state: list[int], last: list[object]) -> None:
         ids, stamps, tag = self.ids, self.stamps, self.tag
-        live_ids: list[int] = []
-        live_stamps: list[int] = []
+        live_ids: list[object] = []
+        live_stamps: list[object] = []
         for position in range(self.head, len(ids)):
-            index = ids[position]
+            boxed_id = ids[position]
+            index = cast(int, boxed_id)
             stamp = stamps[position]
-            if state[index] == tag and stamp_of[index] == stamp:
-                live_ids.append(index)
+            if state[index] == tag and last[index] is stamp:
+                live_ids.append(boxed_id)
                 live_stamps.append(stamp)
         self.ids = live_ids
         self.stamps = live_stamps
@@ -141,8 +153,8 @@ class _MiniCache:
 
     Evicts the probation head if its age times ``weight`` is at least the main head's age,
     else the main head (``weight`` 1 is plain LRU; larger weights drop unused keys sooner).
-    Keys are :class:`_KeyIds` ids; ``state`` and ``stamp`` (the time of the id's last move)
-    are indexed by id.
+    Keys are :class:`_KeyIds` ids; ``state`` is indexed by id, the stamps (access times)
+    are the shared ones of :attr:`_KeyIds.last`.
     """
 
     __slots__ = (
@@ -152,9 +164,8 @@ class _MiniCache:
         "ids",
         "main",
         "main_ghost",
-        "now",
         "probation",
-        "stamp",
+        "run",
         "state",
         "weight",
     )
@@ -164,74 +175,70 @@ class _MiniCache:
         self.capacity = capacity
         self.ids = ids
         self.state: list[int] = [_ABSENT] * len(ids.refs)
-        self.stamp: list[int] = [0] * len(ids.refs)
         self.probation = _Log(_PROBATION)
         self.main = _Log(_MAIN)
         self.ghost = _Log(_GHOST)
         self.main_ghost = _Log(_MAIN_GHOST)
-        self.now = 0
         self.hits = 0.0
+        self.run = 0  # hits since the last miss in the request being scored
 
-    def access(self, index: int) -> bool:
-        """Use the key of id ``index``; True on a hit, else it is stored (evicting one key
-        if full)."""
-        self.now += 1
-        now = self.now
-        state, stamp = self.state, self.stamp
+    def access(self, index: int, boxed_id: object, now: int, stamp: object) -> bool:
+        """Use the key of id ``index`` (``boxed_id``) at time ``now`` (``stamp``, already
+        its last access in :attr:`_KeyIds.last`); True on a hit, else it is stored
+        (evicting one key if full)."""
+        state, last = self.state, self.ids.last
         main = self.main
         where = state[index]
         if where == _MAIN:
-            stamp[index] = now
-            main.append(index, now, state, stamp)
+            main.append(boxed_id, stamp, state, last)
             return True
         if where == _PROBATION:
             self.probation.size -= 1
             state[index] = _MAIN
-            stamp[index] = now
             main.size += 1
-            main.append(index, now, state, stamp)
+            main.append(boxed_id, stamp, state, last)
             return True
         probation = self.probation
         if where == _ABSENT:
-            self.ids.refs[index] += 1
+            refs = self.ids.refs
+            refs[index] = refs[index] + 1
             state[index] = _PROBATION
-            stamp[index] = now
             probation.size += 1
-            probation.append(index, now, state, stamp)
+            probation.append(boxed_id, stamp, state, last)
         else:  # a ghost of either queue: stored again soon after leaving
             if where == _GHOST:
                 self.ghost.size -= 1
             else:
                 self.main_ghost.size -= 1
             state[index] = _MAIN
-            stamp[index] = now
             main.size += 1
-            main.append(index, now, state, stamp)
+            main.append(boxed_id, stamp, state, last)
         if probation.size + main.size <= self.capacity:
             return False
-        oldest = probation.oldest(state, stamp)
-        main_oldest = main.oldest(state, stamp)
+        oldest = probation.oldest(state, last)
+        main_oldest = main.oldest(state, last)
         if oldest >= 0 and (
             main_oldest < 0
-            or (now - probation.stamps[oldest]) * self.weight >= now - main.stamps[main_oldest]
+            or (now - cast(int, probation.stamps[oldest])) * self.weight
+            >= now - cast(int, main.stamps[main_oldest])
         ):
-            self._remember(probation, oldest, self.ghost, now)
+            self._remember(probation, oldest, self.ghost)
         elif main_oldest >= 0:
-            self._remember(main, main_oldest, self.main_ghost, now)
+            self._remember(main, main_oldest, self.main_ghost)
         return False
 
-    def _remember(self, queue: _Log, position: int, ghosts: _Log, now: int) -> None:
+    def _remember(self, queue: _Log, position: int, ghosts: _Log) -> None:
         """Evict the entry at ``position`` (a queue's oldest) into ``ghosts``, forgetting
         the oldest ghost beyond ``capacity``."""
-        state, stamp = self.state, self.stamp
-        index = queue.ids[position]
+        state, last = self.state, self.ids.last
+        boxed_id = queue.ids[position]
+        index = cast(int, boxed_id)
         queue.size -= 1
         state[index] = ghosts.tag
-        stamp[index] = now
         ghosts.size += 1
-        ghosts.append(index, now, state, stamp)
+        ghosts.append(boxed_id, queue.stamps[position], state, last)
         if ghosts.size > self.capacity:
-            gone = ghosts.ids[ghosts.oldest(state, stamp)]
+            gone = cast(int, ghosts.ids[ghosts.oldest(state, last)])
             state[gone] = _ABSENT
             ghosts.size -= 1
             self.ids.release(gone)
@@ -262,6 +269,7 @@ class WeightDuel:
         self._ids.caches = self._caches
         self._decay_every = decay_every
         self._steps = 0
+        self._now = 0  # accesses so far: the clock of every copy
         self.weight = initial_weight
 
     def sampled(self, key: OffloadKey) -> bool:
@@ -274,14 +282,45 @@ class WeightDuel:
         """The sampled ``keys`` in order, less those of ``blocks`` being written (a store
         just prepared is not an access): one loop instead of two calls per key."""
         threshold = self._threshold
-        crc = zlib.crc32
         out: list[OffloadKey] = []
+        if threshold >= _HASH_SPACE:
+            # Every key (a cache of at most ``shadow_blocks``, such as the adaptive
+            # policy's miniature of this policy): no hash needed.
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    out.append(key)
+            return out
+        crc = zlib.crc32
         for key in keys:
             if (crc(key) & 0xFFFF) < threshold:
                 block = blocks.get(key)
                 if block is None or block.ref_cnt != -1:
                     out.append(key)
         return out
+
+    def sample_with(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: dict[OffloadKey, BlockStatus],
+        threshold: int,
+        out: list[OffloadKey],
+    ) -> list[OffloadKey]:
+        """:meth:`sample`, also appending to ``out`` the ``keys`` whose CRC's high 16 bits
+        are below ``threshold`` (the adaptive policy's race samples on them): one CRC per
+        key for both samples."""
+        own = self._threshold
+        crc = zlib.crc32
+        sampled: list[OffloadKey] = []
+        for key in keys:
+            value = crc(key)
+            if (value & 0xFFFF) < own:
+                block = blocks.get(key)
+                if block is None or block.ref_cnt != -1:
+                    sampled.append(key)
+            if (value >> 16) < threshold:
+                out.append(key)
+        return sampled
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         """The sampled keys of one request, in prefix order.
@@ -291,16 +330,28 @@ class WeightDuel:
         ``decay_every`` sampled keys the weight is re-chosen.
         """
         table = self._ids
-        indices = [table.pin(key) for key in keys]
-        for cache in self._caches:
-            # Hits since the last miss, tail first: the hits before the first miss in
-            # prefix order.
-            score = 0
-            for index in reversed(indices):
-                score = score + 1 if cache.access(index) else 0
-            cache.hits += score
-        for index in indices:
-            table.release(index)
+        boxed, last, caches = table.boxed, table.last, self._caches
+        held: list[object] = [boxed[table.pin(key)] for key in keys]
+        for cache in caches:
+            cache.run = 0
+        now = self._now
+        for boxed_id in reversed(held):
+            index = cast(int, boxed_id)
+            now += 1
+            stamp: object = now  # boxed once, shared by every copy's logs
+            last[index] = stamp
+            for cache in caches:
+                # Hits since the last miss, tail first: the hits before the first miss in
+                # prefix order.
+                if cache.access(index, boxed_id, now, stamp):
+                    cache.run += 1
+                else:
+                    cache.run = 0
+        self._now = now
+        for cache in caches:
+            cache.hits += cache.run
+        for boxed_id in held:
+            table.release(cast(int, boxed_id))
         self._steps += len(keys)
         if self._steps >= self._decay_every:
             self._steps = 0

@@ -108,8 +108,23 @@ class ShadowRace:
     def sample(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The sampled keys of ``keys``, in order, without repeats."""
         threshold = self._threshold
-        crc = zlib.crc32
-        sampled = [key for key in keys if (crc(key) >> 16) < threshold]
+        if threshold >= _HASH_SPACE:  # every key: no hash needed
+            sampled = list(keys)
+        else:
+            crc = zlib.crc32
+            sampled = [key for key in keys if (crc(key) >> 16) < threshold]
+        if len(sampled) > 1:
+            sampled = list(dict.fromkeys(sampled))
+        return sampled
+
+    @property
+    def threshold(self) -> int:
+        """A key is sampled when its CRC's high 16 bits are below this."""
+        return self._threshold
+
+    @staticmethod
+    def distinct(sampled: list[OffloadKey]) -> list[OffloadKey]:
+        """``sampled`` without repeats, in order (what :meth:`sample` returns)."""
         if len(sampled) > 1:
             sampled = list(dict.fromkeys(sampled))
         return sampled

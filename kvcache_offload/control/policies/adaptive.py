@@ -65,7 +65,6 @@ class AdaptiveCachePolicy(CachePolicy):
     def _start(self) -> None:
         first = self.candidates[0]
         self._live_name = first
-        self._live: CachePolicy = self._classes[first](self.cache_capacity)
         self._race = ShadowRace(
             self.cache_capacity,
             list(self._classes.items()),
@@ -73,8 +72,21 @@ class AdaptiveCachePolicy(CachePolicy):
             margin=self.margin,
             window=self.window,
         )
+        self._set_live(self._classes[first](self.cache_capacity))
         self._last_stored: OffloadKey | None = None
         self._share_miniatures(self._live, first)
+
+    def _set_live(self, live: CachePolicy) -> None:
+        """Serve with ``live``; an adaptive LRU draws the race's sample with its own (one
+        CRC per key for both) and keeps its blocks in this policy's table."""
+        self._live: CachePolicy = live
+        self._live_alru: AdaptiveLRUCachePolicy | None = None
+        if isinstance(live, AdaptiveLRUCachePolicy):
+            live.share_hash(self._race.threshold)
+            # It holds the same blocks: one table for both (``_shared``).
+            live.adopt_table(self._blocks)
+            self._live_alru = live
+        self._shared = self._live_alru is not None
 
     def _share_miniatures(self, live: CachePolicy, name: str) -> None:
         """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
@@ -101,19 +113,22 @@ class AdaptiveCachePolicy(CachePolicy):
         return self._blocks
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        self._blocks[key] = block
+        if not self._shared:
+            self._blocks[key] = block
         self._live.insert(key, block)
         self._last_stored = key
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         if not pairs:
             return
-        self._blocks.update(pairs)
+        if not self._shared:
+            self._blocks.update(pairs)
         self._live.insert_many(pairs)
         self._last_stored = pairs[-1][0]
 
     def remove(self, key: OffloadKey) -> None:
-        del self._blocks[key]
+        if not self._shared:
+            del self._blocks[key]
         self._live.remove(key)
 
     # -- use and eviction ----------------------------------------------------------------
@@ -126,7 +141,11 @@ class AdaptiveCachePolicy(CachePolicy):
             block = self._blocks.get(stored)
             if block is not None and block.ref_cnt == -1 and stored in keys:
                 return  # the touch after this request's store: the race saw the request
-        sampled = self._race.sample(keys)
+        live = self._live_alru
+        if live is not None and live.race_source is keys:
+            sampled = ShadowRace.distinct(live.race_keys)
+        else:
+            sampled = self._race.sample(keys)
         if sampled and self._race.request(sampled):
             self._switch(self._race.leader)
 
@@ -134,7 +153,7 @@ class AdaptiveCachePolicy(CachePolicy):
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         victims = self._live.evict(n, protected)
-        if victims:
+        if victims and not self._shared:
             blocks = self._blocks
             for key, _ in victims:
                 del blocks[key]
@@ -142,6 +161,10 @@ class AdaptiveCachePolicy(CachePolicy):
 
     def _switch(self, name: str) -> None:
         old = self._live
+        if self._live_alru is not None:
+            # Drained on a table of its own: this one keeps every block, in its order.
+            self._live_alru.adopt_table(dict(self._blocks))
+            self._shared = False
         order: list[tuple[OffloadKey, BlockStatus]] = []
         while True:
             victim = old.evict(1, _NONE)
@@ -155,7 +178,7 @@ class AdaptiveCachePolicy(CachePolicy):
         for pair in order:
             new.insert_many([pair])
             new.touch([pair[0]])
-        self._live = new
+        self._set_live(new)
         self._live_name = name
 
     def clear(self) -> None:

@@ -23,13 +23,17 @@ Two prefix-specific rules, since a lookup stops at a prefix's first miss:
   turn rewrites, as in the Mooncake traces), that block goes to the front of the probation
   queue, so it is the first to leave. When last blocks are reused like the rest (vLLM
   stores full blocks only), nothing changes.
+
+The queues are logs (:class:`_BlockLog`) whose entries hold the block itself, and a block's
+queue, stamp and tail flag live in its ``mark`` (:func:`_mark`): a use reads and writes the
+block in hand and appends to a list, where ordered dicts of stamps cost a hash probe per
+queue, a boxed stamp and a ``move_to_end`` method call (the lab's eighth round).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
-from typing import ClassVar, Final
+from collections.abc import Collection, Sequence
+from typing import ClassVar, Final, final
 
 from mypy_extensions import mypyc_attr
 
@@ -42,21 +46,106 @@ from kvcache_offload.control.policies.base import BlockStatus
 __all__ = ["AdaptiveLRUCachePolicy"]
 
 _DEMOTED: Final = -(1 << 62)
-"""Stamp of a demoted block: older than anything, so it is the first to go."""
+"""Age stamp of a demoted block: older than anything, so it is the first to go."""
+
+# Where a block is (the low two bits of its mark): no queue, probation, demoted (the front
+# of probation), main.
+_NOWHERE: Final = 0
+_PROBATION: Final = 1
+_DEMOTED_TAIL: Final = 2
+_MAIN: Final = 3
+_TAIL: Final = 4
+"""Mark bit of a store tail still on probation."""
+_STAMP_SHIFT: Final = 3
 
 
-def _next_idle(
-    queue: Iterator[tuple[OffloadKey, int]],
-    blocks: dict[OffloadKey, BlockStatus],
-    protected: Collection[OffloadKey],
-    guarded: bool,
-) -> tuple[OffloadKey, int] | None:
-    """The next evictable (key, stamp) of a queue's walk, or None at its end. ``guarded``:
-    whether ``protected`` holds any key at all (the manager passes none)."""
-    for key, stamp in queue:
-        if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
-            return key, stamp
-    return None
+def _mark(stamp: int, where: int) -> int:
+    """A block's mark: its stamp (unique, growing: the token of its live log entry), its
+    queue and no tail flag."""
+    return (stamp << _STAMP_SHIFT) | where
+
+
+@final
+class _BlockLog:
+    """One queue in order: (key, block, stamp) entries from ``head`` on, oldest first (the
+    demoted stack: newest first, read from the end). An entry is live while its block's
+    mark holds that stamp and this queue; a block that moved on or left leaves a dead entry,
+    skipped by walks and dropped when the head passes it or dead entries outnumber live
+    ones (:meth:`compact`)."""
+
+    __slots__ = ("blocks", "head", "keys", "size", "stamps", "where")
+
+    def __init__(self, where: int) -> None:
+        self.where = where
+        self.keys: list[OffloadKey] = []
+        self.blocks: list[BlockStatus] = []
+        self.stamps: list[int] = []
+        self.head = 0
+        self.size = 0  # live entries
+
+    def push(self, key: OffloadKey, block: BlockStatus, stamp: int) -> None:
+        self.keys.append(key)
+        self.blocks.append(block)
+        self.stamps.append(stamp)
+        if len(self.keys) - self.head > 2 * self.size + 64:
+            self.compact()
+
+    def live(self, index: int) -> bool:
+        mark = self.blocks[index].mark
+        return (mark & 3) == self.where and (mark >> _STAMP_SHIFT) == self.stamps[index]
+
+    def compact(self) -> None:
+        """The log less its dead entries, in the same order."""
+        keys: list[OffloadKey] = []
+        blocks: list[BlockStatus] = []
+        stamps: list[int] = []
+        for index in range(self.head, len(self.keys)):
+            if self.live(index):
+                keys.append(self.keys[index])
+                blocks.append(self.blocks[index])
+                stamps.append(self.stamps[index])
+        self.keys, self.blocks, self.stamps = keys, blocks, stamps
+        self.head = 0
+
+    def skip_dead(self) -> None:
+        """Move the head past the dead entries there (every push leaves one behind)."""
+        blocks, stamps, where = self.blocks, self.stamps, self.where
+        head, end = self.head, len(blocks)
+        while head < end:
+            mark = blocks[head].mark
+            if (mark & 3) == where and (mark >> _STAMP_SHIFT) == stamps[head]:
+                break
+            head += 1
+        self.trim(head)
+
+    def pop_dead(self) -> None:
+        """Drop the dead entries at the end (the demoted stack's top): before a push, or
+        the victims just taken from the top would be buried under it and walked past by
+        every later eviction."""
+        keys, blocks, stamps = self.keys, self.blocks, self.stamps
+        while keys and not self.live(len(keys) - 1):
+            keys.pop()
+            blocks.pop()
+            stamps.pop()
+
+    def trim(self, head: int) -> None:
+        """Move the head to ``head`` (every entry before it dead)."""
+        if head > 64 and 2 * head > len(self.keys):
+            del self.keys[:head]
+            del self.blocks[:head]
+            del self.stamps[:head]
+            head = 0
+        self.head = head
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.blocks.clear()
+        self.stamps.clear()
+        self.head = 0
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class _TailStats:
@@ -93,7 +182,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
 
     name = "alru"
-    queue_attributes = ("_probation", "_main", "_ghost", "_main_ghost", "_tails")
+    queue_attributes = ("_ghost", "_main_ghost")
     prefix_order = True
     weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
     shadow_blocks: ClassVar[int] = 256
@@ -105,16 +194,20 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        # key -> stamp: insertion time on probation, last use in main.
-        self._probation: OrderedDict[OffloadKey, int] = OrderedDict()
-        self._main: OrderedDict[OffloadKey, int] = OrderedDict()
+        # Stamps: insertion time on probation, last use in main.
+        self._probation = _BlockLog(_PROBATION)
+        self._demoted = _BlockLog(_DEMOTED_TAIL)  # the front of probation, newest first
+        self._main = _BlockLog(_MAIN)
         self._ghost = GhostList(cache_capacity)
         self._main_ghost = GhostList(cache_capacity)
-        # Store tails still on probation (a dict used as an ordered set).
-        self._tails: dict[OffloadKey, None] = {}
+        self._tails = 0  # store tails still on probation (marked ``_TAIL``)
         self._dead_tail_ratio = self.dead_tail_ratio  # read once (a lookup when compiled)
         self._now = 0
         self._feeds_duel = True
+        # The adaptive policy's race sample, drawn with the duel's (:meth:`share_hash`).
+        self._race_threshold = -1
+        self.race_keys: list[OffloadKey] = []
+        self.race_source: Sequence[OffloadKey] | None = None
         self._reset_learning()
 
     def _learned_state(self) -> dict[str, object]:
@@ -146,14 +239,38 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             self._duel = self._new_duel()
             self._feeds_duel = True
 
+    def share_hash(self, threshold: int) -> None:
+        """Also draw, with the CRC each :meth:`touch` computes for the duel, the keys whose
+        CRC's high 16 bits are below ``threshold``: :attr:`race_keys`, for the keys
+        :attr:`race_source` (None when the last touch hashed nothing)."""
+        self._race_threshold = threshold
+
+    def adopt_table(self, table: dict[OffloadKey, BlockStatus]) -> None:
+        """Keep the blocks in ``table`` (holding exactly this policy's blocks) from now on:
+        the adaptive policy's block table, so that a store or an eviction updates one dict,
+        not two."""
+        self._blocks = table
+
     # -- storage -------------------------------------------------------------------------
+
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        # The batch of :meth:`insert`, in one call (the manager stores a request at once).
+        self._blocks.update(pairs)
+        batch = self._batch
+        for key, _ in pairs:
+            batch.append(key)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._now += 1
+        now = self._now
         if self._ghost.recall(key) or self._main_ghost.recall(key):
-            self._main[key] = self._now
+            block.mark = _mark(now, _MAIN)
+            self._main.size += 1
+            self._main.push(key, block, now)
         else:
-            self._probation[key] = self._now
+            block.mark = _mark(now, _PROBATION)
+            self._probation.size += 1
+            self._probation.push(key, block, now)
 
     def _flush_batch(self) -> None:
         batch = self._batch
@@ -161,57 +278,141 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             return
         # The store covers the request from its first miss to its end: its last key is the
         # request's last block.
-        tail = batch[-1]
         stats = self._tail_stats
         stats.add_store(len(batch))
-        super()._flush_batch()
-        if tail in self._probation:
-            self._tails[tail] = None
+        blocks = self._blocks
+        probation, main = self._probation, self._main
+        ghost, main_ghost = self._ghost, self._main_ghost
+        now = self._now
+        for key in reversed(batch):
+            # :meth:`_enqueue`, inline.
+            block = blocks.get(key)
+            if block is None:
+                continue
+            now += 1
+            if ghost.recall(key) or main_ghost.recall(key):
+                block.mark = _mark(now, _MAIN)
+                main.size += 1
+                main.push(key, block, now)
+            else:
+                block.mark = _mark(now, _PROBATION)
+                probation.size += 1
+                probation.push(key, block, now)
+        self._now = now
+        tail_key = batch[-1]
+        tail = blocks.get(tail_key)
+        batch.clear()
+        if tail is not None and (tail.mark & 3) == _PROBATION:
+            self._tails += 1
             self._demote_tails = stats.tails_are_dead(self._dead_tail_ratio)
             if self._demote_tails:
-                self._probation[tail] = _DEMOTED
-                self._probation.move_to_end(tail, last=False)
+                # To the front of probation: its entry there goes dead, the stamp stays.
+                self._probation.size -= 1
+                self._demoted.size += 1
+                stamp = tail.mark >> _STAMP_SHIFT
+                tail.mark = _mark(stamp, _DEMOTED_TAIL) | _TAIL
+                self._demoted.pop_dead()
+                self._demoted.push(tail_key, tail, stamp)
+            else:
+                tail.mark |= _TAIL
+
+    def remove(self, key: OffloadKey) -> None:
+        # A store failed: the key is live, so it sits in none of the ghost lists.
+        self._flush_batch()
+        block = self._blocks[key]
+        del self._blocks[key]
+        self._leave(block)
+
+    def _leave(self, block: BlockStatus) -> None:
+        """Take ``block`` out of its queue (its log entry goes dead)."""
+        mark = block.mark
+        where = mark & 3
+        if where == _MAIN:
+            self._main.size -= 1
+        elif where == _PROBATION:
+            self._probation.size -= 1
+        elif where == _DEMOTED_TAIL:
+            self._demoted.size -= 1
+        if mark & _TAIL:
+            self._tails -= 1
+        block.mark = _NOWHERE
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._batch.clear()
+        self._probation.clear()
+        self._demoted.clear()
+        self._main.clear()
+        self._ghost.clear()
+        self._main_ghost.clear()
+        self._tails = 0
+        self._reset_learning()
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        state: dict[str, object] = {
+            "size": len(self),
+            "probation": self._probation.size + self._demoted.size,
+            "main": self._main.size,
+            "ghost": len(self._ghost),
+            "main_ghost": len(self._main_ghost),
+            "tails": self._tails,
+        }
+        state.update(self._learned_state())
+        return state
 
     # -- use -----------------------------------------------------------------------------
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        blocks, probation, main = self._blocks, self._probation, self._main
+        blocks = self._blocks
         # The touch right after a store (its keys still being written), as vLLM and the
         # lab's driver make it.
         batch = self._batch
         last = blocks.get(batch[-1]) if batch else None
         after_store = last is not None and last.ref_cnt == -1
         self._flush_batch()
+        self.race_source = None
         if self._feeds_duel and not after_store:
             # The miniature caches see the request's sampled keys, except stores just
             # prepared; the touch after a store only repeats the hit prefix.
             duel = self._duel
-            sampled = duel.sample(keys, blocks)
+            if self._race_threshold >= 0:
+                race_keys: list[OffloadKey] = []
+                sampled = duel.sample_with(keys, blocks, self._race_threshold, race_keys)
+                self.race_keys = race_keys
+                self.race_source = keys
+            else:
+                sampled = duel.sample(keys, blocks)
             if sampled:
                 duel.access(sampled)
-        now, tails = self._now, self._tails  # the clock in a local, stored back at the end
+        probation, main = self._probation, self._main
+        now = self._now  # the clock in a local, stored back at the end
         for key in reversed(keys):
             block = blocks.get(key)
             if block is None:
                 continue
+            mark = block.mark
+            where = mark & 3
             if block.ref_cnt == -1:
                 # A store just prepared is not an access: refresh its recency only (a
-                # demoted tail stays demoted).
-                if probation.get(key, _DEMOTED) != _DEMOTED:
+                # demoted tail stays demoted, a block in main stays put).
+                if where == _PROBATION:
                     now += 1
-                    probation[key] = now
-                    probation.move_to_end(key)
+                    block.mark = (now << _STAMP_SHIFT) | (mark & (_TAIL | 3))
+                    probation.push(key, block, now)
                 continue
             now += 1
-            if key in main:
-                main[key] = now
-                main.move_to_end(key)
-            else:
-                del probation[key]
-                main[key] = now
-                tail = key in tails
+            block.mark = _mark(now, _MAIN)
+            main.push(key, block, now)
+            if where != _MAIN:
+                if where == _PROBATION:
+                    probation.size -= 1
+                else:
+                    self._demoted.size -= 1
+                main.size += 1
+                tail = (mark & _TAIL) != 0
                 if tail:
-                    del tails[key]
+                    self._tails -= 1
                 self._tail_stats.add_use(tail)
         self._now = now
 
@@ -220,38 +421,118 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        # Plain iterators and a function, not generators: cheaper when compiled.
-        blocks = self._blocks
-        guarded = len(protected) > 0
-        on_probation = iter(self._probation.items())
-        in_main = iter(self._main.items())
-        p = _next_idle(on_probation, blocks, protected, guarded)
-        m = _next_idle(in_main, blocks, protected, guarded)
-        # (key, came from probation), in the order chosen: victims are returned in that order.
-        selected: list[tuple[OffloadKey, bool]] = []
+        # Two walks (probation: the demoted stack from its end, then the log from its head;
+        # main: its log) merged by age; the victims are taken out only once there are ``n``.
+        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
+        probation, demoted, main = self._probation, self._demoted, self._main
+        self._trim_heads()
+        # Probation cursor: an index into the demoted stack (walked down) while ``in_stack``,
+        # then into the probation log (walked up); -1: that walk is over.
+        in_stack = True
+        p = self._next_demoted(len(demoted.keys) - 1, protected, guarded)
+        if p < 0:
+            in_stack = False
+            p = self._next_idle(probation, probation.head, protected, guarded)
+        m = self._next_idle(main, main.head, protected, guarded)
+        # Victims in the order chosen: the keys and blocks of the logs' entries (no index
+        # boxed per victim); each block's mark still says where it is.
+        chosen_keys: list[OffloadKey] = []
+        chosen_blocks: list[BlockStatus] = []
         now, weight = self._now, self._duel.weight
+        # A demoted block's weighted age, once: its stamp is beyond a native int, so the
+        # arithmetic would allocate on every comparison (the same float either way).
+        demoted_age = (now - _DEMOTED) * weight
         for _ in range(n):
-            if p is not None and (m is None or (now - p[1]) * weight >= now - m[1]):
-                selected.append((p[0], True))
-                p = _next_idle(on_probation, blocks, protected, guarded)
-            elif m is not None:
-                selected.append((m[0], False))
-                m = _next_idle(in_main, blocks, protected, guarded)
+            if p >= 0:
+                p_age = demoted_age if in_stack else (now - probation.stamps[p]) * weight
+                if m < 0 or p_age >= now - main.stamps[m]:
+                    if in_stack:
+                        chosen_keys.append(demoted.keys[p])
+                        chosen_blocks.append(demoted.blocks[p])
+                        p = self._next_demoted(p - 1, protected, guarded)
+                        if p < 0:
+                            in_stack = False
+                            p = self._next_idle(probation, probation.head, protected, guarded)
+                    else:
+                        chosen_keys.append(probation.keys[p])
+                        chosen_blocks.append(probation.blocks[p])
+                        p = self._next_idle(probation, p + 1, protected, guarded)
+                    continue
+            if m >= 0:
+                chosen_keys.append(main.keys[m])
+                chosen_blocks.append(main.blocks[m])
+                m = self._next_idle(main, m + 1, protected, guarded)
             else:
                 return None
-        tails = self._tails
+        blocks = self._blocks
         ghost, main_ghost = self._ghost, self._main_ghost
-        victims = []
-        for key, on_probation_queue in selected:
-            if on_probation_queue:
-                del self._probation[key]
-                if key in tails:
-                    del tails[key]
-                ghost.remember(key)
-            else:
-                del self._main[key]
+        victims: list[tuple[OffloadKey, BlockStatus]] = []
+        from_main = from_probation = from_stack = tails = 0
+        for i in range(n):
+            key = chosen_keys[i]
+            block = chosen_blocks[i]
+            mark = block.mark
+            where = mark & 3
+            if where == _MAIN:
                 main_ghost.remember(key)
-            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic method call
+                from_main += 1
+            else:
+                ghost.remember(key)
+                if where == _PROBATION:
+                    from_probation += 1
+                else:
+                    from_stack += 1
+                if mark & _TAIL:
+                    tails += 1
+            block.mark = _NOWHERE
             del blocks[key]
             victims.append((key, block))
+        main.size -= from_main
+        probation.size -= from_probation
+        demoted.size -= from_stack
+        self._tails -= tails
         return victims
+
+    def _trim_heads(self) -> None:
+        """Drop the dead entries at the head of each log and the end of the stack."""
+        self._probation.skip_dead()
+        self._main.skip_dead()
+        self._demoted.pop_dead()
+
+    @staticmethod
+    def _next_idle(
+        log: _BlockLog, index: int, protected: Collection[OffloadKey], guarded: bool
+    ) -> int:
+        """The index of the first live, evictable entry of ``log`` from ``index`` on, or -1."""
+        blocks, keys, stamps, where = log.blocks, log.keys, log.stamps, log.where
+        end = len(keys)
+        while index < end:
+            block = blocks[index]
+            mark = block.mark
+            if (
+                (mark & 3) == where
+                and (mark >> _STAMP_SHIFT) == stamps[index]
+                and block.ref_cnt == 0
+                and not (guarded and keys[index] in protected)
+            ):
+                return index
+            index += 1
+        return -1
+
+    def _next_demoted(self, index: int, protected: Collection[OffloadKey], guarded: bool) -> int:
+        """The index of the next live, evictable entry of the demoted stack from ``index``
+        down, or -1."""
+        log = self._demoted
+        blocks, keys, stamps = log.blocks, log.keys, log.stamps
+        while index >= 0:
+            block = blocks[index]
+            mark = block.mark
+            if (
+                (mark & 3) == _DEMOTED_TAIL
+                and (mark >> _STAMP_SHIFT) == stamps[index]
+                and block.ref_cnt == 0
+                and not (guarded and keys[index] in protected)
+            ):
+                return index
+            index -= 1
+        return -1
