@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -174,7 +174,10 @@ class CPUOffloadingManager(OffloadingManager):
                 newly_read += 1
             block.ref_cnt += 1
         self._reading += newly_read
-        return CPULoadStoreSpec.from_owned_list([block.block_id for block in blocks])
+        # The blocks' own id objects: compiled, ``block_id`` would be boxed anew per block.
+        return CPULoadStoreSpec.from_owned_list(
+            cast(list[int], [block.block_id_object for block in blocks])
+        )
 
     def _blocks_at_least(
         self, keys: Sequence[OffloadKey], min_ref_cnt: int, action: str, wanted: str
@@ -281,8 +284,8 @@ class CPUOffloadingManager(OffloadingManager):
         # first: this call's victims last to first (as if pushed on the free list and popped
         # straight back), then the free list. Freed slots keep their BlockStatus (already
         # reset to "being written"), so steady-state stores allocate nothing.
-        pairs: list[tuple[OffloadKey, BlockStatus]] = []
-        block_ids: list[int] = []
+        new_blocks: list[BlockStatus] = []
+        block_ids: list[object] = []  # the blocks' id objects: no int boxed per block
         next_fresh = self._num_allocated
         num_blocks = self._num_blocks
         free_list = self._free_list
@@ -296,17 +299,21 @@ class CPUOffloadingManager(OffloadingManager):
                 block = recycled[unused][1]
             else:
                 block = free_list.pop()
-            pairs.append((key, block))
-            block_ids.append(block.block_id)
+            new_blocks.append(block)
+            block_ids.append(block.block_id_object)
         self._num_allocated = next_fresh
         if unused:  # a policy that evicted more than asked: its extra slots stay usable
             free_list.extend(block for _, block in recycled[:unused])
         if not self._shared_table:
-            table.update(pairs)
-        self._policy.insert_many(pairs)
+            for index in range(len(keys_to_store)):
+                table[keys_to_store[index]] = new_blocks[index]
+        # Two lists, not (key, block) pairs: compiled, a tuple per stored block costs.
+        self._policy.insert_blocks(keys_to_store, new_blocks)
         self._writing += len(keys_to_store)
         return PrepareStoreOutput(
-            keys_to_store, CPULoadStoreSpec.from_owned_list(block_ids), evicted_keys
+            keys_to_store,
+            CPULoadStoreSpec.from_owned_list(cast(list[int], block_ids)),
+            evicted_keys,
         )
 
     def complete_store(

@@ -50,6 +50,12 @@ class QueuePolicy(CachePolicy):
         self._batch: list[OffloadKey] = []
         # Read once: compiled, a class attribute costs a lookup on every insert.
         self._prefix_order = self.prefix_order
+        # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed how
+        # a block is inserted (its ``insert`` or ``insert_many`` must still see every one).
+        cls = type(self)
+        self._plain_insert = (
+            cls.insert is QueuePolicy.insert and cls.insert_many is CachePolicy.insert_many
+        )
 
     queue_attributes: ClassVar[tuple[str, ...]] = ()
     """The attributes holding every container a key can be in (queues, ghost lists, marks)."""
@@ -119,6 +125,22 @@ class QueuePolicy(CachePolicy):
             self._batch.append(key)
         else:
             self._enqueue(key, block)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        if not self._plain_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        table = self._blocks
+        if self._prefix_order:
+            for index in range(len(keys)):
+                table[keys[index]] = blocks[index]
+            self._batch.extend(keys)
+        else:
+            for index in range(len(keys)):
+                key = keys[index]
+                block = blocks[index]
+                table[key] = block
+                self._enqueue(key, block)
 
     def _flush_batch(self) -> None:
         batch = self._batch

@@ -23,10 +23,13 @@ class BlockStatus:
     """State of one CPU slot: its id and its reference count (-1 = being written), plus a
     small int the policy holding the block keeps there (:attr:`mark`)."""
 
-    __slots__ = ("block_id", "mark", "ref_cnt")
+    __slots__ = ("block_id", "block_id_object", "mark", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        # The same id as one int object, made once per slot: compiled, ``block_id`` is a
+        # native int, and every read of it into a list (a spec's ids) would allocate a new one.
+        self.block_id_object: object = block_id
         self.ref_cnt = -1
         # The policy's own per-block state (S3-FIFO's use count, SIEVE's visited bit), set
         # when it enqueues the block; the manager never reads it. Compiled, an attribute of
@@ -70,6 +73,15 @@ class CachePolicy(ABC):
         """Insert several new blocks in order; override when a batch is cheaper."""
         for key, block in pairs:
             self.insert(key, block)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        """Insert ``blocks[i]`` under ``keys[i]``, in order: the manager's call for a store.
+
+        Same as :meth:`insert_many` of the pairs (the default builds them), for policies that
+        can take the two lists as they are: compiled, a tuple per stored block costs an
+        allocation, and a policy overriding ``insert`` or ``insert_many`` is still obeyed.
+        """
+        self.insert_many(list(zip(keys, blocks, strict=True)))
 
     def block_table(self) -> dict[OffloadKey, BlockStatus] | None:
         """The policy's own key -> block dict holding exactly its blocks, if it has one.

@@ -30,6 +30,12 @@ class LRUCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        # Whether ``insert_blocks`` may fill the dict itself: not when a subclass changed how
+        # a block is inserted (its ``insert`` or ``insert_many`` must still see every one).
+        cls = type(self)
+        self._plain_insert = (
+            cls.insert is LRUCachePolicy.insert and cls.insert_many is LRUCachePolicy.insert_many
+        )
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.blocks.get(key)
@@ -39,6 +45,14 @@ class LRUCachePolicy(CachePolicy):
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         self.blocks.update(pairs)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        if not self._plain_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        table = self.blocks
+        for index in range(len(keys)):  # compiled: a store per key, no generic ``update``
+            table[keys[index]] = blocks[index]
 
     def remove(self, key: OffloadKey) -> None:
         del self.blocks[key]
