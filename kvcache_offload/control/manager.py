@@ -252,9 +252,9 @@ class CPUOffloadingManager(OffloadingManager):
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
-        recycled: list[tuple[OffloadKey, BlockStatus]] = []  # this call's victims
+        recycled: list[BlockStatus] = []  # this call's victims (two lists: no tuple each)
         if needed > 0:
-            victims = None
+            evicted = False
             if self._num_idle() >= needed:
                 # Every key of this call must survive the eviction. The ready ones are pinned
                 # for it (blocks being read or written are never evicted anyway): the same
@@ -262,21 +262,21 @@ class CPUOffloadingManager(OffloadingManager):
                 for block in present:
                     block.ref_cnt += 1
                 try:
-                    victims = self._policy.evict(needed, _NOTHING_PROTECTED)
+                    evicted = self._policy.evict_blocks(
+                        needed, _NOTHING_PROTECTED, evicted_keys, recycled
+                    )
                 finally:
                     for block in present:
                         block.ref_cnt -= 1
-            if victims is None:
+            if not evicted:
                 self._rejected_stores += 1
                 return None
-            for key, block in victims:
-                evicted_keys.append(key)
+            for block in recycled:
                 block.ref_cnt = -1  # freed slots wait in the state a new store needs
-            recycled = victims
             if not self._shared_table:
                 for key in evicted_keys:
                     del table[key]
-            self._evictions += len(victims)
+            self._evictions += len(recycled)
             if self.events is not None:
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
@@ -296,14 +296,14 @@ class CPUOffloadingManager(OffloadingManager):
                 next_fresh += 1
             elif unused:
                 unused -= 1
-                block = recycled[unused][1]
+                block = recycled[unused]
             else:
                 block = free_list.pop()
             new_blocks.append(block)
             block_ids.append(block.block_id_object)
         self._num_allocated = next_fresh
         if unused:  # a policy that evicted more than asked: its extra slots stay usable
-            free_list.extend(block for _, block in recycled[:unused])
+            free_list.extend(recycled[:unused])
         if not self._shared_table:
             for index in range(len(keys_to_store)):
                 table[keys_to_store[index]] = new_blocks[index]

@@ -56,6 +56,11 @@ class QueuePolicy(CachePolicy):
         self._plain_insert = (
             cls.insert is QueuePolicy.insert and cls.insert_many is CachePolicy.insert_many
         )
+        # Likewise for eviction: a subclass overriding ``evict`` or one of the two selection
+        # hooks over a class that implements the other is obeyed through ``evict``.
+        self._plain_evict = cls.evict is QueuePolicy.evict and (
+            cls._select is QueuePolicy._select or cls._select_blocks is QueuePolicy._select_blocks
+        )
 
     queue_attributes: ClassVar[tuple[str, ...]] = ()
     """The attributes holding every container a key can be in (queues, ghost lists, marks)."""
@@ -68,11 +73,32 @@ class QueuePolicy(CachePolicy):
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         """Place a newly stored block in the policy's queues."""
 
-    @abstractmethod
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        """``evict`` for ``n >= 1`` with the batch flushed."""
+        """``evict`` for ``n >= 1`` with the batch flushed. A subclass implements this or
+        :meth:`_select_blocks` (each defaults to the other)."""
+        keys: list[OffloadKey] = []
+        blocks: list[BlockStatus] = []
+        if not self._select_blocks(n, protected, keys, blocks):
+            return None
+        return list(zip(keys, blocks, strict=True))
+
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        """``evict_blocks`` for ``n >= 1`` with the batch flushed (see :meth:`_select`)."""
+        victims = self._select(n, protected)
+        if victims is None:
+            return False
+        for key, block in victims:
+            keys.append(key)
+            blocks.append(block)
+        return True
 
     def _reset_learning(self) -> None:
         """Forget what the policy learned beyond its queues (on ``clear``); none by default."""
@@ -102,6 +128,20 @@ class QueuePolicy(CachePolicy):
             return []
         self._flush_batch()
         return self._select(n, protected)
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        if n <= 0:
+            return True
+        self._flush_batch()
+        return self._select_blocks(n, protected, keys, blocks)
 
     def debug_state(self) -> dict[str, object]:
         self._flush_batch()
@@ -161,15 +201,20 @@ class PlannedQueuePolicy(QueuePolicy):
     """A queue policy that first plans its victims, changing nothing, then applies the plan:
     a store that cannot get ``n`` victims leaves the queues exactly as they were."""
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
         # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
         moves: list[int] = []
-        keys: list[OffloadKey] = []
-        if not self._plan(n, protected, moves, keys):
-            return None
-        return self._apply(moves, keys)
+        planned: list[OffloadKey] = []
+        if not self._plan(n, protected, moves, planned):
+            return False
+        self._apply(moves, planned, keys, blocks)
+        return True
 
     @abstractmethod
     def _plan(
@@ -184,6 +229,10 @@ class PlannedQueuePolicy(QueuePolicy):
 
     @abstractmethod
     def _apply(
-        self, moves: list[int], keys: list[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]]:
-        """Carry out planned moves; the victims in eviction order."""
+        self,
+        moves: list[int],
+        keys: list[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> None:
+        """Carry out planned moves; append the victims' keys and blocks in eviction order."""

@@ -106,6 +106,28 @@ class CachePolicy(ABC):
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """Remove exactly ``n`` idle, unprotected blocks, or return None changing nothing."""
 
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        """:meth:`evict`, the victims' keys and blocks appended to ``keys`` and ``blocks``
+        (the manager's call): False, changing nothing and appending nothing, when it cannot.
+
+        The default splits :meth:`evict`'s pairs; a policy that can fill the two lists as it
+        goes overrides it (compiled, a tuple per victim costs an allocation) and still
+        defers to an ``evict`` a subclass overrides.
+        """
+        victims = self.evict(n, protected)
+        if victims is None:
+            return False
+        for key, block in victims:
+            keys.append(key)
+            blocks.append(block)
+        return True
+
     @abstractmethod
     def clear(self) -> None:
         """Drop every block and all adaptive state."""

@@ -36,6 +36,7 @@ class LRUCachePolicy(CachePolicy):
         self._plain_insert = (
             cls.insert is LRUCachePolicy.insert and cls.insert_many is LRUCachePolicy.insert_many
         )
+        self._plain_evict = cls.evict is LRUCachePolicy.evict  # likewise for ``evict``
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.blocks.get(key)
@@ -85,6 +86,36 @@ class LRUCachePolicy(CachePolicy):
         for key, _ in victims:
             del blocks[key]
         return victims
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        if n <= 0:
+            return True
+        start = len(keys)
+        found = 0
+        guarded = len(protected) > 0
+        table = self.blocks
+        for key, block in table.items():
+            if block.ref_cnt == 0 and not (guarded and key in protected):
+                keys.append(key)
+                blocks.append(block)
+                found += 1
+                if found == n:
+                    break
+        else:
+            del keys[start:]
+            del blocks[start:]
+            return False
+        for index in range(start, len(keys)):
+            del table[keys[index]]
+        return True
 
     def clear(self) -> None:
         self.blocks.clear()

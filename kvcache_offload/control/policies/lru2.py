@@ -164,9 +164,13 @@ class LRU2CachePolicy(QueuePolicy):
             block.mark = -1 - now
         self._now = now
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> bool:
         blocks = self._blocks
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         chosen: list[OffloadKey] = []
@@ -200,8 +204,7 @@ class LRU2CachePolicy(QueuePolicy):
                 skipped.append(key)
         if len(chosen) < n:
             self._restore(popped, popped_keys)
-            return None
-        victims = []
+            return False
         ghost = self._ghost
         for i, key in enumerate(chosen):
             block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
@@ -212,10 +215,11 @@ class LRU2CachePolicy(QueuePolicy):
                 del main[key]
             ghost.remember(key, last)
             del blocks[key]
-            victims.append((key, block))
+            victim_keys.append(key)
+            victim_blocks.append(block)
         for key in skipped:
             heap.push(main[key], key)
-        return victims
+        return True
 
     def _restore(self, popped: list[int], popped_keys: list[OffloadKey]) -> None:
         """The heap as before a failed eviction, which emptied it: the popped entries less
