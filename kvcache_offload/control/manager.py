@@ -184,12 +184,17 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> list[BlockStatus]:
         """The blocks of ``keys``, checked before anything changes: BlockStateError unless
         every one is present with ``ref_cnt >= min_ref_cnt`` (0: ready, 1: being read)."""
-        _check_keys(keys)
         table = self._blocks
         blocks = []
-        for key in keys:
+        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        for key in items:
+            if type(key) is not bytes:
+                _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)  # compiled: one C call; a bound ``get`` is a generic call
             if block is None or block.ref_cnt < min_ref_cnt:
+                # A malformed key anywhere is named before a state error (a bytes key found
+                # in the table equals a stored, valid one, so only these need the full check).
+                _check_keys(keys)
                 raise BlockStateError(
                     f"cannot {action} key {key.hex()}: it is {_state_name(block)}, not {wanted}"
                 )
@@ -233,14 +238,21 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        _check_keys(keys)
         table = self._blocks
         keys_to_store: list[OffloadKey] = []
         distinct: set[OffloadKey] = set()  # built in the loop: cheaper than ``set(list)``
         present: list[BlockStatus] = []
-        for key in keys:
+        # The keys are checked in this loop (``_check_keys`` per key, as it goes): a bytes key
+        # found in the table equals a stored key, so only the absent ones need their length
+        # checked. Nothing changes before the loop ends, and the first malformed key raises.
+        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        for key in items:
+            if type(key) is not bytes:
+                _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)
             if block is None:
+                if len(cast(bytes, key)) <= 4:
+                    _check_keys((key,))
                 keys_to_store.append(key)
                 distinct.add(key)
             elif block.ref_cnt >= 0:

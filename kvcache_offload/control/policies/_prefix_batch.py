@@ -48,6 +48,9 @@ class QueuePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._batch: list[OffloadKey] = []
+        # The block of each batched key: the flush then probes no table (every call that
+        # could drop a key, ``remove`` and ``evict``, flushes first, so they stay current).
+        self._batch_blocks: list[BlockStatus] = []
         # Read once: compiled, a class attribute costs a lookup on every insert.
         self._prefix_order = self.prefix_order
         # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed how
@@ -117,6 +120,7 @@ class QueuePolicy(CachePolicy):
     def clear(self) -> None:
         self._blocks.clear()
         self._batch.clear()
+        self._batch_blocks.clear()
         for queue in self._queues().values():
             queue.clear()
         self._reset_learning()
@@ -163,6 +167,7 @@ class QueuePolicy(CachePolicy):
         self._blocks[key] = block
         if self._prefix_order:
             self._batch.append(key)
+            self._batch_blocks.append(block)
         else:
             self._enqueue(key, block)
 
@@ -175,6 +180,7 @@ class QueuePolicy(CachePolicy):
             for index in range(len(keys)):
                 table[keys[index]] = blocks[index]
             self._batch.extend(keys)
+            self._batch_blocks.extend(blocks)
         else:
             for index in range(len(keys)):
                 key = keys[index]
@@ -185,12 +191,11 @@ class QueuePolicy(CachePolicy):
     def _flush_batch(self) -> None:
         batch = self._batch
         if batch:
-            blocks = self._blocks
-            for key in reversed(batch):
-                block = blocks.get(key)
-                if block is not None:
-                    self._enqueue(key, block)
+            batch_blocks = self._batch_blocks
+            for index in range(len(batch) - 1, -1, -1):
+                self._enqueue(batch[index], batch_blocks[index])
             batch.clear()
+            batch_blocks.clear()
 
     def __len__(self) -> int:
         return len(self._blocks)
