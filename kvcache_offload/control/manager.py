@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Final, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -31,6 +31,33 @@ __all__ = ["CPUManagerStats", "CPUOffloadingManager"]
 MEDIUM = "CPU"
 
 _NOTHING_PROTECTED: frozenset[OffloadKey] = frozenset()
+
+# Final: compiled, these are C statics, not a module-dict lookup per use.
+_new_object: Final = object.__new__
+_SPEC_CLASS: Final = CPULoadStoreSpec
+_OUTPUT_CLASS: Final = PrepareStoreOutput
+
+
+def _cpu_spec(block_ids: list[object]) -> CPULoadStoreSpec:
+    """``CPULoadStoreSpec.from_owned_list(block_ids)``, built here: the spec and the output
+    classes are interpreted (numpy), and their constructors' Python frames cost more than
+    the rest of a small store (tests check the result stays equal to theirs)."""
+    spec: Any = _new_object(_SPEC_CLASS)
+    spec._owned_ids = block_ids
+    spec._block_ids = None
+    return cast(CPULoadStoreSpec, spec)
+
+
+def _store_output(
+    keys_to_store: list[OffloadKey], spec: CPULoadStoreSpec, evicted_keys: list[OffloadKey]
+) -> PrepareStoreOutput:
+    """``PrepareStoreOutput(keys_to_store, spec, evicted_keys)`` without its Python
+    ``__init__`` (a plain dataclass of these three fields: a test checks it stays one)."""
+    output: Any = _new_object(_OUTPUT_CLASS)
+    output.keys_to_store = keys_to_store
+    output.store_spec = spec
+    output.evicted_keys = evicted_keys
+    return cast(PrepareStoreOutput, output)
 
 
 @dataclass(frozen=True)
@@ -175,9 +202,7 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt += 1
         self._reading += newly_read
         # The blocks' own id objects: compiled, ``block_id`` would be boxed anew per block.
-        return CPULoadStoreSpec.from_owned_list(
-            cast(list[int], [block.block_id_object for block in blocks])
-        )
+        return _cpu_spec([block.block_id_object for block in blocks])
 
     def _blocks_at_least(
         self, keys: Sequence[OffloadKey], min_ref_cnt: int, action: str, wanted: str
@@ -258,7 +283,7 @@ class CPUOffloadingManager(OffloadingManager):
             elif block.ref_cnt >= 0:
                 present.append(block)
         if not keys_to_store:
-            return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
+            return _store_output([], _cpu_spec([]), [])
         if len(distinct) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
@@ -322,11 +347,7 @@ class CPUOffloadingManager(OffloadingManager):
         # Two lists, not (key, block) pairs: compiled, a tuple per stored block costs.
         self._policy.insert_blocks(keys_to_store, new_blocks)
         self._writing += len(keys_to_store)
-        return PrepareStoreOutput(
-            keys_to_store,
-            CPULoadStoreSpec.from_owned_list(cast(list[int], block_ids)),
-            evicted_keys,
-        )
+        return _store_output(keys_to_store, _cpu_spec(block_ids), evicted_keys)
 
     def complete_store(
         self,

@@ -98,7 +98,7 @@ class LRUCachePolicy(CachePolicy):
             return super().evict_blocks(n, protected, keys, blocks)
         if n <= 0:
             return True
-        start = len(keys)
+        start, blocks_start = len(keys), len(blocks)
         found = 0
         guarded = len(protected) > 0
         table = self.blocks
@@ -111,7 +111,7 @@ class LRUCachePolicy(CachePolicy):
                     break
         else:
             del keys[start:]
-            del blocks[start:]
+            del blocks[blocks_start:]
             return False
         for index in range(start, len(keys)):
             del table[keys[index]]
