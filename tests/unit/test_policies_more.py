@@ -608,3 +608,32 @@ def test_lru2_failed_store_of_a_batched_ghost_key_leaves_no_heap_entry() -> None
     policy.touch(keys(3))
     assert sorted(_evicted_ids(policy, 2)) == sorted({1, 2, 3} - {gone})
     assert len(policy) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(min_value=1, max_value=2**40), st.none()), max_size=300
+    )
+)
+def test_lru2_heap_pops_what_heapq_pops(ops: list[int | None]) -> None:
+    # LRU-2's heap sifts its own entries (compiled, with native ints): the same order as
+    # heapq for any pushes and pops of distinct stamps.
+    import heapq
+
+    from kvcache_offload.control.policies.lru2 import _Heap
+
+    heap, reference, seen = _Heap(), [], set()
+    for op in ops:
+        if op is None or op in seen:
+            if reference:
+                stamp = heapq.heappop(reference)
+                assert heap.pop() == str(stamp).encode() and heap.stamp == stamp
+        else:
+            seen.add(op)
+            heap.push(op, OffloadKey(str(op).encode()))
+            heapq.heappush(reference, op)
+        assert len(heap) == len(reference)
+    assert [heap.pop() for _ in range(len(reference))] == [
+        str(s).encode() for s in sorted(reference)
+    ]

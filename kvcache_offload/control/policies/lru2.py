@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
-from typing import Any, ClassVar, Final, final
+from typing import Any, ClassVar, final
 
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
@@ -35,9 +35,6 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
 
-# Final: compiled, a function imported by name is looked up in the module dict on every call.
-_heappush: Final = heapq.heappush
-_heappop: Final = heapq.heappop
 
 
 @final
@@ -63,12 +60,21 @@ class _Heap:
 
     def push(self, stamp: int, key: OffloadKey) -> None:
         boxed: Any = stamp  # boxed once for both
-        _heappush(self._stamps, boxed)
+        heap = self._stamps
+        heap.append(boxed)
+        _sift_toward_root(heap, 0, len(heap) - 1)
         self.keys[boxed] = key
 
     def pop(self) -> OffloadKey:
         """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
-        boxed = _heappop(self._stamps)
+        heap = self._stamps
+        last = heap.pop()
+        if heap:
+            boxed = heap[0]
+            heap[0] = last
+            _sift_to_leaf(heap, 0)
+        else:
+            boxed = last
         self.stamp = boxed
         keys = self.keys
         key = keys[boxed]  # get and del: compiled, ``dict.pop`` is a generic method call
@@ -90,6 +96,48 @@ class _Heap:
 
     def __repr__(self) -> str:
         return repr(sorted(self.keys.items()))
+
+
+def _sift_toward_root(heap: list[Any], start: i64, pos: i64) -> None:
+    """``heapq._siftdown``: move ``heap[pos]`` up to its place (not above ``start``).
+
+    The heap's own sifts, compiled with native 64-bit ints: ``heapq`` compares two int
+    objects through the generic rich comparison at every level, here each is unboxed (no
+    allocation) and compared natively, and the entries move as the objects they are.
+    """
+    item = heap[pos]
+    value: i64 = item
+    while pos > start:
+        parent_pos = (pos - 1) >> 1
+        parent = heap[parent_pos]
+        parent_value: i64 = parent
+        if value < parent_value:
+            heap[pos] = parent
+            pos = parent_pos
+            continue
+        break
+    heap[pos] = item
+
+
+def _sift_to_leaf(heap: list[Any], pos: i64) -> None:
+    """``heapq._siftup``: move ``heap[pos]`` down to a leaf along the smaller children, then
+    up to its place (fewer comparisons than stopping early, as in ``heapq``)."""
+    end: i64 = len(heap)
+    start = pos
+    item = heap[pos]
+    child = 2 * pos + 1
+    while child < end:
+        right = child + 1
+        if right < end:
+            left_value: i64 = heap[child]
+            right_value: i64 = heap[right]
+            if not left_value < right_value:
+                child = right
+        heap[pos] = heap[child]
+        pos = child
+        child = 2 * pos + 1
+    heap[pos] = item
+    _sift_toward_root(heap, start, pos)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
