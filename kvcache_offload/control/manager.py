@@ -327,7 +327,7 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks = self._num_blocks
         free_list = self._free_list
         unused = len(recycled)
-        for key in keys_to_store:
+        for _ in range(len(keys_to_store)):
             if next_fresh < num_blocks:
                 block = BlockStatus(next_fresh)
                 next_fresh += 1

@@ -36,7 +36,6 @@ from kvcache_offload.control.policies.base import BlockStatus
 __all__ = ["LRU2CachePolicy"]
 
 
-
 @final
 class _Heap:
     """The used blocks, oldest second-last access first: a binary heap of the stamps each key
