@@ -37,9 +37,11 @@ class QueuePolicy(CachePolicy):
 
     Subclasses name their queues in ``queue_attributes`` (every container a key may sit
     in: queues, ghost lists, per-key marks), implement ``_enqueue`` (place a new block) and
-    ``_select`` (the victims), and call ``_flush_batch`` at the start of every other
-    operation that reads or reorders their queues. Removal, clearing, the ``n <= 0`` case
-    of eviction and ``debug_state`` (the size of each named queue) are done here once.
+    ``_select`` or ``_select_blocks`` (the victims, as pairs or appended to two lists: the
+    manager's ``evict_blocks`` takes the lists), and call ``_flush_batch`` at the start of
+    every other operation that reads or reorders their queues. Removal, clearing, the
+    ``n <= 0`` case of eviction and ``debug_state`` (the size of each named queue) are done
+    here once.
     """
 
     prefix_order: ClassVar[bool] = False
