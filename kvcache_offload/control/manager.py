@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -31,6 +31,33 @@ __all__ = ["CPUManagerStats", "CPUOffloadingManager"]
 MEDIUM = "CPU"
 
 _NOTHING_PROTECTED: frozenset[OffloadKey] = frozenset()
+
+# Final: compiled, these are C statics, not a module-dict lookup per use.
+_new_object: Final = object.__new__
+_SPEC_CLASS: Final = CPULoadStoreSpec
+_OUTPUT_CLASS: Final = PrepareStoreOutput
+
+
+def _cpu_spec(block_ids: list[object]) -> CPULoadStoreSpec:
+    """``CPULoadStoreSpec.from_owned_list(block_ids)``, built here: the spec and the output
+    classes are interpreted (numpy), and their constructors' Python frames cost more than
+    the rest of a small store (tests check the result stays equal to theirs)."""
+    spec: Any = _new_object(_SPEC_CLASS)
+    spec._owned_ids = block_ids
+    spec._block_ids = None
+    return cast(CPULoadStoreSpec, spec)
+
+
+def _store_output(
+    keys_to_store: list[OffloadKey], spec: CPULoadStoreSpec, evicted_keys: list[OffloadKey]
+) -> PrepareStoreOutput:
+    """``PrepareStoreOutput(keys_to_store, spec, evicted_keys)`` without its Python
+    ``__init__`` (a plain dataclass of these three fields: a test checks it stays one)."""
+    output: Any = _new_object(_OUTPUT_CLASS)
+    output.keys_to_store = keys_to_store
+    output.store_spec = spec
+    output.evicted_keys = evicted_keys
+    return cast(PrepareStoreOutput, output)
 
 
 @dataclass(frozen=True)
@@ -174,19 +201,25 @@ class CPUOffloadingManager(OffloadingManager):
                 newly_read += 1
             block.ref_cnt += 1
         self._reading += newly_read
-        return CPULoadStoreSpec.from_owned_list([block.block_id for block in blocks])
+        # The blocks' own id objects: compiled, ``block_id`` would be boxed anew per block.
+        return _cpu_spec([block.block_id_object for block in blocks])
 
     def _blocks_at_least(
         self, keys: Sequence[OffloadKey], min_ref_cnt: int, action: str, wanted: str
     ) -> list[BlockStatus]:
         """The blocks of ``keys``, checked before anything changes: BlockStateError unless
         every one is present with ``ref_cnt >= min_ref_cnt`` (0: ready, 1: being read)."""
-        _check_keys(keys)
         table = self._blocks
         blocks = []
-        for key in keys:
+        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        for key in items:
+            if type(key) is not bytes:
+                _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)  # compiled: one C call; a bound ``get`` is a generic call
             if block is None or block.ref_cnt < min_ref_cnt:
+                # A malformed key anywhere is named before a state error (a bytes key found
+                # in the table equals a stored, valid one, so only these need the full check).
+                _check_keys(keys)
                 raise BlockStateError(
                     f"cannot {action} key {key.hex()}: it is {_state_name(block)}, not {wanted}"
                 )
@@ -230,28 +263,35 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        _check_keys(keys)
         table = self._blocks
         keys_to_store: list[OffloadKey] = []
         distinct: set[OffloadKey] = set()  # built in the loop: cheaper than ``set(list)``
         present: list[BlockStatus] = []
-        for key in keys:
+        # The keys are checked in this loop (``_check_keys`` per key, as it goes): a bytes key
+        # found in the table equals a stored key, so only the absent ones need their length
+        # checked. Nothing changes before the loop ends, and the first malformed key raises.
+        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        for key in items:
+            if type(key) is not bytes:
+                _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)
             if block is None:
+                if len(cast(bytes, key)) <= 4:
+                    _check_keys((key,))
                 keys_to_store.append(key)
                 distinct.add(key)
             elif block.ref_cnt >= 0:
                 present.append(block)
         if not keys_to_store:
-            return PrepareStoreOutput([], CPULoadStoreSpec.from_owned_list([]), [])
+            return _store_output([], _cpu_spec([]), [])
         if len(distinct) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
-        recycled: list[tuple[OffloadKey, BlockStatus]] = []  # this call's victims
+        recycled: list[BlockStatus] = []  # this call's victims (two lists: no tuple each)
         if needed > 0:
-            victims = None
+            evicted = False
             if self._num_idle() >= needed:
                 # Every key of this call must survive the eviction. The ready ones are pinned
                 # for it (blocks being read or written are never evicted anyway): the same
@@ -259,21 +299,21 @@ class CPUOffloadingManager(OffloadingManager):
                 for block in present:
                     block.ref_cnt += 1
                 try:
-                    victims = self._policy.evict(needed, _NOTHING_PROTECTED)
+                    evicted = self._policy.evict_blocks(
+                        needed, _NOTHING_PROTECTED, evicted_keys, recycled
+                    )
                 finally:
                     for block in present:
                         block.ref_cnt -= 1
-            if victims is None:
+            if not evicted:
                 self._rejected_stores += 1
                 return None
-            for key, block in victims:
-                evicted_keys.append(key)
+            for block in recycled:
                 block.ref_cnt = -1  # freed slots wait in the state a new store needs
-            recycled = victims
             if not self._shared_table:
                 for key in evicted_keys:
                     del table[key]
-            self._evictions += len(victims)
+            self._evictions += len(recycled)
             if self.events is not None:
                 self.events.append(OffloadingEvent(evicted_keys, MEDIUM, removed=True))
 
@@ -281,33 +321,33 @@ class CPUOffloadingManager(OffloadingManager):
         # first: this call's victims last to first (as if pushed on the free list and popped
         # straight back), then the free list. Freed slots keep their BlockStatus (already
         # reset to "being written"), so steady-state stores allocate nothing.
-        pairs: list[tuple[OffloadKey, BlockStatus]] = []
-        block_ids: list[int] = []
+        new_blocks: list[BlockStatus] = []
+        block_ids: list[object] = []  # the blocks' id objects: no int boxed per block
         next_fresh = self._num_allocated
         num_blocks = self._num_blocks
         free_list = self._free_list
         unused = len(recycled)
-        for key in keys_to_store:
+        for _ in range(len(keys_to_store)):
             if next_fresh < num_blocks:
                 block = BlockStatus(next_fresh)
                 next_fresh += 1
             elif unused:
                 unused -= 1
-                block = recycled[unused][1]
+                block = recycled[unused]
             else:
                 block = free_list.pop()
-            pairs.append((key, block))
-            block_ids.append(block.block_id)
+            new_blocks.append(block)
+            block_ids.append(block.block_id_object)
         self._num_allocated = next_fresh
         if unused:  # a policy that evicted more than asked: its extra slots stay usable
-            free_list.extend(block for _, block in recycled[:unused])
+            free_list.extend(recycled[:unused])
         if not self._shared_table:
-            table.update(pairs)
-        self._policy.insert_many(pairs)
+            for index in range(len(keys_to_store)):
+                table[keys_to_store[index]] = new_blocks[index]
+        # Two lists, not (key, block) pairs: compiled, a tuple per stored block costs.
+        self._policy.insert_blocks(keys_to_store, new_blocks)
         self._writing += len(keys_to_store)
-        return PrepareStoreOutput(
-            keys_to_store, CPULoadStoreSpec.from_owned_list(block_ids), evicted_keys
-        )
+        return _store_output(keys_to_store, _cpu_spec(block_ids), evicted_keys)
 
     def complete_store(
         self,

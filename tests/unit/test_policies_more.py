@@ -478,6 +478,43 @@ def test_ghost_list_forgets_like_an_ordered_dict_of_its_remembers(
         ]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([1, 5, 40, 1000]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["remember", "remember", "recall", "recall_stamp"]),
+            st.integers(0, 150),
+            st.integers(0, 2**40),
+        ),
+        min_size=200,
+        max_size=1500,
+    ),
+)
+def test_ghost_list_keeps_large_stamps_through_trims_and_compactions(
+    limit: int, ops: list[tuple[str, int, int]]
+) -> None:
+    # Each ghost's value packs its stamp above its log position: stamps past 2**32 survive,
+    # and so do the positions renumbered when the log is trimmed or compacted.
+    from kvcache_offload.control.policies._ghosts import GhostList
+
+    ghosts = GhostList(limit)
+    model: OrderedDict[OffloadKey, int] = OrderedDict()
+    for op, i, stamp in ops:
+        k = key(i)
+        if op == "remember":
+            ghosts.remember(k, stamp)
+            model.setdefault(k, stamp)
+            if len(model) > limit:
+                model.popitem(last=False)
+        elif op == "recall":
+            assert ghosts.recall(k) == (model.pop(k, None) is not None)
+        else:
+            assert ghosts.recall_stamp(k) == model.pop(k, -1)
+        assert len(ghosts) == len(model)
+    assert [ghosts.recall_stamp(k) for k in list(model)] == list(model.values())
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
@@ -608,3 +645,28 @@ def test_lru2_failed_store_of_a_batched_ghost_key_leaves_no_heap_entry() -> None
     policy.touch(keys(3))
     assert sorted(_evicted_ids(policy, 2)) == sorted({1, 2, 3} - {gone})
     assert len(policy) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(min_value=1, max_value=2**40), st.none()), max_size=300))
+def test_lru2_heap_pops_what_heapq_pops(ops: list[int | None]) -> None:
+    # LRU-2's heap sifts its own entries (compiled, with native ints): the same order as
+    # heapq for any pushes and pops of distinct stamps.
+    import heapq
+
+    from kvcache_offload.control.policies.lru2 import _Heap
+
+    heap, reference, seen = _Heap(), [], set()
+    for op in ops:
+        if op is None or op in seen:
+            if reference:
+                stamp = heapq.heappop(reference)
+                assert heap.pop() == str(stamp).encode() and heap.stamp == stamp
+        else:
+            seen.add(op)
+            heap.push(op, OffloadKey(str(op).encode()))
+            heapq.heappush(reference, op)
+        assert len(heap) == len(reference)
+    assert [heap.pop() for _ in range(len(reference))] == [
+        str(s).encode() for s in sorted(reference)
+    ]

@@ -37,9 +37,11 @@ class QueuePolicy(CachePolicy):
 
     Subclasses name their queues in ``queue_attributes`` (every container a key may sit
     in: queues, ghost lists, per-key marks), implement ``_enqueue`` (place a new block) and
-    ``_select`` (the victims), and call ``_flush_batch`` at the start of every other
-    operation that reads or reorders their queues. Removal, clearing, the ``n <= 0`` case
-    of eviction and ``debug_state`` (the size of each named queue) are done here once.
+    ``_select`` or ``_select_blocks`` (the victims, as pairs or appended to two lists: the
+    manager's ``evict_blocks`` takes the lists), and call ``_flush_batch`` at the start of
+    every other operation that reads or reorders their queues. Removal, clearing, the
+    ``n <= 0`` case of eviction and ``debug_state`` (the size of each named queue) are done
+    here once.
     """
 
     prefix_order: ClassVar[bool] = False
@@ -48,8 +50,22 @@ class QueuePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._batch: list[OffloadKey] = []
+        # The block of each batched key: the flush then probes no table (every call that
+        # could drop a key, ``remove`` and ``evict``, flushes first, so they stay current).
+        self._batch_blocks: list[BlockStatus] = []
         # Read once: compiled, a class attribute costs a lookup on every insert.
         self._prefix_order = self.prefix_order
+        # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed how
+        # a block is inserted (its ``insert`` or ``insert_many`` must still see every one).
+        cls = type(self)
+        self._plain_insert = (
+            cls.insert is QueuePolicy.insert and cls.insert_many is CachePolicy.insert_many
+        )
+        # Likewise for eviction: a subclass overriding ``evict`` or one of the two selection
+        # hooks over a class that implements the other is obeyed through ``evict``.
+        self._plain_evict = cls.evict is QueuePolicy.evict and (
+            cls._select is QueuePolicy._select or cls._select_blocks is QueuePolicy._select_blocks
+        )
 
     queue_attributes: ClassVar[tuple[str, ...]] = ()
     """The attributes holding every container a key can be in (queues, ghost lists, marks)."""
@@ -62,11 +78,32 @@ class QueuePolicy(CachePolicy):
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         """Place a newly stored block in the policy's queues."""
 
-    @abstractmethod
     def _select(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        """``evict`` for ``n >= 1`` with the batch flushed."""
+        """``evict`` for ``n >= 1`` with the batch flushed. A subclass implements this or
+        :meth:`_select_blocks` (each defaults to the other)."""
+        keys: list[OffloadKey] = []
+        blocks: list[BlockStatus] = []
+        if not self._select_blocks(n, protected, keys, blocks):
+            return None
+        return list(zip(keys, blocks, strict=True))
+
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        """``evict_blocks`` for ``n >= 1`` with the batch flushed (see :meth:`_select`)."""
+        victims = self._select(n, protected)
+        if victims is None:
+            return False
+        for key, block in victims:
+            keys.append(key)
+            blocks.append(block)
+        return True
 
     def _reset_learning(self) -> None:
         """Forget what the policy learned beyond its queues (on ``clear``); none by default."""
@@ -85,6 +122,7 @@ class QueuePolicy(CachePolicy):
     def clear(self) -> None:
         self._blocks.clear()
         self._batch.clear()
+        self._batch_blocks.clear()
         for queue in self._queues().values():
             queue.clear()
         self._reset_learning()
@@ -96,6 +134,20 @@ class QueuePolicy(CachePolicy):
             return []
         self._flush_batch()
         return self._select(n, protected)
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        if n <= 0:
+            return True
+        self._flush_batch()
+        return self._select_blocks(n, protected, keys, blocks)
 
     def debug_state(self) -> dict[str, object]:
         self._flush_batch()
@@ -117,18 +169,35 @@ class QueuePolicy(CachePolicy):
         self._blocks[key] = block
         if self._prefix_order:
             self._batch.append(key)
+            self._batch_blocks.append(block)
         else:
             self._enqueue(key, block)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        if not self._plain_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        table = self._blocks
+        if self._prefix_order:
+            for index in range(len(keys)):
+                table[keys[index]] = blocks[index]
+            self._batch.extend(keys)
+            self._batch_blocks.extend(blocks)
+        else:
+            for index in range(len(keys)):
+                key = keys[index]
+                block = blocks[index]
+                table[key] = block
+                self._enqueue(key, block)
 
     def _flush_batch(self) -> None:
         batch = self._batch
         if batch:
-            blocks = self._blocks
-            for key in reversed(batch):
-                block = blocks.get(key)
-                if block is not None:
-                    self._enqueue(key, block)
+            batch_blocks = self._batch_blocks
+            for index in range(len(batch) - 1, -1, -1):
+                self._enqueue(batch[index], batch_blocks[index])
             batch.clear()
+            batch_blocks.clear()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -139,15 +208,20 @@ class PlannedQueuePolicy(QueuePolicy):
     """A queue policy that first plans its victims, changing nothing, then applies the plan:
     a store that cannot get ``n`` victims leaves the queues exactly as they were."""
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
         # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
         moves: list[int] = []
-        keys: list[OffloadKey] = []
-        if not self._plan(n, protected, moves, keys):
-            return None
-        return self._apply(moves, keys)
+        planned: list[OffloadKey] = []
+        if not self._plan(n, protected, moves, planned):
+            return False
+        self._apply(moves, planned, keys, blocks)
+        return True
 
     @abstractmethod
     def _plan(
@@ -162,6 +236,10 @@ class PlannedQueuePolicy(QueuePolicy):
 
     @abstractmethod
     def _apply(
-        self, moves: list[int], keys: list[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]]:
-        """Carry out planned moves; the victims in eviction order."""
+        self,
+        moves: list[int],
+        keys: list[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> None:
+        """Carry out planned moves; append the victims' keys and blocks in eviction order."""

@@ -196,6 +196,13 @@ class ARCCachePolicy(CachePolicy):
         for key, block in pairs:
             self.insert(key, block)
 
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        if type(self).insert_many is not ARCCachePolicy.insert_many:
+            super().insert_blocks(keys, blocks)  # a subclass's ``insert_many`` sees the pairs
+            return
+        for index in range(len(keys)):
+            self.insert(keys[index], blocks[index])
+
     def remove(self, key: OffloadKey) -> None:
         node = self._nodes.pop(key)
         self._ring(node.where).unlink(node)
@@ -256,8 +263,33 @@ class ARCCachePolicy(CachePolicy):
     def evict(
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        keys: list[OffloadKey] = []
+        blocks: list[BlockStatus] = []
+        if not self._evict_into(n, protected, keys, blocks):
+            return None
+        return list(zip(keys, blocks, strict=True))
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        if type(self).evict is not ARCCachePolicy.evict:  # a subclass's ``evict`` decides
+            return super().evict_blocks(n, protected, keys, blocks)
+        return self._evict_into(n, protected, keys, blocks)
+
+    def _evict_into(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        """:meth:`evict_blocks` itself: the victims appended to the two lists, or False."""
         if n <= 0:
-            return []
+            return True
         t1, t2 = self._t1, self._t2
         # Victim i comes from T1 while |T1| - (T1 victims so far) >= int(p): that is, the
         # first len(T1) - int(p) + 1 victims (capped to n), the rest from T2; when T2 has no
@@ -273,9 +305,8 @@ class ARCCachePolicy(CachePolicy):
         if missing:
             self._take(t1, t1_next, missing, protected, fallback)
             if len(fallback) < missing:
-                return None
+                return False
         b1, b2 = self._b1, self._b2
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         for group, source, ghosts, where in (
             (from_t1, t1, b1, B1),
             (from_t2, t2, b2, B2),
@@ -284,14 +315,15 @@ class ARCCachePolicy(CachePolicy):
             for node in group:
                 block = node.block
                 assert block is not None
-                victims.append((node.key, block))
+                keys.append(node.key)
+                blocks.append(block)
                 source.unlink(node)
                 node.block = None
                 node.where = where
                 ghosts.append(node)
         self._trim(b1)
         self._trim(b2)
-        return victims
+        return True
 
     def _trim(self, ghosts: _Ring) -> None:
         """Forget the least recent ghosts beyond the cache capacity."""

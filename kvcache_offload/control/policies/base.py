@@ -23,10 +23,13 @@ class BlockStatus:
     """State of one CPU slot: its id and its reference count (-1 = being written), plus a
     small int the policy holding the block keeps there (:attr:`mark`)."""
 
-    __slots__ = ("block_id", "mark", "ref_cnt")
+    __slots__ = ("block_id", "block_id_object", "mark", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        # The same id as one int object, made once per slot: compiled, ``block_id`` is a
+        # native int, and every read of it into a list (a spec's ids) would allocate a new one.
+        self.block_id_object: object = block_id
         self.ref_cnt = -1
         # The policy's own per-block state (S3-FIFO's use count, SIEVE's visited bit), set
         # when it enqueues the block; the manager never reads it. Compiled, an attribute of
@@ -71,6 +74,15 @@ class CachePolicy(ABC):
         for key, block in pairs:
             self.insert(key, block)
 
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        """Insert ``blocks[i]`` under ``keys[i]``, in order: the manager's call for a store.
+
+        Same as :meth:`insert_many` of the pairs (the default builds them), for policies that
+        can take the two lists as they are: compiled, a tuple per stored block costs an
+        allocation, and a policy overriding ``insert`` or ``insert_many`` is still obeyed.
+        """
+        self.insert_many(list(zip(keys, blocks, strict=True)))
+
     def block_table(self) -> dict[OffloadKey, BlockStatus] | None:
         """The policy's own key -> block dict holding exactly its blocks, if it has one.
 
@@ -93,6 +105,28 @@ class CachePolicy(ABC):
         self, n: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, BlockStatus]] | None:
         """Remove exactly ``n`` idle, unprotected blocks, or return None changing nothing."""
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        """:meth:`evict`, the victims' keys and blocks appended to ``keys`` and ``blocks``
+        (the manager's call): False, changing nothing and appending nothing, when it cannot.
+
+        The default splits :meth:`evict`'s pairs; a policy that can fill the two lists as it
+        goes overrides it (compiled, a tuple per victim costs an allocation) and still
+        defers to an ``evict`` a subclass overrides.
+        """
+        victims = self.evict(n, protected)
+        if victims is None:
+            return False
+        for key, block in victims:
+            keys.append(key)
+            blocks.append(block)
+        return True
 
     @abstractmethod
     def clear(self) -> None:

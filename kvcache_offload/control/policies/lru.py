@@ -30,6 +30,13 @@ class LRUCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        # Whether ``insert_blocks`` may fill the dict itself: not when a subclass changed how
+        # a block is inserted (its ``insert`` or ``insert_many`` must still see every one).
+        cls = type(self)
+        self._plain_insert = (
+            cls.insert is LRUCachePolicy.insert and cls.insert_many is LRUCachePolicy.insert_many
+        )
+        self._plain_evict = cls.evict is LRUCachePolicy.evict  # likewise for ``evict``
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.blocks.get(key)
@@ -39,6 +46,14 @@ class LRUCachePolicy(CachePolicy):
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         self.blocks.update(pairs)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        if not self._plain_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        table = self.blocks
+        for index in range(len(keys)):  # compiled: a store per key, no generic ``update``
+            table[keys[index]] = blocks[index]
 
     def remove(self, key: OffloadKey) -> None:
         del self.blocks[key]
@@ -71,6 +86,36 @@ class LRUCachePolicy(CachePolicy):
         for key, _ in victims:
             del blocks[key]
         return victims
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        if n <= 0:
+            return True
+        start, blocks_start = len(keys), len(blocks)
+        found = 0
+        guarded = len(protected) > 0
+        table = self.blocks
+        for key, block in table.items():
+            if block.ref_cnt == 0 and not (guarded and key in protected):
+                keys.append(key)
+                blocks.append(block)
+                found += 1
+                if found == n:
+                    break
+        else:
+            del keys[start:]
+            del blocks[blocks_start:]
+            return False
+        for index in range(start, len(keys)):
+            del table[keys[index]]
+        return True
 
     def clear(self) -> None:
         self.blocks.clear()

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
-from typing import Any, ClassVar, Final, final
+from typing import Any, ClassVar, final
 
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
@@ -34,10 +34,6 @@ from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["LRU2CachePolicy"]
-
-# Final: compiled, a function imported by name is looked up in the module dict on every call.
-_heappush: Final = heapq.heappush
-_heappop: Final = heapq.heappop
 
 
 @final
@@ -51,7 +47,8 @@ class _Heap:
 
     The heap and the dict hold each stamp as one Python int object (typed ``Any``): an ``int``
     compiled is unboxed, and every use of it as a list item or dict key would box it again,
-    allocating a new int object per push and two per pop.
+    allocating a new int object per push and two per pop. The sifts are this module's own
+    (compiled, native ``i64``): the same order as ``heapq``, without its generic comparisons.
     """
 
     __slots__ = ("_stamps", "keys", "stamp")
@@ -63,12 +60,21 @@ class _Heap:
 
     def push(self, stamp: int, key: OffloadKey) -> None:
         boxed: Any = stamp  # boxed once for both
-        _heappush(self._stamps, boxed)
+        heap = self._stamps
+        heap.append(boxed)
+        _sift_toward_root(heap, 0, len(heap) - 1)
         self.keys[boxed] = key
 
     def pop(self) -> OffloadKey:
         """Remove the oldest entry and return its key; :attr:`stamp` is then its stamp."""
-        boxed = _heappop(self._stamps)
+        heap = self._stamps
+        last = heap.pop()
+        if heap:
+            boxed = heap[0]
+            heap[0] = last
+            _sift_to_leaf(heap, 0)
+        else:
+            boxed = last
         self.stamp = boxed
         keys = self.keys
         key = keys[boxed]  # get and del: compiled, ``dict.pop`` is a generic method call
@@ -90,6 +96,48 @@ class _Heap:
 
     def __repr__(self) -> str:
         return repr(sorted(self.keys.items()))
+
+
+def _sift_toward_root(heap: list[Any], start: i64, pos: i64) -> None:
+    """``heapq._siftdown``: move ``heap[pos]`` up to its place (not above ``start``).
+
+    The heap's own sifts, compiled with native 64-bit ints: ``heapq`` compares two int
+    objects through the generic rich comparison at every level, here each is unboxed (no
+    allocation) and compared natively, and the entries move as the objects they are.
+    """
+    item = heap[pos]
+    value: i64 = item
+    while pos > start:
+        parent_pos = (pos - 1) >> 1
+        parent = heap[parent_pos]
+        parent_value: i64 = parent
+        if value < parent_value:
+            heap[pos] = parent
+            pos = parent_pos
+            continue
+        break
+    heap[pos] = item
+
+
+def _sift_to_leaf(heap: list[Any], pos: i64) -> None:
+    """``heapq._siftup``: move ``heap[pos]`` down to a leaf along the smaller children, then
+    up to its place (fewer comparisons than stopping early, as in ``heapq``)."""
+    end: i64 = len(heap)
+    start = pos
+    item = heap[pos]
+    child = 2 * pos + 1
+    while child < end:
+        right = child + 1
+        if right < end:
+            left_value: i64 = heap[child]
+            right_value: i64 = heap[right]
+            if not left_value < right_value:
+                child = right
+        heap[pos] = heap[child]
+        pos = child
+        child = 2 * pos + 1
+    heap[pos] = item
+    _sift_toward_root(heap, start, pos)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
@@ -164,9 +212,13 @@ class LRU2CachePolicy(QueuePolicy):
             block.mark = -1 - now
         self._now = now
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> bool:
         blocks = self._blocks
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         chosen: list[OffloadKey] = []
@@ -200,8 +252,7 @@ class LRU2CachePolicy(QueuePolicy):
                 skipped.append(key)
         if len(chosen) < n:
             self._restore(popped, popped_keys)
-            return None
-        victims = []
+            return False
         ghost = self._ghost
         for i, key in enumerate(chosen):
             block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
@@ -212,10 +263,11 @@ class LRU2CachePolicy(QueuePolicy):
                 del main[key]
             ghost.remember(key, last)
             del blocks[key]
-            victims.append((key, block))
+            victim_keys.append(key)
+            victim_blocks.append(block)
         for key in skipped:
             heap.push(main[key], key)
-        return victims
+        return True
 
     def _restore(self, popped: list[int], popped_keys: list[OffloadKey]) -> None:
         """The heap as before a failed eviction, which emptied it: the popped entries less

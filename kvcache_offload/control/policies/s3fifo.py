@@ -194,13 +194,16 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         return True
 
     def _apply(
-        self, moves: list[int], keys: list[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]]:
+        self,
+        moves: list[int],
+        keys: list[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> None:
         blocks = self._blocks
         small, main, ghost = self._small, self._main, self._ghost
         main_mark = self._main_mark
         main_ghost = self._main_ghost if self._adaptive else None
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         for index in range(len(keys)):
             step = moves[index]
             key = keys[index]
@@ -221,8 +224,8 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                         main_ghost.remember(key)
                 block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
                 del blocks[key]
-                victims.append((key, block))
-        return victims
+                victim_keys.append(key)
+                victim_blocks.append(block)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable

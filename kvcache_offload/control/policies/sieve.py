@@ -106,10 +106,13 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         return True
 
     def _apply(
-        self, moves: list[int], keys: list[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]]:
+        self,
+        moves: list[int],
+        keys: list[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> None:
         blocks = self._blocks
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         for index in range(len(keys)):
             step = moves[index]
             key = keys[index]
@@ -121,9 +124,9 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             if step == _EVICT:
                 block = blocks[key]
                 del blocks[key]
-                victims.append((key, block))
+                victim_keys.append(key)
+                victim_blocks.append(block)
             else:
                 self._behind[key] = None
                 if step == _CLEAR:
                     blocks[key].mark = 0
-        return victims

@@ -82,9 +82,13 @@ class SLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        victim_keys: list[OffloadKey],
+        victim_blocks: list[BlockStatus],
+    ) -> bool:
         from_probation: list[OffloadKey] = []
         for key in self._candidates(self._probation, protected):
             from_probation.append(key)
@@ -97,19 +101,20 @@ class SLRUCachePolicy(QueuePolicy):
                 if len(from_probation) + len(from_protected) == n:
                     break
             else:
-                return None
+                return False
         blocks = self._blocks
-        victims = []
         for key in from_probation:
             del self._probation[key]
             block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
             del blocks[key]
-            victims.append((key, block))
+            victim_keys.append(key)
+            victim_blocks.append(block)
         ghost = self._ghost
         for key in from_protected:
             del self._protected[key]
             ghost.remember(key)
             block = blocks[key]
             del blocks[key]
-            victims.append((key, block))
-        return victims
+            victim_keys.append(key)
+            victim_blocks.append(block)
+        return True
