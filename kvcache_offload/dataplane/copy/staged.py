@@ -142,6 +142,7 @@ class StagedCopier(StagedTables):
         self._ref_start = np.zeros(len(self.layout.group_refs) + 1, dtype=np.int64)
         for g, (tensors, _sizes) in enumerate(self.layout.group_refs):
             self._ref_start[g + 1] = self._ref_start[g] + len(tensors)
+        self._small_groups = {}
         self._ring: torch.Tensor | None = None
         self._ring_base = np.zeros(config.depth, dtype=np.int64)
         self._ref_tables: torch.Tensor | None = None
