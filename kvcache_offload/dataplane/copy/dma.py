@@ -55,6 +55,12 @@ def coalesce_pieces(table: np.ndarray) -> np.ndarray:
     return np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)])
 
 
+_MEMCPY_ASYNC = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+)
+"""``cudaMemcpyAsync(dst, src, count, kind, stream)``."""
+
+
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -117,8 +123,9 @@ class CudaRuntime:
         self._attrs = _MemcpyAttributes()
         self._attrs.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
         self._attrs.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
-        self._memcpy = self.lib.cudaMemcpyAsync
-        self._memcpy.restype = ctypes.c_int
+        # A typed prototype: ctypes converts the int arguments itself, so a call builds no
+        # c_void_p / c_size_t objects in Python (~0.3-0.6 us of the ~1.5 us a call costs).
+        self._memcpy = _MEMCPY_ASYNC(("cudaMemcpyAsync", self.lib))
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
 
@@ -177,16 +184,9 @@ class CudaRuntime:
 
         One ctypes call: a fraction of the host time of a torch ``copy_`` through the
         dispatcher, which matters for the small per-job tables."""
-        self._check(
-            self._memcpy(
-                ctypes.c_void_p(dst),
-                ctypes.c_void_p(src),
-                ctypes.c_size_t(nbytes),
-                _MEMCPY_DEFAULT,
-                ctypes.c_void_p(stream),
-            ),
-            f"cudaMemcpyAsync of {nbytes} bytes",
-        )
+        code = self._memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
+        if code != 0:  # the message only on failure: formatting it costs as much as the call
+            self._check(code, f"cudaMemcpyAsync of {nbytes} bytes")
 
     def is_uva_mapped(self, ptr: int) -> bool:
         """Whether host address ``ptr`` is pinned and usable by kernels at that address."""
