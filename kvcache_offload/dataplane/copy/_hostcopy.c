@@ -4,6 +4,7 @@
  *  - copy_fragments / copy_units: one job's fragments in one call, GIL released;
  *  - plan_units: the ids checked and both sides' units written for a one-group job;
  *  - staged_small_tables: the staged path's kernel tables and DMA pieces of a serving job;
+ *  - issue_copies: a few DMA pieces enqueued through cudaMemcpyAsync's address in one call;
  *  - CopyQueue: a direction's copies in order on a native thread (see its section).
  *
  * copy_fragments(src, dst, sizes): three C-contiguous int64 buffers of equal length holding
@@ -373,6 +374,52 @@ done:
     PyBuffer_Release(&host);
     PyBuffer_Release(&pieces);
     PyBuffer_Release(&ring);
+    return result;
+}
+
+/* issue_copies(fn, dst, src, size, kind, stream) -> (issued, code): for each piece i in order,
+ * fn(dst[i], src[i], size[i], kind, stream), stopping at the first call that returns nonzero
+ * (code; issued: the pieces before it). fn is the address of cudaMemcpyAsync in the CUDA
+ * runtime torch loaded (dma.py takes it from its ctypes prototype), so these are the calls
+ * its ctypes loop made, in the same order, without building ctypes arguments per piece
+ * (~1 us each on the staged path's per-job host time). The GIL is released around the loop,
+ * as ctypes released it around each call: an enqueue can block while the stream's queue is
+ * full. dst, src, size: int64 buffers of one length; nothing here checks the addresses. */
+typedef int (*copy_call)(void *, const void *, size_t, int, void *);
+
+static PyObject *issue_copies(PyObject *self, PyObject *args) {
+    unsigned long long fn, stream;
+    Py_buffer dst, src, size;
+    int kind;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ky*y*y*iK", &fn, &dst, &src, &size, &kind, &stream)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (fn == 0 || src.len != size.len || dst.len != size.len || size.len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "issue_copies needs a function and three int64 buffers of one length, got "
+                     "%zd, %zd and %zd bytes", dst.len, src.len, size.len);
+        goto done;
+    }
+    {
+        const int64_t *d = dst.buf, *s = src.buf, *n = size.buf;
+        Py_ssize_t count = size.len / 8, i = 0;
+        int code = 0;
+        copy_call call = (copy_call)(uintptr_t)fn;
+        Py_BEGIN_ALLOW_THREADS
+        for (; i < count; i++) {
+            code = call((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)n[i], kind,
+                        (void *)(uintptr_t)stream);
+            if (code != 0) break;
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(ni)", i, code);
+    }
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&size);
     return result;
 }
 
@@ -797,6 +844,9 @@ static PyMethodDef methods[] = {
      "staged_small_tables(gpu_units, cpu_units, host, pieces, ring_base, k, depth, first_slot, "
      "group_row, ref_row, refs, length, stride, cpu_start, cpu_stride, stage_off, gpu_to_cpu) "
      "-> (n_pieces, chunks): a one-group whole-block staged job's kernel tables and DMA pieces"},
+    {"issue_copies", issue_copies, METH_VARARGS,
+     "issue_copies(fn, dst, src, size, kind, stream) -> (issued, code): fn(dst[i], src[i], "
+     "size[i], kind, stream) per piece until one returns nonzero, GIL released"},
     {"copy_units", copy_units, METH_VARARGS,
      "copy_units(..., streaming=False): copy every (ref, unit) fragment of one group, GIL "
      "released; streaming: non-temporal stores to the destination."},

@@ -20,6 +20,11 @@ import threading
 
 import numpy as np
 
+try:  # the host-copy extension's loop over a few pieces' cudaMemcpyAsync calls
+    from kvcache_offload.dataplane.copy._hostcopy import issue_copies as _issue_copies
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _issue_copies = None
+
 __all__ = ["FEW_PIECES", "CudaRuntime", "coalesce_pieces", "get_cuda_runtime"]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +131,8 @@ class CudaRuntime:
         # A typed prototype: ctypes converts the int arguments itself, so a call builds no
         # c_void_p / c_size_t objects in Python (~0.3-0.6 us of the ~1.5 us a call costs).
         self._memcpy = _MEMCPY_ASYNC(("cudaMemcpyAsync", self.lib))
+        self._memcpy_addr = ctypes.cast(self._memcpy, ctypes.c_void_p).value or 0
+        """The function's address, for the extension's ``issue_copies``."""
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
 
@@ -171,9 +178,16 @@ class CudaRuntime:
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
     ) -> None:
         """Enqueue one copy per piece on ``stream``: at most :data:`FEW_PIECES` as that many
-        ``cudaMemcpyAsync`` calls, more as one ``cudaMemcpyBatchAsync`` (same arrays as
-        :meth:`memcpy_batch_async`)."""
+        ``cudaMemcpyAsync`` calls (made by the host-copy extension where it is built), more
+        as one ``cudaMemcpyBatchAsync`` (same arrays as :meth:`memcpy_batch_async`)."""
         if len(dsts) <= FEW_PIECES:
+            if _issue_copies is not None:  # the same calls, from C: no ctypes work per piece
+                issued, code = _issue_copies(
+                    self._memcpy_addr, dsts, srcs, sizes, _MEMCPY_DEFAULT, stream
+                )
+                if code != 0:
+                    self._check(code, f"cudaMemcpyAsync of {int(sizes[issued])} bytes")
+                return
             for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
                 self.memcpy_async(dst, src, size, stream)
         else:
