@@ -228,7 +228,7 @@ class StagedTables:
         k = self.blocks_per_chunk
         cpu_units, gpu_units = (g.dst_units, g.src_units) if self.gpu_to_cpu else (
             g.src_units, g.dst_units)  # fmt: skip
-        entries = _small_entries(n, k)
+        entries = GROUP_ROW + 2 * n if n <= k else _small_entries(n, k)  # n <= k: one chunk
         host = job.table.ensure(entries, need_device=True)
         pieces = np.empty(3 * n, dtype=np.int64)  # rows: destination, source, size
         count, info = _small_tables(
