@@ -325,7 +325,7 @@ static PyObject *staged_small_tables(PyObject *self, PyObject *args) {
         int64_t *p_dst = pieces.buf, *p_src = p_dst + n, *p_size = p_dst + 2 * n;
         int64_t *p_cpu = gpu_to_cpu ? p_dst : p_src, *p_stage = gpu_to_cpu ? p_src : p_dst;
         int coalesce = n > 1 && length == stride && stride == cpu_stride;
-        Py_ssize_t p = 0;
+        Py_ssize_t p = 0, slot0 = (Py_ssize_t)floor_mod(first_slot, depth);
         for (Py_ssize_t c = 0; c < n_chunks; c++) {
             Py_ssize_t lo = c * kk, m = c + 1 < n_chunks ? kk : last, off = c * per_chunk;
             int64_t *row = table + off, *src = row + group_row, *dst = src + m;
@@ -342,8 +342,7 @@ static PyObject *staged_small_tables(PyObject *self, PyObject *args) {
                     dst[j] = gu[lo + j];
                 }
             }
-            uint64_t stage = (uint64_t)base[floor_mod((int64_t)first_slot + c, depth)] +
-                             (uint64_t)stage_off;
+            uint64_t stage = (uint64_t)base[(slot0 + c % depth) % depth] + (uint64_t)stage_off;
             uint64_t prev = 0;
             Py_ssize_t piece_lo = p, run = 0;
             for (Py_ssize_t j = 0; j < m; j++, stage += (uint64_t)stride) {
