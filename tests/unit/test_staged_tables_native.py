@@ -114,10 +114,11 @@ def _prepare_both(monkeypatch, copier, plan, first_slot, table_entries):
     first_slot=st.integers(0, 5),
     gpu_to_cpu=st.booleans(),
     cpu_slots=st.sampled_from(["adjacent", "runs", "scattered", "descending", "every other"]),
+    units=st.sampled_from(["int64", "int64", "int64", "int32", "strided"]),
     seed=st.integers(0, 2**16),
 )
 def test_native_tables_equal_the_numpy_fallbacks(
-    geometry, group, n, k, depth, first_slot, gpu_to_cpu, cpu_slots, seed
+    geometry, group, n, k, depth, first_slot, gpu_to_cpu, cpu_slots, units, seed
 ):
     copier, refs, (src, dst) = _setup(geometry, k, depth, gpu_to_cpu)
     group = group if len(refs) > 1 else 0
@@ -144,6 +145,12 @@ def test_native_tables_equal_the_numpy_fallbacks(
     cpu_spec = CPULoadStoreSpec(cpu_ids.astype(np.int64))
     spec = (gpu_spec, cpu_spec) if gpu_to_cpu else (cpu_spec, gpu_spec)
     plan = build_plan(*parse_job(spec, gpu_to_cpu), refs, src, dst)
+    g = plan.groups[0]
+    if units == "int32":  # not what the planners make: the C call refuses, numpy copes
+        g.src_units, g.dst_units = g.src_units.astype(np.int32), g.dst_units.astype(np.int32)
+    elif units == "strided":
+        g.src_units = np.repeat(g.src_units, 2)[::2]
+        g.dst_units = np.repeat(g.dst_units, 2)[::2]
     table_entries = staged_tables._small_entries(n, k) + 8
     with pytest.MonkeyPatch.context() as m:
         (native, native_table), (numpy, numpy_table) = _prepare_both(
@@ -199,7 +206,6 @@ def test_native_tables_fill_a_table_of_exactly_the_needed_size():
             {"gpu_units": np.zeros(0, dtype=np.int64), "cpu_units": np.zeros(0, dtype=np.int64)},
             "one length >= 1",
         ),
-        ({"gpu_units": np.zeros(5, dtype=np.int32)}, "one length"),  # not 8-byte entries
         ({"k": 0}, "k >= 1"),
         ({"depth": 0}, "depth >= 1"),
         ({"depth": 3}, "ring_base holds 2 entries, depth is 3"),
@@ -214,6 +220,27 @@ def test_native_tables_refuse_bad_input_before_writing(change, message):
         _call(args)
     np.testing.assert_array_equal(args["host"], host)
     np.testing.assert_array_equal(args["pieces"], pieces)
+
+
+@pytest.mark.parametrize(
+    "units",
+    [
+        np.arange(3, dtype=np.int32),
+        np.arange(3, dtype=np.uint64),
+        np.arange(3, dtype=np.float64),
+        np.arange(6, dtype=np.int64)[::2],
+        [0, 1, 2],
+    ],
+    ids=["int32", "uint64", "float64", "strided", "list"],
+)
+def test_native_tables_refuse_units_that_are_not_contiguous_int64(units):
+    args = _args(gpu_units=units)
+    host = args["host"].copy()
+    with pytest.raises(TypeError, match="gpu_units must be C-contiguous int64"):
+        _call(args)
+    with pytest.raises(TypeError, match="cpu_units must be C-contiguous int64"):
+        _call(_args(cpu_units=units))
+    np.testing.assert_array_equal(args["host"], host)
 
 
 def test_native_tables_need_writable_contiguous_buffers():

@@ -257,23 +257,52 @@ static PyObject *plan_units(PyObject *self, PyObject *args) {
  *  - returns the pieces' count and per chunk its table offset, one group, its units, its
  *    pairs (m * refs) and its pieces [lo, hi).
  *
- * Every length is checked before anything is written (ValueError); addresses are not (the
- * caller derives them from its own tensors). Address arithmetic wraps like numpy's int64.
+ * Every length is checked before anything is written (ValueError; units that are not
+ * C-contiguous int64: TypeError); addresses are not (the caller derives them from its own
+ * tensors). Address arithmetic wraps like numpy's int64.
  * The GIL is kept: a job's tables take well under a microsecond here. */
 static int64_t floor_mod(int64_t a, int64_t d) {
     int64_t r = a % d;
     return r < 0 ? r + d : r;
 }
 
+/* The C-contiguous signed 8-byte integers of obj (a plan's units as they come: the caller then
+ * needs no per-job conversion), or TypeError naming what, so the caller can convert. */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view->format ? view->format : "B";
+        if (*f == '@' || *f == '=') f++;
+        if (view->itemsize == 8 && (f[0] == 'l' || f[0] == 'q') && f[1] == 0) return 1;
+        PyBuffer_Release(view);
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "staged_small_tables: %s must be C-contiguous int64", what);
+    return 0;
+}
+
 static PyObject *staged_small_tables(PyObject *self, PyObject *args) {
+    PyObject *gpu_obj, *cpu_obj;
     Py_buffer gpu, cpu, host, pieces, ring;
     Py_ssize_t k, depth, group_row;
     long long first_slot, ref_row, refs, length, stride, cpu_start, cpu_stride, stage_off;
     int gpu_to_cpu;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*y*nnLnLLLLLLLp", &gpu, &cpu, &host, &pieces, &ring, &k,
-                          &depth, &first_slot, &group_row, &ref_row, &refs, &length, &stride,
+    if (!PyArg_ParseTuple(args, "OOw*w*y*nnLnLLLLLLLp", &gpu_obj, &cpu_obj, &host, &pieces, &ring,
+                          &k, &depth, &first_slot, &group_row, &ref_row, &refs, &length, &stride,
                           &cpu_start, &cpu_stride, &stage_off, &gpu_to_cpu)) {
+        return NULL;
+    }
+    if (!int64_buffer(gpu_obj, &gpu, "gpu_units")) {
+        PyBuffer_Release(&host);
+        PyBuffer_Release(&pieces);
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    if (!int64_buffer(cpu_obj, &cpu, "cpu_units")) {
+        PyBuffer_Release(&gpu);
+        PyBuffer_Release(&host);
+        PyBuffer_Release(&pieces);
+        PyBuffer_Release(&ring);
         return NULL;
     }
     PyObject *result = NULL, *info = NULL;

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvcache_offload.dataplane.copy.host_copy import flat_int64
 from kvcache_offload.dataplane.copy.staging_cells import CellLayout
 from kvcache_offload.dataplane.copy.staging_config import StagingConfig
 from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW
@@ -231,12 +230,15 @@ class StagedTables:
         entries = GROUP_ROW + 2 * n if n <= k else _small_entries(n, k)  # n <= k: one chunk
         host = job.table.ensure(entries, need_device=True)
         pieces = np.empty(3 * n, dtype=np.int64)  # rows: destination, source, size
-        count, info = _small_tables(
-            flat_int64(gpu_units), flat_int64(cpu_units), host, pieces, self._ring_base,
-            k, self.config.depth, first_slot, GROUP_ROW, facts.ref_row, facts.refs,
-            facts.length, self.layout.stride, facts.cpu_start, facts.cpu_stride,
-            facts.stage_off, self.gpu_to_cpu,
-        )  # fmt: skip
+        try:  # the planners' units (contiguous int64) as they are: no conversion per job
+            count, info = _small_tables(
+                gpu_units, cpu_units, host, pieces, self._ring_base, k, self.config.depth,
+                first_slot, GROUP_ROW, facts.ref_row, facts.refs, facts.length,
+                self.layout.stride, facts.cpu_start, facts.cpu_stride, facts.stage_off,
+                self.gpu_to_cpu,
+            )  # fmt: skip
+        except TypeError:  # units of another type or layout: numpy copes, same bytes
+            return self._prepare_small_numpy(job, first_slot, facts)
         return PreparedJob(
             [StagedChunk(*chunk) for chunk in info],
             entries,
