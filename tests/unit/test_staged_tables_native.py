@@ -93,15 +93,27 @@ def _setup(geometry: str, k: int, depth: int, gpu_to_cpu: bool):
 
 
 def _prepare_both(monkeypatch, copier, plan, first_slot, table_entries):
-    """(C, numpy): each path's PreparedJob and job table, from equal starting tables."""
+    """(C, numpy, C's outcome): each path's PreparedJob and job table, from equal starting
+    tables, and whether the C call wrote the first ("ran") or refused the units."""
+    native, outcome = staged_tables._small_tables, []
+
+    def spy(*args):
+        try:
+            result = native(*args)
+        except TypeError:
+            outcome.append("refused")
+            raise
+        outcome.append("ran")
+        return result
+
     out = []
-    for native in (staged_tables._small_tables, None):
-        monkeypatch.setattr(staged_tables, "_small_tables", native)
+    for tables in (spy, None):
+        monkeypatch.setattr(staged_tables, "_small_tables", tables)
         job = StagedJob(plan, None, None, _Table(table_entries))  # type: ignore[arg-type]
         prep = copier._prepare_small(job, first_slot)
         assert prep is not None  # both take the whole-block path
         out.append((prep, job.table.host))
-    return out
+    return (*out, outcome)
 
 
 @settings(max_examples=150, deadline=None)
@@ -153,9 +165,13 @@ def test_native_tables_equal_the_numpy_fallbacks(
         g.dst_units = np.repeat(g.dst_units, 2)[::2]
     table_entries = staged_tables._small_entries(n, k) + 8
     with pytest.MonkeyPatch.context() as m:
-        (native, native_table), (numpy, numpy_table) = _prepare_both(
+        (native, native_table), (numpy, numpy_table), outcome = _prepare_both(
             m, copier, plan, first_slot, table_entries
         )
+    as_planned = all(
+        u.dtype == np.int64 and u.flags.c_contiguous for u in (g.src_units, g.dst_units)
+    )
+    assert outcome == ["ran" if as_planned else "refused"]  # (one strided unit is contiguous)
     np.testing.assert_array_equal(native_table, numpy_table)
     assert native.table_entries == numpy.table_entries
     assert native.chunks == numpy.chunks
