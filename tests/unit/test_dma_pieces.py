@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_offload.dataplane.copy.dma import coalesce_pieces
+from kvcache_offload.dataplane.copy import dma
+from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime, coalesce_pieces
 
 
 def _byte_pairs(table: np.ndarray) -> set[tuple[int, int]]:
@@ -59,29 +63,71 @@ def test_coalescing_copies_exactly_the_same_bytes_in_fewer_or_equal_pieces(steps
         assert not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1])
 
 
-class _RecordingRuntime:
-    """Stands in for CudaRuntime's two enqueue calls (no CUDA here)."""
+class _RecordingRuntime(CudaRuntime):
+    """A CudaRuntime whose ``cudaMemcpyAsync`` is a Python function recording each call (through
+    the same ctypes prototype, so the extension's ``issue_copies`` calls it too) and whose
+    batched call records its arrays; no CUDA here. The call numbered ``fail_at`` (from 0)
+    returns error 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_at: int | None = None) -> None:  # nothing of CUDA to load
         self.calls: list[tuple[str, object]] = []
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self.calls.append(("one", (dst, src, nbytes, stream)))
+        def memcpy(dst: int, src: int, nbytes: int, kind: int, stream: int) -> int:
+            self.calls.append(("one", (dst, src, nbytes, stream)))
+            return 1 if len(self.calls) - 1 == fail_at else 0
+
+        self._memcpy = dma._MEMCPY_ASYNC(memcpy)
+        self._memcpy_addr = ctypes.cast(self._memcpy, ctypes.c_void_p).value or 0
 
     def memcpy_batch_async(self, dsts, srcs, sizes, stream) -> None:  # type: ignore[no-untyped-def]
         self.calls.append(("batch", (dsts.tolist(), srcs.tolist(), sizes.tolist(), stream)))
 
+    def error_string(self, code: int) -> str:
+        return f"error {code}"
 
-def test_a_few_pieces_are_single_copies_and_more_are_one_batch():
-    from kvcache_offload.dataplane.copy.dma import FEW_PIECES, CudaRuntime
 
+@pytest.fixture(params=["extension", "ctypes"])
+def few_copies_by(request, monkeypatch):
+    """Which loop makes the single copies: the host-copy extension's or the ctypes one."""
+    if request.param == "extension" and dma._issue_copies is None:
+        pytest.skip("the host-copy extension is not built")
+    if request.param == "ctypes":
+        monkeypatch.setattr(dma, "_issue_copies", None)
+    return request.param
+
+
+def _pieces(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    dsts = 1000 + np.arange(n, dtype=np.int64) * 100
+    return dsts, dsts + 7, np.full(n, 3, dtype=np.int64)
+
+
+def test_a_few_pieces_are_single_copies_and_more_are_one_batch(few_copies_by):
     for n in (1, FEW_PIECES, FEW_PIECES + 1):
         rt = _RecordingRuntime()
-        dsts = np.arange(n, dtype=np.int64) * 100
-        srcs = dsts + 7
-        sizes = np.full(n, 3, dtype=np.int64)
-        CudaRuntime.memcpy_pieces(rt, dsts, srcs, sizes, 42)  # type: ignore[arg-type]
+        dsts, srcs, sizes = _pieces(n)
+        rt.memcpy_pieces(dsts, srcs, sizes, 42)
         if n <= FEW_PIECES:
             assert rt.calls == [("one", (d, d + 7, 3, 42)) for d in dsts.tolist()]
         else:
             assert rt.calls == [("batch", (dsts.tolist(), srcs.tolist(), sizes.tolist(), 42))]
+
+
+def test_a_failed_single_copy_raises_and_issues_nothing_after_it(few_copies_by):
+    rt = _RecordingRuntime(fail_at=1)
+    dsts, srcs, sizes = _pieces(FEW_PIECES)
+    sizes[1] = 5
+    with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of 5 bytes failed: error 1"):
+        rt.memcpy_pieces(dsts, srcs, sizes, 42)
+    assert len(rt.calls) == 2
+
+
+def test_issue_copies_refuses_buffers_of_different_lengths():
+    if dma._issue_copies is None:
+        pytest.skip("the host-copy extension is not built")
+    rt = _RecordingRuntime()
+    dsts, srcs, sizes = _pieces(3)
+    with pytest.raises(ValueError, match="one length"):
+        dma._issue_copies(rt._memcpy_addr, dsts, srcs[:2], sizes, 4, 42)
+    with pytest.raises(ValueError, match="a function"):
+        dma._issue_copies(0, dsts, srcs, sizes, 4, 42)
+    assert rt.calls == []

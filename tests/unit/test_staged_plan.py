@@ -178,15 +178,22 @@ def test_staged_plan_moves_one_piece_per_block_and_coalesces_adjacent_slots():
 
 @pytest.mark.parametrize("first_slot", [0, 1, 2])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("tables", ["native", "numpy", "general"])
 @pytest.mark.parametrize("chunk_blocks", [8, 2])
 def test_whole_block_jobs_take_the_quick_tables_and_stay_byte_exact(
-    first_slot, padded, quick, chunk_blocks, monkeypatch
+    first_slot, padded, tables, chunk_blocks, monkeypatch
 ):
     """Whole blocks of one group (what a serving engine submits) skip the general planner;
     both give the same bytes and pieces, in one chunk or several, in whichever ring buffer
-    the job starts."""
+    the job starts, with the quick tables written by the host-copy extension or by numpy."""
     from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvcache_offload.dataplane.copy import staged_tables
+
+    quick = tables != "general"
+    if tables == "native" and staged_tables._small_tables is None:
+        pytest.skip("the host-copy extension is not built")
+    if tables == "numpy":
+        monkeypatch.setattr(staged_tables, "_small_tables", None)
 
     gen = torch.Generator().manual_seed(7 + first_slot)
     last = 400 if padded else 512  # a padded ref: the cell is one run, shorter than its stride

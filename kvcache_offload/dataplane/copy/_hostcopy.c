@@ -3,6 +3,8 @@
  *
  *  - copy_fragments / copy_units: one job's fragments in one call, GIL released;
  *  - plan_units: the ids checked and both sides' units written for a one-group job;
+ *  - staged_small_tables: the staged path's kernel tables and DMA pieces of a serving job;
+ *  - issue_copies: a few DMA pieces enqueued through cudaMemcpyAsync's address in one call;
  *  - CopyQueue: a direction's copies in order on a native thread (see its section).
  *
  * copy_fragments(src, dst, sizes): three C-contiguous int64 buffers of equal length holding
@@ -231,6 +233,222 @@ static PyObject *plan_units(PyObject *self, PyObject *args) {
     PyBuffer_Release(&dst);
     PyBuffer_Release(&out);
     return PyBool_FromLong(ok);
+}
+
+/* staged_small_tables(gpu_units, cpu_units, host, pieces, ring_base, k, depth, first_slot,
+ *                     group_row, ref_row, refs, length, stride, cpu_start, cpu_stride,
+ *                     stage_off, gpu_to_cpu) -> (n_pieces, ((offset, 1, m, pairs, lo, hi), ...))
+ *
+ * The staged path's tables for a job of whole blocks of one group whose CPU cell is one run
+ * (StagedTables._prepare_small; its numpy body is the reference and the fallback): what a
+ * serving engine submits, where a dozen numpy calls cost more host time than the copy takes
+ * on the link. Block i (units of n = len(gpu_units) blocks, int64) goes through chunk
+ * c = i / k, in ring buffer (first_slot + c) mod depth, at slot i - c * k of that buffer.
+ *
+ *  - host (int64, written): chunk c's kernel job table at c * per_chunk (per_chunk =
+ *    group_row + 2k, rounded up to even): the group row (0, m, ref_row, 0), then m source
+ *    units and m destination units (the GPU units on the GPU side, 0..m-1 on the staging
+ *    side). Nothing else is written: padding keeps its value, as in the numpy version.
+ *  - pieces (int64, written): three rows of n entries, DMA destination, source and size;
+ *    the first n_pieces of each row are the pieces. Block i's CPU run is
+ *    cpu_start + cpu_units[i] * cpu_stride, its staging run ring_base[buffer] + stage_off +
+ *    slot * stride, length bytes each. When length == stride == cpu_stride, blocks of one
+ *    chunk whose CPU runs follow one another are one piece.
+ *  - returns the pieces' count and per chunk its table offset, one group, its units, its
+ *    pairs (m * refs) and its pieces [lo, hi).
+ *
+ * Every length is checked before anything is written (ValueError; units that are not
+ * C-contiguous int64: TypeError); addresses are not (the caller derives them from its own
+ * tensors). Address arithmetic wraps like numpy's int64.
+ * The GIL is kept: a job's tables take well under a microsecond here. */
+static int64_t floor_mod(int64_t a, int64_t d) {
+    int64_t r = a % d;
+    return r < 0 ? r + d : r;
+}
+
+/* The C-contiguous signed 8-byte integers of obj (a plan's units as they come: the caller then
+ * needs no per-job conversion), or TypeError naming what, so the caller can convert. */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view->format ? view->format : "B";
+        if (*f == '@' || *f == '=') f++;
+        if (view->itemsize == 8 && (f[0] == 'l' || f[0] == 'q') && f[1] == 0) return 1;
+        PyBuffer_Release(view);
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "staged_small_tables: %s must be C-contiguous int64", what);
+    return 0;
+}
+
+static PyObject *staged_small_tables(PyObject *self, PyObject *args) {
+    PyObject *gpu_obj, *cpu_obj;
+    Py_buffer gpu, cpu, host, pieces, ring;
+    Py_ssize_t k, depth, group_row;
+    long long first_slot, ref_row, refs, length, stride, cpu_start, cpu_stride, stage_off;
+    int gpu_to_cpu;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOw*w*y*nnLnLLLLLLLp", &gpu_obj, &cpu_obj, &host, &pieces, &ring,
+                          &k, &depth, &first_slot, &group_row, &ref_row, &refs, &length, &stride,
+                          &cpu_start, &cpu_stride, &stage_off, &gpu_to_cpu)) {
+        return NULL;
+    }
+    if (!int64_buffer(gpu_obj, &gpu, "gpu_units")) {
+        PyBuffer_Release(&host);
+        PyBuffer_Release(&pieces);
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    if (!int64_buffer(cpu_obj, &cpu, "cpu_units")) {
+        PyBuffer_Release(&gpu);
+        PyBuffer_Release(&host);
+        PyBuffer_Release(&pieces);
+        PyBuffer_Release(&ring);
+        return NULL;
+    }
+    PyObject *result = NULL, *info = NULL;
+    Py_ssize_t n = gpu.len / 8;
+    if (gpu.len % 8 != 0 || cpu.len != gpu.len || n < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "staged_small_tables needs int64 GPU and CPU units of one length >= 1, got "
+                     "%zd and %zd bytes", gpu.len, cpu.len);
+        goto done;
+    }
+    if (k < 1 || depth < 1 || group_row < 4 || group_row > 1024 || group_row % 2 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "staged_small_tables needs k >= 1, depth >= 1 and an even group_row in "
+                     "[4, 1024], got %zd, %zd and %zd", k, depth, group_row);
+        goto done;
+    }
+    if (ring.len / 8 < depth) {
+        PyErr_Format(PyExc_ValueError,
+                     "staged_small_tables: ring_base holds %zd entries, depth is %zd",
+                     ring.len / 8, depth);
+        goto done;
+    }
+    /* With k >= n the job is one chunk and per_chunk is never used: clamping k keeps 2k in
+     * range whatever the caller's chunk size. */
+    Py_ssize_t kk = k < n ? k : n;
+    Py_ssize_t n_chunks = (n - 1) / kk + 1;
+    Py_ssize_t per_chunk = group_row + 2 * kk;
+    per_chunk += per_chunk & 1;
+    Py_ssize_t last = n - (n_chunks - 1) * kk;
+    Py_ssize_t entries = (n_chunks - 1) * per_chunk + group_row + 2 * last;
+    entries += entries & 1;
+    if (host.len / 8 < entries) {
+        PyErr_Format(PyExc_ValueError,
+                     "staged_small_tables: the job table holds %zd entries, this job needs %zd",
+                     host.len / 8, entries);
+        goto done;
+    }
+    if (pieces.len / 8 < 3 * n) {
+        PyErr_Format(PyExc_ValueError,
+                     "staged_small_tables: the piece buffer holds %zd entries, %zd blocks need "
+                     "%zd", pieces.len / 8, n, 3 * n);
+        goto done;
+    }
+    info = PyTuple_New(n_chunks);
+    if (!info) goto done;
+    {
+        const int64_t *gu = gpu.buf, *cu = cpu.buf, *base = ring.buf;
+        int64_t *table = host.buf;
+        int64_t *p_dst = pieces.buf, *p_src = p_dst + n, *p_size = p_dst + 2 * n;
+        int64_t *p_cpu = gpu_to_cpu ? p_dst : p_src, *p_stage = gpu_to_cpu ? p_src : p_dst;
+        int coalesce = n > 1 && length == stride && stride == cpu_stride;
+        Py_ssize_t p = 0, slot0 = (Py_ssize_t)floor_mod(first_slot, depth);
+        for (Py_ssize_t c = 0; c < n_chunks; c++) {
+            Py_ssize_t lo = c * kk, m = c + 1 < n_chunks ? kk : last, off = c * per_chunk;
+            int64_t *row = table + off, *src = row + group_row, *dst = src + m;
+            row[0] = 0;
+            row[1] = m;
+            row[2] = ref_row;
+            row[3] = 0;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                if (gpu_to_cpu) {
+                    src[j] = gu[lo + j];
+                    dst[j] = j;
+                } else {
+                    src[j] = j;
+                    dst[j] = gu[lo + j];
+                }
+            }
+            uint64_t stage = (uint64_t)base[(slot0 + c % depth) % depth] + (uint64_t)stage_off;
+            uint64_t prev = 0;
+            Py_ssize_t piece_lo = p, run = 0;
+            for (Py_ssize_t j = 0; j < m; j++, stage += (uint64_t)stride) {
+                uint64_t addr = (uint64_t)cpu_start + (uint64_t)cu[lo + j] * (uint64_t)cpu_stride;
+                if (coalesce && j > 0 && addr == prev + (uint64_t)length) {
+                    run++;
+                } else {
+                    if (p > piece_lo) p_size[p - 1] = (int64_t)((uint64_t)run * (uint64_t)length);
+                    p_cpu[p] = (int64_t)addr;
+                    p_stage[p] = (int64_t)stage;
+                    p++;
+                    run = 1;
+                }
+                prev = addr;
+            }
+            p_size[p - 1] = (int64_t)((uint64_t)run * (uint64_t)length);
+            PyObject *item = Py_BuildValue("(nnnLnn)", off, (Py_ssize_t)1, m,
+                                           (long long)m * refs, piece_lo, p);
+            if (!item) goto done;
+            PyTuple_SET_ITEM(info, c, item);
+        }
+        result = Py_BuildValue("(nO)", p, info);
+    }
+done:
+    Py_XDECREF(info);
+    PyBuffer_Release(&gpu);
+    PyBuffer_Release(&cpu);
+    PyBuffer_Release(&host);
+    PyBuffer_Release(&pieces);
+    PyBuffer_Release(&ring);
+    return result;
+}
+
+/* issue_copies(fn, dst, src, size, kind, stream) -> (issued, code): for each piece i in order,
+ * fn(dst[i], src[i], size[i], kind, stream), stopping at the first call that returns nonzero
+ * (code; issued: the pieces before it). fn is the address of cudaMemcpyAsync in the CUDA
+ * runtime torch loaded (dma.py takes it from its ctypes prototype), so these are the calls
+ * its ctypes loop made, in the same order, without building ctypes arguments per piece
+ * (~1 us each on the staged path's per-job host time). The GIL is released around the loop,
+ * as ctypes released it around each call: an enqueue can block while the stream's queue is
+ * full. dst, src, size: int64 buffers of one length; nothing here checks the addresses. */
+typedef int (*copy_call)(void *, const void *, size_t, int, void *);
+
+static PyObject *issue_copies(PyObject *self, PyObject *args) {
+    unsigned long long fn, stream;
+    Py_buffer dst, src, size;
+    int kind;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ky*y*y*iK", &fn, &dst, &src, &size, &kind, &stream)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (fn == 0 || src.len != size.len || dst.len != size.len || size.len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "issue_copies needs a function and three int64 buffers of one length, got "
+                     "%zd, %zd and %zd bytes", dst.len, src.len, size.len);
+        goto done;
+    }
+    {
+        const int64_t *d = dst.buf, *s = src.buf, *n = size.buf;
+        Py_ssize_t count = size.len / 8, i = 0;
+        int code = 0;
+        copy_call call = (copy_call)(uintptr_t)fn;
+        Py_BEGIN_ALLOW_THREADS
+        for (; i < count; i++) {
+            code = call((void *)(intptr_t)d[i], (const void *)(intptr_t)s[i], (size_t)n[i], kind,
+                        (void *)(uintptr_t)stream);
+            if (code != 0) break;
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(ni)", i, code);
+    }
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&size);
+    return result;
 }
 
 /* ---- CopyQueue: a direction's copies run in order by a thread that never takes the GIL ----
@@ -650,6 +868,13 @@ static PyMethodDef methods[] = {
      "copy_fragments(src, dst, sizes): memcpy each fragment, GIL released."},
     {"plan_units", plan_units, METH_VARARGS,
      "plan_units(src_ids, dst_ids, size, start, sf, df, src_rows, dst_rows, out) -> bool"},
+    {"staged_small_tables", staged_small_tables, METH_VARARGS,
+     "staged_small_tables(gpu_units, cpu_units, host, pieces, ring_base, k, depth, first_slot, "
+     "group_row, ref_row, refs, length, stride, cpu_start, cpu_stride, stage_off, gpu_to_cpu) "
+     "-> (n_pieces, chunks): a one-group whole-block staged job's kernel tables and DMA pieces"},
+    {"issue_copies", issue_copies, METH_VARARGS,
+     "issue_copies(fn, dst, src, size, kind, stream) -> (issued, code): fn(dst[i], src[i], "
+     "size[i], kind, stream) per piece until one returns nonzero, GIL released"},
     {"copy_units", copy_units, METH_VARARGS,
      "copy_units(..., streaming=False): copy every (ref, unit) fragment of one group, GIL "
      "released; streaming: non-temporal stores to the destination."},

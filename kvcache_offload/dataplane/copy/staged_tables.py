@@ -8,7 +8,7 @@ declared here), so it can be checked byte for byte on a host (``tests/unit/test_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -18,6 +18,11 @@ from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW
 
 if TYPE_CHECKING:
     from kvcache_offload.dataplane.copy.staged import StagedJob
+
+try:  # the host-copy extension's tables of a serving job (a dozen numpy calls less per job)
+    from kvcache_offload.dataplane.copy._hostcopy import staged_small_tables as _small_tables
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _small_tables = None
 
 __all__ = ["PreparedJob", "StagedChunk", "StagedTables"]
 
@@ -50,6 +55,8 @@ class StagedTables:
     blocks_per_chunk: int
     _ring_base: np.ndarray
     _ref_start: np.ndarray
+    _small_groups: dict[int, _SmallGroup | None]
+    """:meth:`_small_group`'s answers by group index (the copier starts it empty)."""
 
     def ref_tables(self, ring_base: np.ndarray) -> tuple[np.ndarray, int]:
         """The kernel's ref table for each ring buffer (``(depth, refs, 8)``: the GPU side and
@@ -202,7 +209,9 @@ class StagedTables:
         """What a serving engine submits: whole blocks of one group whose CPU cell is one
         run. A few scalars and two unit runs per chunk and one DMA piece per run of adjacent
         slots, with no per-group or per-extent passes: the general path costs a few hundred
-        numpy calls per job, more than the copy of a serving-size job takes on the link."""
+        numpy calls per job, more than the copy of a serving-size job takes on the link.
+        One call of the host-copy extension where it is built, else the numpy body
+        (:meth:`_prepare_small_numpy`, the same bytes)."""
         plan = job.plan
         if len(plan.groups) != 1 or self.layout.factor != 1:
             return None
@@ -210,33 +219,81 @@ class StagedTables:
         n = len(g.src_units)
         if n == 0 or g.ref_offset != 0:
             return None
-        if len(g.ref_tensors) != len(self.layout.group_refs[g.index][0]):
-            return None  # a job split by refs covers part of each cell
-        ext = self.layout.extents(g.index, 0, 1)
-        if len(ext.length) != 1:
-            return None
-        k, depth, refs = self.blocks_per_chunk, self.config.depth, len(g.ref_tensors)
+        facts = self._small_group(g.index)
+        if facts is None or len(g.ref_tensors) != facts.refs:
+            return None  # several runs per cell, or a job split by refs (part of each cell)
+        if _small_tables is None:
+            return self._prepare_small_numpy(job, first_slot, facts)
+        k = self.blocks_per_chunk
+        cpu_units, gpu_units = (g.dst_units, g.src_units) if self.gpu_to_cpu else (
+            g.src_units, g.dst_units)  # fmt: skip
+        entries = GROUP_ROW + 2 * n if n <= k else _small_entries(n, k)  # n <= k: one chunk
+        host = job.table.ensure(entries, need_device=True)
+        pieces = np.empty(3 * n, dtype=np.int64)  # rows: destination, source, size
+        try:  # the planners' units (contiguous int64) as they are: no conversion per job
+            count, info = _small_tables(
+                gpu_units, cpu_units, host, pieces, self._ring_base, k, self.config.depth,
+                first_slot, GROUP_ROW, facts.ref_row, facts.refs, facts.length,
+                self.layout.stride, facts.cpu_start, facts.cpu_stride, facts.stage_off,
+                self.gpu_to_cpu,
+            )  # fmt: skip
+        except TypeError:  # units of another type or layout: numpy copes, same bytes
+            return self._prepare_small_numpy(job, first_slot, facts)
+        return PreparedJob(
+            [StagedChunk(*chunk) for chunk in info],
+            entries,
+            pieces[:count],
+            pieces[n : n + count],
+            pieces[2 * n : 2 * n + count],
+        )
+
+    def _small_group(self, index: int) -> _SmallGroup | None:
+        """The facts :meth:`_prepare_small` needs of group ``index``, looked up once (None:
+        its cell is not one run, so its jobs take the general path)."""
+        cache = self._small_groups
+        if index in cache:
+            return cache[index]
+        ext = self.layout.extents(index, 0, 1)
+        facts = None
+        if len(ext.length) == 1:
+            facts = _SmallGroup(
+                len(self.layout.group_refs[index][0]),
+                int(self._ref_start[index]),
+                int(ext.length[0]),
+                int(ext.cpu_start[0]),
+                int(ext.cpu_stride[0]),
+                int(ext.stage_off[0]),
+            )
+        cache[index] = facts
+        return facts
+
+    def _prepare_small_numpy(
+        self, job: StagedJob, first_slot: int, facts: _SmallGroup
+    ) -> PreparedJob:
+        """:meth:`_prepare_small` in numpy: the fallback without the extension, and the
+        reference its C version is tested against."""
+        g = job.plan.groups[0]
+        n = len(g.src_units)
+        k, depth, refs = self.blocks_per_chunk, self.config.depth, facts.refs
         n_chunks = -(-n // k)
         cpu_units, gpu_units = (g.dst_units, g.src_units) if self.gpu_to_cpu else (
             g.src_units, g.dst_units)  # fmt: skip
         per_chunk = GROUP_ROW + 2 * k
         per_chunk += per_chunk & 1
-        last = n - (n_chunks - 1) * k
-        entries = (n_chunks - 1) * per_chunk + GROUP_ROW + 2 * last
-        entries += entries & 1
+        entries = _small_entries(n, k)
         host = job.table.ensure(entries, need_device=True)
-        ref_start = int(self._ref_start[g.index])
+        ref_start = facts.ref_row
         local = np.arange(min(n, k), dtype=np.int64)
-        length, stride = int(ext.length[0]), self.layout.stride
-        cpu_stride = int(ext.cpu_stride[0])
-        cpu = int(ext.cpu_start[0]) + cpu_units.astype(np.int64) * cpu_stride
+        length, stride = facts.length, self.layout.stride
+        cpu_stride = facts.cpu_stride
+        cpu = facts.cpu_start + cpu_units.astype(np.int64) * cpu_stride
         if n_chunks == 1:
-            stage = self._ring_base[first_slot % depth] + int(ext.stage_off[0]) + local * stride
+            stage = self._ring_base[first_slot % depth] + facts.stage_off + local * stride
         else:
             pos = np.arange(n, dtype=np.int64)
             chunk_of = pos // k
             base = self._ring_base[(first_slot + chunk_of) % depth]
-            stage = base + int(ext.stage_off[0]) + (pos - chunk_of * k) * stride
+            stage = base + facts.stage_off + (pos - chunk_of * k) * stride
         chunks = []
         size = np.full(n, length, dtype=np.int64)
         starts = None
@@ -271,3 +328,29 @@ class StagedTables:
             np.ascontiguousarray(src_arr, dtype=np.int64),
             np.ascontiguousarray(size, dtype=np.int64),
         )
+
+
+class _SmallGroup(NamedTuple):
+    """What a whole-block job of one group needs of its group's geometry (one cell run)."""
+
+    refs: int
+    ref_row: int
+    """The group's first row in the ring's ref tables."""
+    length: int
+    cpu_start: int
+    cpu_stride: int
+    stage_off: int
+
+
+def _small_entries(n: int, k: int) -> int:
+    """Job-table entries of an ``n``-block job of one group in chunks of ``k`` blocks: per
+    chunk a group row and two unit runs, each chunk but the last padded to ``2k`` units and
+    every chunk to an even count (16-byte aligned)."""
+    if n <= k:
+        entries = GROUP_ROW + 2 * n
+    else:
+        per_chunk = GROUP_ROW + 2 * k
+        per_chunk += per_chunk & 1
+        n_chunks = -(-n // k)
+        entries = (n_chunks - 1) * per_chunk + GROUP_ROW + 2 * (n - (n_chunks - 1) * k)
+    return entries + (entries & 1)
