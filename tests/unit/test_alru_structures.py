@@ -160,9 +160,13 @@ class _OrderedDictALRU:
         }
 
 
-def _fixed_weight(weight: float) -> type[AdaptiveLRUCachePolicy]:
+def _fixed_weight(
+    weight: float, span: int = 1 << 30, tokens: int = (1 << 27) - 1
+) -> type[AdaptiveLRUCachePolicy]:
     class _Fixed(AdaptiveLRUCachePolicy):
         weights = (weight,)
+        stamp_span = span
+        log_tokens = tokens
 
         def _new_duel(self) -> WeightDuel:
             return WeightDuel(self.cache_capacity, self.weights, initial_weight=weight)
@@ -174,13 +178,20 @@ def _fixed_weight(weight: float) -> type[AdaptiveLRUCachePolicy]:
 @given(
     weight=st.sampled_from([1.0, 4.0, 64.0]),
     seed=st.integers(0, 2**31),
+    renumber=st.booleans(),
 )
-def test_alru_logs_evict_exactly_as_ordered_dicts(weight: float, seed: int) -> None:
+def test_alru_logs_evict_exactly_as_ordered_dicts(weight: float, seed: int, renumber: bool) -> None:
     # Requests of a few conversations (growing prefixes, often a fresh last block), stores
-    # left unfinished for a while, pinned and protected blocks, failed stores.
+    # left unfinished for a while, pinned and protected blocks, failed stores. With
+    # ``renumber``, the clock is rebased every few ticks and the logs renumbered every few
+    # dozen entries (both rare at full scale).
     rng = random.Random(seed)
     capacity = rng.choice([4, 9, 16])
-    policy = _fixed_weight(weight)(capacity)
+    policy = (
+        _fixed_weight(weight, span=rng.randrange(1, 40), tokens=rng.randrange(60, 120))
+        if renumber
+        else _fixed_weight(weight)
+    )(capacity)
     model = _OrderedDictALRU(capacity, weight)
     blocks: dict[OffloadKey, BlockStatus] = {}
     writing: list[OffloadKey] = []
