@@ -22,6 +22,7 @@ from kvcache_offload.control.policies import AdaptiveLRUCachePolicy, BlockStatus
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.adaptive import AdaptiveCachePolicy
+from kvcache_offload.errors import ConfigError
 from tests.unit._keys import key
 
 _DEMOTED = -(1 << 62)
@@ -386,3 +387,10 @@ def test_a_cache_no_larger_than_its_miniatures_samples_every_key_without_hashing
     assert duel.rate == race.rate == 1.0
     assert duel.sample(ks, {ks[5]: writing}) == ks[:5] + ks[6:]
     assert race.sample(ks + ks[:3]) == ks
+
+
+def test_a_capacity_beyond_the_marks_token_bits_is_refused() -> None:
+    # Each log entry's token sits in 27 bits of the block's mark.
+    AdaptiveLRUCachePolicy(1 << 25)
+    with pytest.raises(ConfigError, match="at most"):
+        AdaptiveLRUCachePolicy((1 << 25) + 1)

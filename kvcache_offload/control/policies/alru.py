@@ -43,6 +43,7 @@ from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.errors import ConfigError
 
 __all__ = ["AdaptiveLRUCachePolicy"]
 
@@ -227,7 +228,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         if cache_capacity > 1 << (_TOKEN_BITS - 2):
             # A log holds at most about four times the capacity in entries, each with a
             # token of its own in the mark's token bits.
-            raise ValueError(f"alru holds at most {1 << (_TOKEN_BITS - 2)} blocks")
+            raise ConfigError(
+                f"alru holds at most {1 << (_TOKEN_BITS - 2)} blocks, not {cache_capacity}"
+            )
         # Stamps: insertion time on probation, last use in main.
         tokens = self.log_tokens
         self._probation = _BlockLog(_PROBATION, tokens)
