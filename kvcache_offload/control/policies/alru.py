@@ -62,13 +62,12 @@ _TOKEN_SHIFT: Final = 3
 _TOKEN_BITS: Final = 27
 _TOKEN_MASK: Final = (1 << _TOKEN_BITS) - 1
 _STAMP_SHIFT: Final = _TOKEN_SHIFT + _TOKEN_BITS
-_FLAGS: Final = (1 << _TOKEN_SHIFT) - 1
 
 
 def _mark(stamp: int, where: int) -> int:
     """A block's mark less its token (set by :meth:`_BlockLog.push`): its stamp (the time of
     its last enqueue or use), its queue and no tail flag. Layout: stamp, token (the position
-    of its live log entry), tail flag, queue; native while the stamp is below 2^31
+    of its live log entry), tail flag, queue; native while the stamp is below 2^32
     (:meth:`AdaptiveLRUCachePolicy._rebase`)."""
     return (stamp << _STAMP_SHIFT) | where
 
@@ -540,7 +539,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     def _rebase(self) -> None:
         """Subtract the oldest live stamp from every stamp and from the clock: the ages,
         all that eviction reads, stay the same, and the stamps stay native ints (with the
-        token in the mark, a stamp above 2^31 would make every mark a boxed int)."""
+        token in the mark, a stamp of 2^32 or more would make every mark a boxed int)."""
         self._trim_heads()
         offset = self._now
         for log in (self._probation, self._main, self._demoted):
