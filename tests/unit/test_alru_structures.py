@@ -22,6 +22,7 @@ from kvcache_offload.control.policies import AdaptiveLRUCachePolicy, BlockStatus
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.adaptive import AdaptiveCachePolicy
+from kvcache_offload.errors import ConfigError
 from tests.unit._keys import key
 
 _DEMOTED = -(1 << 62)
@@ -160,9 +161,13 @@ class _OrderedDictALRU:
         }
 
 
-def _fixed_weight(weight: float) -> type[AdaptiveLRUCachePolicy]:
+def _fixed_weight(
+    weight: float, span: int = 1 << 30, tokens: int = (1 << 27) - 1
+) -> type[AdaptiveLRUCachePolicy]:
     class _Fixed(AdaptiveLRUCachePolicy):
         weights = (weight,)
+        stamp_span = span
+        log_tokens = tokens
 
         def _new_duel(self) -> WeightDuel:
             return WeightDuel(self.cache_capacity, self.weights, initial_weight=weight)
@@ -174,13 +179,20 @@ def _fixed_weight(weight: float) -> type[AdaptiveLRUCachePolicy]:
 @given(
     weight=st.sampled_from([1.0, 4.0, 64.0]),
     seed=st.integers(0, 2**31),
+    renumber=st.booleans(),
 )
-def test_alru_logs_evict_exactly_as_ordered_dicts(weight: float, seed: int) -> None:
+def test_alru_logs_evict_exactly_as_ordered_dicts(weight: float, seed: int, renumber: bool) -> None:
     # Requests of a few conversations (growing prefixes, often a fresh last block), stores
-    # left unfinished for a while, pinned and protected blocks, failed stores.
+    # left unfinished for a while, pinned and protected blocks, failed stores. With
+    # ``renumber``, the clock is rebased every few ticks and the logs renumbered every few
+    # dozen entries (both rare at full scale).
     rng = random.Random(seed)
     capacity = rng.choice([4, 9, 16])
-    policy = _fixed_weight(weight)(capacity)
+    policy = (
+        _fixed_weight(weight, span=rng.randrange(1, 40), tokens=rng.randrange(60, 120))
+        if renumber
+        else _fixed_weight(weight)
+    )(capacity)
     model = _OrderedDictALRU(capacity, weight)
     blocks: dict[OffloadKey, BlockStatus] = {}
     writing: list[OffloadKey] = []
@@ -375,3 +387,10 @@ def test_a_cache_no_larger_than_its_miniatures_samples_every_key_without_hashing
     assert duel.rate == race.rate == 1.0
     assert duel.sample(ks, {ks[5]: writing}) == ks[:5] + ks[6:]
     assert race.sample(ks + ks[:3]) == ks
+
+
+def test_a_capacity_beyond_the_marks_token_bits_is_refused() -> None:
+    # Each log entry's token sits in 27 bits of the block's mark.
+    AdaptiveLRUCachePolicy(1 << 25)
+    with pytest.raises(ConfigError, match="at most"):
+        AdaptiveLRUCachePolicy((1 << 25) + 1)

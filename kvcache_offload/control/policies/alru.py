@@ -25,9 +25,10 @@ Two prefix-specific rules, since a lookup stops at a prefix's first miss:
   stores full blocks only), nothing changes.
 
 The queues are logs (:class:`_BlockLog`) whose entries hold the block itself, and a block's
-queue, stamp and tail flag live in its ``mark`` (:func:`_mark`): a use reads and writes the
-block in hand and appends to a list, where ordered dicts of stamps cost a hash probe per
-queue, a boxed stamp and a ``move_to_end`` method call (the lab's eighth round).
+queue, stamp, tail flag and the token of its live log entry live in its ``mark``
+(:func:`_mark`): a use reads and writes the block in hand and appends to two lists, where
+ordered dicts of stamps cost a hash probe per queue, a boxed stamp and a ``move_to_end``
+method call (the lab's eighth round), and a list of stamps a boxed int per use (ninth).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.errors import ConfigError
 
 __all__ = ["AdaptiveLRUCachePolicy"]
 
@@ -56,92 +58,116 @@ _DEMOTED_TAIL: Final = 2
 _MAIN: Final = 3
 _TAIL: Final = 4
 """Mark bit of a store tail still on probation."""
-_STAMP_SHIFT: Final = 3
+_TOKEN_SHIFT: Final = 3
+_TOKEN_BITS: Final = 27
+_TOKEN_MASK: Final = (1 << _TOKEN_BITS) - 1
+_STAMP_SHIFT: Final = _TOKEN_SHIFT + _TOKEN_BITS
 
 
 def _mark(stamp: int, where: int) -> int:
-    """A block's mark: its stamp (unique, growing: the token of its live log entry), its
-    queue and no tail flag."""
+    """A block's mark less its token (set by :meth:`_BlockLog.push`): its stamp (the time of
+    its last enqueue or use), its queue and no tail flag. Layout: stamp, token (the position
+    of its live log entry), tail flag, queue; native while the stamp is below 2^32
+    (:meth:`AdaptiveLRUCachePolicy._rebase`)."""
     return (stamp << _STAMP_SHIFT) | where
 
 
 @final
 class _BlockLog:
-    """One queue in order: (key, block, stamp) entries from ``head`` on, oldest first (the
-    demoted stack: newest first, read from the end). An entry is live while its block's
-    mark holds that stamp and this queue; a block that moved on or left leaves a dead entry,
-    skipped by walks and dropped when the head passes it or dead entries outnumber live
-    ones (:meth:`compact`)."""
+    """One queue in order: (key, block) entries from ``head`` on, oldest first (the demoted
+    stack: newest first, read from the end). An entry is live while its block's mark holds
+    this queue and the entry's token, ``base`` plus its index; a block that moved on or left
+    leaves a dead entry, skipped by walks and dropped when the head passes it or dead
+    entries outnumber live ones (:meth:`compact`, which renumbers the live ones). No stamp
+    list: the stamp is in the mark too, so a push appends two references and boxes nothing
+    (the lab's ninth round)."""
 
-    __slots__ = ("blocks", "head", "keys", "size", "stamps", "where")
+    __slots__ = ("base", "blocks", "head", "keys", "size", "token_limit", "where")
 
-    def __init__(self, where: int) -> None:
+    def __init__(self, where: int, token_limit: int = _TOKEN_MASK) -> None:
         self.where = where
         self.keys: list[OffloadKey] = []
         self.blocks: list[BlockStatus] = []
-        self.stamps: list[int] = []
         self.head = 0
+        self.base = 0  # the token of index 0 (entries dropped from the front since renumbering)
         self.size = 0  # live entries
+        self.token_limit = token_limit
 
-    def push(self, key: OffloadKey, block: BlockStatus, stamp: int) -> None:
-        self.keys.append(key)
+    def push(self, key: OffloadKey, block: BlockStatus, mark: int) -> None:
+        """Append ``block``, marked ``mark`` (no token) plus its entry's token."""
+        keys = self.keys
+        token = self.base + len(keys)
+        block.mark = mark | (token << _TOKEN_SHIFT)
+        keys.append(key)
         self.blocks.append(block)
-        self.stamps.append(stamp)
-        if len(self.keys) - self.head > 2 * self.size + 64:
+        if len(keys) - self.head > 2 * self.size + 64 or token >= self.token_limit:
             self.compact()
 
     def live(self, index: int) -> bool:
         mark = self.blocks[index].mark
-        return (mark & 3) == self.where and (mark >> _STAMP_SHIFT) == self.stamps[index]
+        return (mark & 3) == self.where and (
+            (mark >> _TOKEN_SHIFT) & _TOKEN_MASK
+        ) == self.base + index
 
     def compact(self) -> None:
-        """The log less its dead entries, in the same order."""
+        """The log less its dead entries, in the same order, renumbered from 0."""
         keys: list[OffloadKey] = []
         blocks: list[BlockStatus] = []
-        stamps: list[int] = []
         for index in range(self.head, len(self.keys)):
             if self.live(index):
+                block = self.blocks[index]
+                mark = block.mark
+                block.mark = (mark & ~(_TOKEN_MASK << _TOKEN_SHIFT)) | (len(keys) << _TOKEN_SHIFT)
                 keys.append(self.keys[index])
-                blocks.append(self.blocks[index])
-                stamps.append(self.stamps[index])
-        self.keys, self.blocks, self.stamps = keys, blocks, stamps
+                blocks.append(block)
+        self.keys, self.blocks = keys, blocks
         self.head = 0
+        self.base = 0
 
     def skip_dead(self) -> None:
         """Move the head past the dead entries there (every push leaves one behind)."""
-        blocks, stamps, where = self.blocks, self.stamps, self.where
+        blocks, where = self.blocks, self.where
         head, end = self.head, len(blocks)
+        token = self.base + head
         while head < end:
             mark = blocks[head].mark
-            if (mark & 3) == where and (mark >> _STAMP_SHIFT) == stamps[head]:
+            if (mark & 3) == where and ((mark >> _TOKEN_SHIFT) & _TOKEN_MASK) == token:
                 break
             head += 1
+            token += 1
         self.trim(head)
 
     def pop_dead(self) -> None:
         """Drop the dead entries at the end (the demoted stack's top): before a push, or
         the victims just taken from the top would be buried under it and walked past by
         every later eviction."""
-        keys, blocks, stamps = self.keys, self.blocks, self.stamps
+        keys, blocks = self.keys, self.blocks
         while keys and not self.live(len(keys) - 1):
             keys.pop()
             blocks.pop()
-            stamps.pop()
 
     def trim(self, head: int) -> None:
         """Move the head to ``head`` (every entry before it dead)."""
         if head > 64 and 2 * head > len(self.keys):
             del self.keys[:head]
             del self.blocks[:head]
-            del self.stamps[:head]
+            self.base += head
             head = 0
         self.head = head
+
+    def rebase(self, offset: int) -> None:
+        """Subtract ``offset`` from the stamp of every live entry's block."""
+        shifted = offset << _STAMP_SHIFT
+        for index in range(self.head, len(self.keys)):
+            if self.live(index):
+                block = self.blocks[index]
+                block.mark = block.mark - shifted
 
     def clear(self) -> None:
         self.keys.clear()
         self.blocks.clear()
-        self.stamps.clear()
         self.head = 0
+        self.base = 0
         self.size = 0
 
     def __len__(self) -> int:
@@ -191,13 +217,26 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     hit rates in the lab (``docs/policy-lab.md``)."""
     dead_tail_ratio: ClassVar[float] = 0.25
     """Demote store tails when they are used less than this fraction as often as the rest."""
+    stamp_span: ClassVar[int] = 1 << 30
+    """Clock ticks between two :meth:`_rebase` calls (small in tests)."""
+    log_tokens: ClassVar[int] = _TOKEN_MASK
+    """The largest token of a log entry before the log is renumbered (small in tests)."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
+        if cache_capacity > 1 << (_TOKEN_BITS - 2):
+            # A log holds at most about four times the capacity in entries, each with a
+            # token of its own in the mark's token bits.
+            raise ConfigError(
+                f"alru holds at most {1 << (_TOKEN_BITS - 2)} blocks, not {cache_capacity}"
+            )
         # Stamps: insertion time on probation, last use in main.
-        self._probation = _BlockLog(_PROBATION)
-        self._demoted = _BlockLog(_DEMOTED_TAIL)  # the front of probation, newest first
-        self._main = _BlockLog(_MAIN)
+        tokens = self.log_tokens
+        self._probation = _BlockLog(_PROBATION, tokens)
+        self._demoted = _BlockLog(_DEMOTED_TAIL, tokens)  # the front of probation, newest first
+        self._main = _BlockLog(_MAIN, tokens)
+        self._stamp_span = self.stamp_span
+        self._next_rebase = self._stamp_span
         self._ghost = GhostList(cache_capacity)
         self._main_ghost = GhostList(cache_capacity)
         self._tails = 0  # store tails still on probation (marked ``_TAIL``)
@@ -219,6 +258,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def _reset_learning(self) -> None:
         self._now = 0
+        self._next_rebase = self._stamp_span
         self._duel = self._new_duel()
         self._feeds_duel = True
         self._tail_stats = _TailStats(period=4 * max(self.cache_capacity, 64))
@@ -264,13 +304,13 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._now += 1
         now = self._now
         if self._ghost.recall(key) or self._main_ghost.recall(key):
-            block.mark = _mark(now, _MAIN)
             self._main.size += 1
-            self._main.push(key, block, now)
+            self._main.push(key, block, _mark(now, _MAIN))
         else:
-            block.mark = _mark(now, _PROBATION)
             self._probation.size += 1
-            self._probation.push(key, block, now)
+            self._probation.push(key, block, _mark(now, _PROBATION))
+        if now >= self._next_rebase:
+            self._rebase()
 
     def _flush_batch(self) -> None:
         batch = self._batch
@@ -291,14 +331,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 continue
             now += 1
             if ghost.recall(key) or main_ghost.recall(key):
-                block.mark = _mark(now, _MAIN)
                 main.size += 1
-                main.push(key, block, now)
+                main.push(key, block, _mark(now, _MAIN))
             else:
-                block.mark = _mark(now, _PROBATION)
                 probation.size += 1
-                probation.push(key, block, now)
+                probation.push(key, block, _mark(now, _PROBATION))
         self._now = now
+        if now >= self._next_rebase:
+            self._rebase()
         tail_key = batch[-1]
         tail = blocks.get(tail_key)
         batch.clear()
@@ -310,9 +350,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 self._probation.size -= 1
                 self._demoted.size += 1
                 stamp = tail.mark >> _STAMP_SHIFT
-                tail.mark = _mark(stamp, _DEMOTED_TAIL) | _TAIL
                 self._demoted.pop_dead()
-                self._demoted.push(tail_key, tail, stamp)
+                self._demoted.push(tail_key, tail, _mark(stamp, _DEMOTED_TAIL) | _TAIL)
             else:
                 tail.mark |= _TAIL
 
@@ -398,12 +437,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 # demoted tail stays demoted, a block in main stays put).
                 if where == _PROBATION:
                     now += 1
-                    block.mark = (now << _STAMP_SHIFT) | (mark & (_TAIL | 3))
-                    probation.push(key, block, now)
+                    probation.push(key, block, (now << _STAMP_SHIFT) | (mark & (_TAIL | 3)))
                 continue
             now += 1
-            block.mark = _mark(now, _MAIN)
-            main.push(key, block, now)
+            main.push(key, block, _mark(now, _MAIN))
             if where != _MAIN:
                 if where == _PROBATION:
                     probation.size -= 1
@@ -415,6 +452,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                     self._tails -= 1
                 self._tail_stats.add_use(tail)
         self._now = now
+        if now >= self._next_rebase:
+            self._rebase()
 
     # -- eviction ------------------------------------------------------------------------
 
@@ -444,8 +483,12 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         demoted_age = (now - _DEMOTED) * weight
         for _ in range(n):
             if p >= 0:
-                p_age = demoted_age if in_stack else (now - probation.stamps[p]) * weight
-                if m < 0 or p_age >= now - main.stamps[m]:
+                p_age = (
+                    demoted_age
+                    if in_stack
+                    else (now - (probation.blocks[p].mark >> _STAMP_SHIFT)) * weight
+                )
+                if m < 0 or p_age >= now - (main.blocks[m].mark >> _STAMP_SHIFT):
                     if in_stack:
                         chosen_keys.append(demoted.keys[p])
                         chosen_blocks.append(demoted.blocks[p])
@@ -493,6 +536,22 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._tails -= tails
         return victims
 
+    def _rebase(self) -> None:
+        """Subtract the oldest live stamp from every stamp and from the clock: the ages,
+        all that eviction reads, stay the same, and the stamps stay native ints (with the
+        token in the mark, a stamp of 2^32 or more would make every mark a boxed int)."""
+        self._trim_heads()
+        offset = self._now
+        for log in (self._probation, self._main, self._demoted):
+            for index in range(log.head, len(log.keys)):
+                if log.live(index):
+                    offset = min(offset, log.blocks[index].mark >> _STAMP_SHIFT)
+        if offset > 0:
+            for log in (self._probation, self._main, self._demoted):
+                log.rebase(offset)
+            self._now -= offset
+        self._next_rebase = self._now + self._stamp_span
+
     def _trim_heads(self) -> None:
         """Drop the dead entries at the head of each log and the end of the stack."""
         self._probation.skip_dead()
@@ -504,14 +563,15 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         log: _BlockLog, index: int, protected: Collection[OffloadKey], guarded: bool
     ) -> int:
         """The index of the first live, evictable entry of ``log`` from ``index`` on, or -1."""
-        blocks, keys, stamps, where = log.blocks, log.keys, log.stamps, log.where
+        blocks, keys, where = log.blocks, log.keys, log.where
         end = len(keys)
+        base = log.base
         while index < end:
             block = blocks[index]
             mark = block.mark
             if (
                 (mark & 3) == where
-                and (mark >> _STAMP_SHIFT) == stamps[index]
+                and ((mark >> _TOKEN_SHIFT) & _TOKEN_MASK) == base + index
                 and block.ref_cnt == 0
                 and not (guarded and keys[index] in protected)
             ):
@@ -523,13 +583,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         """The index of the next live, evictable entry of the demoted stack from ``index``
         down, or -1."""
         log = self._demoted
-        blocks, keys, stamps = log.blocks, log.keys, log.stamps
+        blocks, keys = log.blocks, log.keys
+        base = log.base
         while index >= 0:
             block = blocks[index]
             mark = block.mark
             if (
                 (mark & 3) == _DEMOTED_TAIL
-                and (mark >> _STAMP_SHIFT) == stamps[index]
+                and ((mark >> _TOKEN_SHIFT) & _TOKEN_MASK) == base + index
                 and block.ref_cnt == 0
                 and not (guarded and keys[index] in protected)
             ):
