@@ -102,7 +102,8 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, main = self._blocks, self._main
+        blocks = self._blocks
+        move = self._main.move_to_end  # bound once: compiled, a call by name looks it up each time
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
@@ -110,7 +111,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 continue
             count = block.mark
             if count < 0:  # in the main queue, an LRU
-                main.move_to_end(key)
+                move(key)
                 continue
             if count < _MAX_FREQ:
                 block.mark = count + 1
