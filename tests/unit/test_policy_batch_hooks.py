@@ -215,9 +215,9 @@ def test_a_bytes_subclass_key_is_still_accepted() -> None:
     assert m.prepare_load([Key(key(1))]).block_ids.tolist() == [0]  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("name", ["sieve", "s3fifo", "s3fifo-prefix"])
-def test_planned_victims_are_the_inserted_blocks_themselves(name: str) -> None:
-    # The planned policies hand back the blocks their plan found, not a second lookup's.
+@pytest.mark.parametrize("name", ["sieve", "s3fifo", "s3fifo-prefix", "lru2"])
+def test_victims_are_the_inserted_blocks_themselves(name: str) -> None:
+    # These policies hand back the blocks their selection found, not a second lookup's.
     policy = get_cache_policy_cls(name)(cache_capacity=8)
     blocks = _blocks(*range(6))
     policy.insert_blocks(list(keys(*range(6))), blocks)
