@@ -86,6 +86,11 @@ class CPUManagerStats:
 def _check_keys(keys: Sequence[object]) -> None:
     """Raise InvalidKeyError for the first malformed key. Typed ``object``: compiled, a loop
     over ``OffloadKey`` items would raise a bare TypeError before this check named the key."""
+    if type(keys) is list:  # the usual case: compiled, an indexed loop, no iterator object
+        for key in keys:
+            if type(key) is not bytes or len(key) <= 4:
+                validate_offload_key(key)
+        return
     for key in keys:
         if type(key) is not bytes or len(key) <= 4:
             validate_offload_key(key)

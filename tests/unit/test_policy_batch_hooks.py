@@ -213,3 +213,37 @@ def test_a_bytes_subclass_key_is_still_accepted() -> None:
     assert out is not None and len(out.keys_to_store) == 1
     m.complete_store(keys(1))
     assert m.prepare_load([Key(key(1))]).block_ids.tolist() == [0]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("name", ["sieve", "s3fifo", "s3fifo-prefix", "lru2"])
+def test_victims_are_the_inserted_blocks_themselves(name: str) -> None:
+    # These policies hand back the blocks their selection found, not a second lookup's.
+    policy = get_cache_policy_cls(name)(cache_capacity=8)
+    blocks = _blocks(*range(6))
+    policy.insert_blocks(list(keys(*range(6))), blocks)
+    policy.touch(keys(1, 3))
+    victim_keys: list[OffloadKey] = []
+    victim_blocks: list[BlockStatus] = []
+    assert policy.evict_blocks(4, frozenset(), victim_keys, victim_blocks)
+    by_key = dict(zip(keys(*range(6)), blocks, strict=True))
+    assert all(b is by_key[k] for k, b in zip(victim_keys, victim_blocks, strict=True))
+
+
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_touch_and_complete_store_name_a_malformed_key_in_a_list_or_tuple(
+    as_tuple: bool,
+) -> None:
+    m = CPUOffloadingManager(4, "s3fifo")
+    m.prepare_store(keys(1, 2))
+    for bad in (b"abc", "not bytes"):
+        batch: Sequence[object] = [key(1), bad, key(2)]
+        if as_tuple:
+            batch = tuple(batch)
+        with pytest.raises(InvalidKeyError):
+            m.touch(batch)  # type: ignore[arg-type]
+        with pytest.raises(InvalidKeyError):
+            m.complete_store(batch)  # type: ignore[arg-type]
+    assert m.stats().writing == 2  # nothing completed
+    m.complete_store(tuple(keys(1, 2)))
+    m.touch(tuple(keys(1, 2)))
+    assert m.stats().writing == 0 and m.lookup(key(2)) is True

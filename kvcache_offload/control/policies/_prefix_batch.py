@@ -218,9 +218,10 @@ class PlannedQueuePolicy(QueuePolicy):
         # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
         moves: list[int] = []
         planned: list[OffloadKey] = []
-        if not self._plan(n, protected, moves, planned):
+        planned_blocks: list[BlockStatus] = []  # each step's block: no second table lookup
+        if not self._plan(n, protected, moves, planned, planned_blocks):
             return False
-        self._apply(moves, planned, keys, blocks)
+        self._apply(moves, planned, planned_blocks, keys, blocks)
         return True
 
     @abstractmethod
@@ -230,16 +231,19 @@ class PlannedQueuePolicy(QueuePolicy):
         protected: Collection[OffloadKey],
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
     ) -> bool:
-        """Append the moves that yield ``n`` victims and the key of each to ``moves`` and
-        ``keys``; False when there are not enough."""
+        """Append the moves that yield ``n`` victims and the key and block of each to
+        ``moves``, ``keys`` and ``found``; False when there are not enough."""
 
     @abstractmethod
     def _apply(
         self,
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
         victim_keys: list[OffloadKey],
         victim_blocks: list[BlockStatus],
     ) -> None:
-        """Carry out planned moves; append the victims' keys and blocks in eviction order."""
+        """Carry out planned moves, given the blocks the plan found (no second table lookup);
+        append the victims' keys and blocks in eviction order."""

@@ -222,12 +222,15 @@ class LRU2CachePolicy(QueuePolicy):
         blocks = self._blocks
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
         chosen: list[OffloadKey] = []
+        chosen_blocks: list[BlockStatus] = []  # their blocks, as found: no second lookup
         probation = self._probation
         index = probation.first()
         while index >= 0:
             key = probation.key_at(index)
-            if probation.block.ref_cnt == 0 and not (guarded and key in protected):
+            block = probation.block
+            if block.ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
+                chosen_blocks.append(block)
                 if len(chosen) == n:
                     break
             index = probation.after(index)
@@ -246,16 +249,19 @@ class LRU2CachePolicy(QueuePolicy):
             if current != stamp:
                 heap.push(current, key)  # used since: its place is further on
                 continue
-            if blocks[key].ref_cnt == 0 and not (guarded and key in protected):
+            block = blocks[key]
+            if block.ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
+                chosen_blocks.append(block)
             else:
                 skipped.append(key)
         if len(chosen) < n:
             self._restore(popped, popped_keys)
             return False
         ghost = self._ghost
-        for i, key in enumerate(chosen):
-            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
+        for i in range(len(chosen)):
+            key = chosen[i]
+            block = chosen_blocks[i]
             if i < from_probation:
                 last = probation.take(block)
             else:

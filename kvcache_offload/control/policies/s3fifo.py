@@ -102,7 +102,8 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, main = self._blocks, self._main
+        blocks = self._blocks
+        move = self._main.move_to_end  # bound once: compiled, a call by name looks it up each time
         for key in reversed(keys):
             block = blocks.get(key)
             # A store just prepared is not an access.
@@ -110,7 +111,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 continue
             count = block.mark
             if count < 0:  # in the main queue, an LRU
-                main.move_to_end(key)
+                move(key)
                 continue
             if count < _MAX_FREQ:
                 block.mark = count + 1
@@ -121,6 +122,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         protected: Collection[OffloadKey],
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
     ) -> bool:
         """Choose the victims without changing anything: the steps to apply, or False.
 
@@ -140,26 +142,26 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         while victims < n:
             if not small_done and (small_len >= self._small_target or main_done):
                 key: OffloadKey | None = None
-                used = False
+                chosen: BlockStatus | None = None
                 while index >= 0:  # the next evictable key of the small queue
                     candidate = small.key_at(index)
                     index = small.after(index)
                     block = blocks[candidate]
                     if block.ref_cnt == 0 and not (guarded and candidate in protected):
                         key = candidate
-                        used = block.mark > 0
+                        chosen = block
                         break
-                if key is not None:
+                if key is not None and chosen is not None:
                     small_len -= 1
-                    if used:
+                    keys.append(key)
+                    found.append(chosen)
+                    if chosen.mark > 0:
                         moves.append(_SMALL_TO_MAIN)
-                        keys.append(key)
                         new_freq[key] = 0
                         main.append(key)
                         main_done = False
                     else:
                         moves.append(_SMALL_EVICT)
-                        keys.append(key)
                         victims += 1
                     continue
                 small_done = True
@@ -178,6 +180,8 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 if small_done:
                     return False
                 continue
+            keys.append(key)
+            found.append(block)
             if reinsert:
                 count = new_freq.get(key)
                 if count is None:
@@ -185,11 +189,9 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                 if count > 0:
                     new_freq[key] = count - 1
                     moves.append(_MAIN_REINSERT)
-                    keys.append(key)
                     main.append(key)
                     continue
             moves.append(_MAIN_EVICT)
-            keys.append(key)
             victims += 1
         return True
 
@@ -197,6 +199,7 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self,
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
         victim_keys: list[OffloadKey],
         victim_blocks: list[BlockStatus],
     ) -> None:
@@ -210,10 +213,10 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             if step == _SMALL_TO_MAIN:
                 small.remove(key)
                 main[key] = None
-                blocks[key].mark = main_mark
+                found[index].mark = main_mark
             elif step == _MAIN_REINSERT:
                 main.move_to_end(key)
-                blocks[key].mark -= 1
+                found[index].mark -= 1
             else:
                 if step == _SMALL_EVICT:
                     small.remove(key)
@@ -222,10 +225,9 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
                     del main[key]
                     if main_ghost is not None:
                         main_ghost.remember(key)
-                block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
-                del blocks[key]
+                del blocks[key]  # the plan's block: no second lookup (nor a generic ``pop``)
                 victim_keys.append(key)
-                victim_blocks.append(block)
+                victim_blocks.append(found[index])
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable

@@ -68,6 +68,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         protected: Collection[OffloadKey],
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
     ) -> bool:
         """The hand's moves until ``n`` victims, without changing anything; False if stuck.
 
@@ -87,20 +88,19 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             if key is None or idle_steps > limit:
                 return False
             block = blocks[key]
+            keys.append(key)
+            found.append(block)
             if block.ref_cnt != 0 or (guarded and key in protected):
                 moves.append(_KEEP)
-                keys.append(key)
                 walk.append(key)
                 idle_steps += 1
             elif block.mark and key not in cleared:
                 cleared.add(key)
                 moves.append(_CLEAR)
-                keys.append(key)
                 walk.append(key)
                 idle_steps = 0
             else:
                 moves.append(_EVICT)
-                keys.append(key)
                 victims += 1
                 idle_steps = 0
         return True
@@ -109,6 +109,7 @@ class SIEVECachePolicy(PlannedQueuePolicy):
         self,
         moves: list[int],
         keys: list[OffloadKey],
+        found: list[BlockStatus],
         victim_keys: list[OffloadKey],
         victim_blocks: list[BlockStatus],
     ) -> None:
@@ -122,11 +123,10 @@ class SIEVECachePolicy(PlannedQueuePolicy):
             # ``popitem(last=False)`` without a method call by name (costly when compiled).
             del self._ahead[key]
             if step == _EVICT:
-                block = blocks[key]
-                del blocks[key]
+                del blocks[key]  # the plan's block: no second lookup
                 victim_keys.append(key)
-                victim_blocks.append(block)
+                victim_blocks.append(found[index])
             else:
                 self._behind[key] = None
                 if step == _CLEAR:
-                    blocks[key].mark = 0
+                    found[index].mark = 0
