@@ -22,6 +22,7 @@ from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
     BlockStatus,
     CachePolicy,
+    append_victims,
 )
 
 __all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
@@ -97,13 +98,7 @@ class QueuePolicy(CachePolicy):
         blocks: list[BlockStatus],
     ) -> bool:
         """``evict_blocks`` for ``n >= 1`` with the batch flushed (see :meth:`_select`)."""
-        victims = self._select(n, protected)
-        if victims is None:
-            return False
-        for key, block in victims:
-            keys.append(key)
-            blocks.append(block)
-        return True
+        return append_victims(self._select(n, protected), keys, blocks)
 
     def _reset_learning(self) -> None:
         """Forget what the policy learned beyond its queues (on ``clear``); none by default."""

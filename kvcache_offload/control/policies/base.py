@@ -16,7 +16,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockStatus", "CachePolicy"]
+__all__ = ["BlockStatus", "CachePolicy", "append_victims"]
 
 
 class BlockStatus:
@@ -120,13 +120,7 @@ class CachePolicy(ABC):
         goes overrides it (compiled, a tuple per victim costs an allocation) and still
         defers to an ``evict`` a subclass overrides.
         """
-        victims = self.evict(n, protected)
-        if victims is None:
-            return False
-        for key, block in victims:
-            keys.append(key)
-            blocks.append(block)
-        return True
+        return append_victims(self.evict(n, protected), keys, blocks)
 
     @abstractmethod
     def clear(self) -> None:
@@ -139,3 +133,18 @@ class CachePolicy(ABC):
     def debug_state(self) -> dict[str, object]:
         """Policy-specific internals for tests and introspection (sizes, targets)."""
         return {"size": len(self)}
+
+
+def append_victims(
+    victims: list[tuple[OffloadKey, BlockStatus]] | None,
+    keys: list[OffloadKey],
+    blocks: list[BlockStatus],
+) -> bool:
+    """Append ``victims``' keys and blocks to the two lists (the list form of an eviction,
+    from its pair form); False, appending nothing, when there are none to take."""
+    if victims is None:
+        return False
+    for key, block in victims:
+        keys.append(key)
+        blocks.append(block)
+    return True
