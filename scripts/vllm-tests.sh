@@ -9,6 +9,9 @@
 #   3. vLLM's own requirements minus the GPU-only ones (torch family, CUDA kernels), with torch
 #      constrained to the installed CPU build so pip can never pull a CUDA torch;
 #   4. vLLM's source tarball from PyPI, for its OffloadingConnector unit tests (the control).
+# Disk: pip keeps no cache, the downloaded wheel is deleted once installed, and Triton (pulled in
+# by xgrammar; about 1 GB, useless without a GPU) is removed. KVCACHE_OFFLOAD_VLLM_KEEP=0 (what
+# .ci/run sets) deletes each version's venv once its tests ran, so only one exists at a time.
 # Then tests/vllm runs in that venv with a made-up model in a local Hugging Face cache
 # (HF_HUB_OFFLINE=1) and a test-only platform plugin that returns vLLM's CPU platform.
 set -euo pipefail
@@ -16,6 +19,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=(0.21.0 0.33.0)
+export PIP_NO_CACHE_DIR=1
 BASE_SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 TORCH_VERSION=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 
@@ -35,6 +39,8 @@ install_vllm() {
   "$venv/bin/python" scripts/_vllm_requirements.py "$site" > "$venv/requirements.txt"
   echo "torch==$TORCH_VERSION" > "$venv/constraints.txt"
   "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" -c "$venv/constraints.txt"
+  rm -rf "$venv/dl"
+  "$venv/bin/python" -m pip uninstall -q -y triton 2>/dev/null || true
   "$venv/bin/python" -c "import torch, vllm; assert torch.__version__.startswith('$TORCH_VERSION')"
   # vLLM's unit tests ship in its source tarball only.
   "$venv/bin/python" scripts/_vllm_requirements.py --sdist "$version" "$venv/src"
@@ -50,4 +56,7 @@ for version in "${VERSIONS[@]}"; do
   VLLM_SRC=$PWD/.venv-vllm/$version/src \
     .venv-vllm/"$version"/bin/python -m pytest -q -rP -p no:cacheprovider tests/vllm
   echo "tests ran in $(($(date +%s) - start)) s"
+  if [ "${KVCACHE_OFFLOAD_VLLM_KEEP:-1}" = "0" ]; then
+    rm -rf .venv-vllm/"$version"
+  fi
 done
