@@ -445,6 +445,42 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         h.shutdown()
 
 
+def test_under_mixed_a_direction_stays_busy_for_one_copy_duration_after_its_copy(monkeypatch):
+    # "mixed" asks whether the other direction is copying; a copy that ended less than one
+    # copy's duration ago still counts, so short gaps inside a burst do not flip the rule.
+    import types
+
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.handlers.cuda import handler as handler_module
+
+    skip_unless_available("kernel")
+    gen = torch.Generator().manual_seed(9)
+    kv = make_caches(
+        num_tensors=2,
+        num_gpu_blocks=16,
+        page=262144,  # an 8 MiB copy: it lasts far longer than this test's own steps
+        group_layers=[[(0, 262144), (1, 262144)]],
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 16, "auto", staged_when_busy="mixed")
+    try:
+        stores = h.gpu_to_cpu_handler
+        assert not stores.copying()  # nothing copied yet
+        ids = np.arange(16)
+        assert stores.transfer_async(1, (GPULoadStoreSpec(ids, [16], [0]), CPULoadStoreSpec(ids)))
+        (result,) = finish(stores, [1])
+        assert result.success and result.transfer_time is not None and result.transfer_time > 0
+        ended = time.perf_counter()
+        clock = types.SimpleNamespace(perf_counter=lambda: ended)
+        monkeypatch.setattr(handler_module, "time", clock)
+        assert stores.copying()  # just ended: still in the burst
+        clock.perf_counter = lambda: ended + 2 * result.transfer_time + 1.0
+        assert not stores.copying()  # idle for longer than a copy: the burst is over
+    finally:
+        h.shutdown()
+
+
 def test_staged_when_mixed_keeps_one_way_traffic_on_the_kernel(monkeypatch):
     # With traffic one way only, jobs queued behind copies in flight keep the batched
     # kernel under "mixed"; the bytes are exact.

@@ -57,8 +57,8 @@ from kvcache_offload.dataplane.copy.staging_cells import CellLayout
 from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG, StagingConfig
 from kvcache_offload.dataplane.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
+    BoundCopyKernel,
     KernelConfig,
-    launch_copy_kernel,
     on_device,
 )
 from kvcache_offload.errors import ConfigError, TransferError
@@ -146,7 +146,8 @@ class StagedCopier(StagedTables):
         self._ring: torch.Tensor | None = None
         self._ring_base = np.zeros(config.depth, dtype=np.int64)
         self._ref_tables: torch.Tensor | None = None
-        self._ref_views: list[torch.Tensor] = []
+        self._kernels: list[BoundCopyKernel] = []
+        """One bound copy kernel per ring buffer (its ref table points into that buffer)."""
         self._align = 1
         self._kernel_stream: torch.cuda.Stream | None = None
         self._dma_stream: torch.cuda.Stream | None = None
@@ -170,7 +171,19 @@ class StagedCopier(StagedTables):
         )
         tables, self._align = self.ref_tables(self._ring_base)
         self._ref_tables = torch.from_numpy(tables).to(self.device)
-        self._ref_views = list(self._ref_tables.unbind(0))
+        src_factor, dst_factor = (1, self.layout.factor)
+        if not self.gpu_to_cpu:
+            src_factor, dst_factor = dst_factor, src_factor
+        self._kernels = [
+            BoundCopyKernel(
+                view,
+                src_factor=src_factor,
+                dst_factor=dst_factor,
+                alignment=self._align,
+                config=self.kernel_config,
+            )
+            for view in self._ref_tables.unbind(0)
+        ]
         self._kernel_stream = torch.cuda.Stream(self.device)
         self._dma_stream = torch.cuda.Stream(self.device)
         self._filled = [torch.cuda.Event() for _ in range(depth)]
@@ -241,9 +254,6 @@ class StagedCopier(StagedTables):
             if prep.table_entries:
                 n = prep.table_entries
                 self.runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * n, ks.cuda_stream)
-            src_factor, dst_factor = (1, self.layout.factor)
-            if not self.gpu_to_cpu:
-                src_factor, dst_factor = dst_factor, src_factor
             threaded = threading.current_thread() is self._thread
             pause = self.config.yield_s if threaded else 0.0
             throttle = threaded and self.config.throttle
@@ -254,11 +264,11 @@ class StagedCopier(StagedTables):
                     while not freed.query():
                         time.sleep(_THROTTLE_POLL_S)
                 if self.gpu_to_cpu:
-                    self._kernel_step(ks, s, slot, chunk, job.plan, src_factor, dst_factor)
+                    self._kernel_step(ks, s, slot, chunk, job.plan)
                     self._dma_step(ds, ks, s, prep, chunk)
                 else:
                     self._dma_step(ds, ks, s, prep, chunk)
-                    self._kernel_step(ks, s, slot, chunk, job.plan, src_factor, dst_factor)
+                    self._kernel_step(ks, s, slot, chunk, job.plan)
                 if pause > 0 and c + 1 < len(prep.chunks):
                     time.sleep(pause)
             if not prep.chunks:
@@ -273,8 +283,6 @@ class StagedCopier(StagedTables):
         slot: Any,
         chunk: StagedChunk,
         plan: TransferPlan,
-        src_factor: int,
-        dst_factor: int,
     ) -> None:
         """Store: wait for ring slot ``s`` to be free, gather, mark it filled.
         Load: wait for it to be filled, scatter, mark it free."""
@@ -284,17 +292,12 @@ class StagedCopier(StagedTables):
                 ks.wait_event(self._freed[s])
         else:
             ks.wait_event(self._filled[s])
-        launch_copy_kernel(
-            self._ref_views[s],
+        self._kernels[s].launch(
             slot.dev,
             n_groups=chunk.n_groups,
             n_units=chunk.n_units,
             total_pairs=chunk.total_pairs,
             max_size=plan.max_size,
-            src_factor=src_factor,
-            dst_factor=dst_factor,
-            alignment=self._align,
-            config=self.kernel_config,
             stream=ks.cuda_stream,
             job_offset=chunk.table_offset,
         )
@@ -342,7 +345,7 @@ class StagedCopier(StagedTables):
         """Drop the ring and tables (after every job has ended)."""
         self._ring = None
         self._ref_tables = None
-        self._ref_views = []
+        self._kernels = []
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -190,6 +190,37 @@ def _installed(hook: Any) -> Any:
     return None if isinstance(calls, list) and not calls else hook
 
 
+def _launch_direct(
+    key: tuple[int, int, int, int],
+    programs: int,
+    stream: int,
+    ref_ptr: int,
+    job_ptr: int,
+    scalars: tuple[int, ...],
+    block: int,
+    alignment: int,
+) -> bool:
+    """Launch the kernel compiled for ``key`` through Triton's launcher, skipping the JIT's
+    argument binding and cache lookup; False when it is not compiled yet or the launcher's
+    signature is not one we know (the direct launch is then off for the process)."""
+    global _DIRECT
+    compiled = _COMPILED.get(key) if _DIRECT else None
+    if compiled is None:
+        return False
+    hooks = triton.knobs.runtime
+    try:
+        compiled.run(
+            programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+            _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook),
+            ref_ptr, job_ptr, *scalars, block, alignment,
+        )  # fmt: skip
+    except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
+        logger.warning("direct Triton launch failed (%s); using the JIT dispatch", exc)
+        _DIRECT = False
+        return False
+    return True
+
+
 def launch_copy_kernel(
     ref_table: torch.Tensor,
     job_table: torch.Tensor,
@@ -207,7 +238,6 @@ def launch_copy_kernel(
 ) -> Any:
     """Launch on ``stream`` (a raw CUDA stream handle; default: the current stream); both
     tables live on the GPU, the job's from entry ``job_offset`` of ``job_table``."""
-    global _DIRECT
     if triton is None:  # pragma: no cover
         raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
     if total_pairs <= 0:
@@ -222,22 +252,13 @@ def launch_copy_kernel(
     iters = -(-total_work // programs)
     key = (device.index or 0, block, alignment, config.num_warps)
     scalars = (n_groups, n_units, total_work, iters, chunks, src_factor, dst_factor)
-    compiled = _COMPILED.get(key) if _DIRECT else None
-    if compiled is not None:
-        if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
-        hooks = triton.knobs.runtime
-        try:
-            compiled.run(
-                programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
-                _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook),
-                ref_table.data_ptr(), job_table.data_ptr() + 8 * job_offset, *scalars, block,
-                alignment,
-            )  # fmt: skip
-            return compiled
-        except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
-            logger.warning("direct Triton launch failed (%s); using the JIT dispatch", exc)
-            _DIRECT = False
+    if stream is None and _DIRECT and key in _COMPILED:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    if stream is not None and _launch_direct(
+        key, programs, stream, ref_table.data_ptr(), job_table.data_ptr() + 8 * job_offset,
+        scalars, block, alignment,
+    ):  # fmt: skip
+        return _COMPILED[key]
     # The JIT launches on torch's current stream: make that the stream the caller named, or
     # the kernel would race the table upload enqueued there.
     with torch.cuda.stream(
@@ -302,20 +323,15 @@ class BoundCopyKernel:
         total_work = total_pairs * chunks
         grid = self._grid
         programs = min(total_work, grid) if grid else total_work
-        compiled = _COMPILED.get(self._key) if _DIRECT else None
-        if compiled is not None:
-            hooks = triton.knobs.runtime
-            try:
-                compiled.run(
-                    programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
-                    _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook),
-                    self._ref_ptr, job_table.data_ptr() + 8 * job_offset, n_groups, n_units,
-                    total_work, -(-total_work // programs), chunks, self._src_factor,
-                    self._dst_factor, block, self._alignment,
-                )  # fmt: skip
-                return
-            except (TypeError, ValueError, AttributeError):
-                pass  # launch_copy_kernel below says why and turns the direct launch off
+        scalars = (
+            n_groups, n_units, total_work, -(-total_work // programs), chunks,
+            self._src_factor, self._dst_factor,
+        )  # fmt: skip
+        job_ptr = job_table.data_ptr() + 8 * job_offset
+        if _launch_direct(
+            self._key, programs, stream, self._ref_ptr, job_ptr, scalars, block, self._alignment
+        ):
+            return
         launch_copy_kernel(
             self.ref_table,
             job_table,

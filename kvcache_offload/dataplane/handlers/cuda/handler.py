@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,7 +113,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.staged_when_busy = bool(staged_when_busy)
         self._other_direction: SingleDirectionOffloadingHandler | None = None
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
-        taken behind copies in flight only while this handler has copies in flight too."""
+        taken behind copies in flight only while this handler is :meth:`copying` too."""
+        self._paired = False
+        self._last_end_seen = 0.0
+        self._last_copy_s = 0.0
         if completion_wait not in ("blocking", "spin"):
             raise ConfigError(f"completion_wait must be blocking or spin, got {completion_wait!r}")
         self._blocking_events = completion_wait == "blocking"
@@ -320,15 +324,21 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         copy engines overlap the directions, which the kernel does not; with traffic one way
         the batched kernel costs the event loop less per job (docs/transfers.md)."""
         self._other_direction, other._other_direction = other, self
+        self._paired = other._paired = True
 
     def copying(self) -> bool:
-        """Whether this direction has a copy in flight or a job held for one (read from the
-        other direction's handler, on the same loop thread; a stale answer only picks the
-        other path for one copy)."""
+        """Whether this direction is in a burst of traffic: a copy in flight, a job held for
+        one, or a copy that ended less than one copy's duration ago. The window matters: in
+        a mixed stream a direction is idle for short gaps between its copies (while the loop
+        serves the other one), and an instant check found it busy for only a tenth of the
+        jobs. Read from the other direction's handler on the same loop thread; a stale
+        answer only picks the other path for one copy."""
         if self._held:
             return True
         transfers = self._transfers
-        return bool(transfers) and not transfers[-1].done()
+        if transfers and not transfers[-1].done():
+            return True
+        return time.perf_counter() - self._last_end_seen < self._last_copy_s
 
     # -- batching: the jobs submitted in one event-loop tick share one copy ----------------
     def _can_hold_jobs(self) -> bool:  # BatchingSwitch: kernel and DMA jobs share a launch
@@ -392,6 +402,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 t = self._transfers.popleft()
                 failed = t.staged is not None and t.staged.error is not None
                 seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
+                if self._paired and seconds is not None:  # the window of copying()
+                    self._last_end_seen = time.perf_counter()
+                    self._last_copy_s = seconds
                 for job_id, nbytes in t.jobs:
                     results.append(
                         TransferResult(job_id, not failed, nbytes, seconds, self.transfer_type)
