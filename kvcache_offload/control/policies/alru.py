@@ -33,6 +33,7 @@ method call (the lab's eighth round), and a list of stamps a boxed int per use (
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Collection, Sequence
 from typing import ClassVar, Final, final
 
@@ -40,6 +41,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._mini_sim import HASH_SPACE as _HASH_SPACE
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
@@ -301,6 +303,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             batch.append(key)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        block.key_crc = -1  # a new key for this block (see ``touch``)
         self._now += 1
         now = self._now
         if self._ghost.recall(key) or self._main_ghost.recall(key):
@@ -329,6 +332,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             block = blocks.get(key)
             if block is None:
                 continue
+            block.key_crc = -1  # a new key for this block (see ``touch``)
             now += 1
             if ghost.recall(key) or main_ghost.recall(key):
                 main.size += 1
@@ -411,23 +415,38 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         after_store = last is not None and last.ref_cnt == -1
         self._flush_batch()
         self.race_source = None
-        if self._feeds_duel and not after_store:
-            # The miniature caches see the request's sampled keys, except stores just
-            # prepared; the touch after a store only repeats the hit prefix.
-            duel = self._duel
-            if self._race_threshold >= 0:
-                race_keys: list[OffloadKey] = []
-                sampled = duel.sample_with(keys, blocks, self._race_threshold, race_keys)
-                self.race_keys = race_keys
-                self.race_source = keys
-            else:
-                sampled = duel.sample(keys, blocks)
-            if sampled:
-                duel.access(sampled)
+        # The miniature caches see the request's sampled keys, except stores just
+        # prepared; the touch after a store only repeats the hit prefix. The sample is
+        # drawn in the same walk as the use (one table lookup per key), tail first, and
+        # put back in prefix order before the copies see it; a stored block keeps its
+        # key's CRC (:attr:`BlockStatus.key_crc`), so a hit is hashed only once.
+        sampling = self._feeds_duel and not after_store
+        duel = self._duel
+        own = duel.threshold if sampling else 0
+        race = self._race_threshold if sampling else -1
+        hashing = race >= 0 or own < _HASH_SPACE
+        sampled: list[OffloadKey] = []
+        race_keys: list[OffloadKey] = []
+        crc = zlib.crc32
         probation, main = self._probation, self._main
         now = self._now  # the clock in a local, stored back at the end
         for key in reversed(keys):
             block = blocks.get(key)
+            if sampling:
+                if hashing:
+                    if block is None:
+                        value = crc(key)
+                    else:
+                        value = block.key_crc
+                        if value < 0:
+                            value = crc(key)
+                            block.key_crc = value
+                    if (value & 0xFFFF) < own and (block is None or block.ref_cnt != -1):
+                        sampled.append(key)
+                    if (value >> 16) < race:
+                        race_keys.append(key)
+                elif block is None or block.ref_cnt != -1:
+                    sampled.append(key)
             if block is None:
                 continue
             mark = block.mark
@@ -451,6 +470,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 if tail:
                     self._tails -= 1
                 self._tail_stats.add_use(tail)
+        if race >= 0:
+            race_keys.reverse()
+            self.race_keys = race_keys
+            self.race_source = keys
+        if sampled:
+            # The copies' state is their own: using them after the queues changes nothing.
+            sampled.reverse()
+            duel.access(sampled)
         self._now = now
         if now >= self._next_rebase:
             self._rebase()
