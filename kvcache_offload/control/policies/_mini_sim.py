@@ -237,11 +237,16 @@ class _MiniCache:
         index = cast(int, boxed_id)
         queue.size -= 1
         state[index] = ghosts.tag
+        # Every entry up to ``position`` is dead now: the next :meth:`_Log.oldest` starts
+        # past it instead of checking it again.
+        queue.head = position + 1
         ghosts.size += 1
         ghosts.append(boxed_id, queue.stamps[position], state, last)
         if ghosts.size > self.capacity:
-            gone = cast(int, ghosts.ids[ghosts.oldest(state, last)])
+            oldest = ghosts.oldest(state, last)
+            gone = cast(int, ghosts.ids[oldest])
             state[gone] = _ABSENT
+            ghosts.head = oldest + 1
             ghosts.size -= 1
             self.ids.release(gone)
 

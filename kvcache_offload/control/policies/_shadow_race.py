@@ -52,12 +52,11 @@ class _Runner:
             return hits
         new = [key for key in keys[hits:] if policy.get(key) is None]
         need = len(policy) + len(new) - self.capacity
-        free: list[BlockStatus] = []
+        free: list[BlockStatus] = []  # the victims' blocks, reused for the new keys
         if need > 0:
-            victims = policy.evict(need, ())
-            if victims is None:
+            gone: list[OffloadKey] = []
+            if not policy.evict_blocks(need, (), gone, free):
                 return hits
-            free = [block for _, block in victims]
         pairs = []
         for key in new:
             block = free.pop() if free else BlockStatus(0)

@@ -247,6 +247,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._feeds_duel = True
         # The adaptive policy's race sample, drawn with the duel's (:meth:`share_hash`).
         self._race_threshold = -1
+        # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed
+        # ``insert_many`` (it must still see every store).
+        self._own_insert = type(self).insert_many is AdaptiveLRUCachePolicy.insert_many
         self.race_keys: list[OffloadKey] = []
         self.race_source: Sequence[OffloadKey] | None = None
         self._reset_learning()
@@ -301,6 +304,18 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         batch = self._batch
         for key, _ in pairs:
             batch.append(key)
+
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        # :meth:`insert_many` of the pairs without building them (the manager's call).
+        if not self._own_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        table = self._blocks
+        for index in range(len(keys)):
+            table[keys[index]] = blocks[index]
+        self._batch.extend(keys)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         block.key_crc = -1  # a new key for this block (see ``touch``)
@@ -484,9 +499,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     # -- eviction ------------------------------------------------------------------------
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        # The victims go straight into the manager's two lists: no pair per victim.
         # Two walks (probation: the demoted stack from its end, then the log from its head;
         # main: its log) merged by age; the victims are taken out only once there are ``n``.
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
@@ -533,10 +553,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 chosen_blocks.append(main.blocks[m])
                 m = self._next_idle(main, m + 1, protected, guarded)
             else:
-                return None
-        blocks = self._blocks
+                return False
+        table = self._blocks
         ghost, main_ghost = self._ghost, self._main_ghost
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         from_main = from_probation = from_stack = tails = 0
         for i in range(n):
             key = chosen_keys[i]
@@ -555,13 +574,14 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 if mark & _TAIL:
                     tails += 1
             block.mark = _NOWHERE
-            del blocks[key]
-            victims.append((key, block))
+            del table[key]
+            keys.append(key)
+            blocks.append(block)
         main.size -= from_main
         probation.size -= from_probation
         demoted.size -= from_stack
         self._tails -= tails
-        return victims
+        return True
 
     def _rebase(self) -> None:
         """Subtract the oldest live stamp from every stamp and from the clock: the ages,
