@@ -57,14 +57,14 @@ class _Runner:
             gone: list[OffloadKey] = []
             if not policy.evict_blocks(need, (), gone, free):
                 return hits
-        pairs = []
-        for key in new:
+        blocks: list[BlockStatus] = []  # the new keys' blocks: no pair per key
+        for _ in range(len(new)):
             block = free.pop() if free else BlockStatus(0)
             block.ref_cnt = -1
-            pairs.append((key, block))
-        policy.insert_many(pairs)
+            blocks.append(block)
+        policy.insert_blocks(new, blocks)
         policy.touch(keys)
-        for _, block in pairs:
+        for block in blocks:
             block.ref_cnt = 0
         return hits
 
