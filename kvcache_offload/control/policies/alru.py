@@ -49,6 +49,9 @@ from kvcache_offload.errors import ConfigError
 
 __all__ = ["AdaptiveLRUCachePolicy"]
 
+_crc32: Final = zlib.crc32
+"""Bound once: compiled, ``zlib.crc32`` in a function is a module attribute lookup per call."""
+
 _DEMOTED: Final = -(1 << 62)
 """Age stamp of a demoted block: older than anything, so it is the first to go."""
 
@@ -442,19 +445,22 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         hashing = race >= 0 or own < _HASH_SPACE
         sampled: list[OffloadKey] = []
         race_keys: list[OffloadKey] = []
-        crc = zlib.crc32
+        # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
+        # costs a builtins lookup per call and a generic iterator step per key.
+        key_list = keys if isinstance(keys, list) else list(keys)
         probation, main = self._probation, self._main
         now = self._now  # the clock in a local, stored back at the end
-        for key in reversed(keys):
+        for position in range(len(key_list) - 1, -1, -1):
+            key = key_list[position]
             block = blocks.get(key)
             if sampling:
                 if hashing:
                     if block is None:
-                        value = crc(key)
+                        value = _crc32(key)
                     else:
                         value = block.key_crc
                         if value < 0:
-                            value = crc(key)
+                            value = _crc32(key)
                             block.key_crc = value
                     if (value & 0xFFFF) < own and (block is None or block.ref_cnt != -1):
                         sampled.append(key)
@@ -520,10 +526,11 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             in_stack = False
             p = self._next_idle(probation, probation.head, protected, guarded)
         m = self._next_idle(main, main.head, protected, guarded)
-        # Victims in the order chosen: the keys and blocks of the logs' entries (no index
-        # boxed per victim); each block's mark still says where it is.
-        chosen_keys: list[OffloadKey] = []
-        chosen_blocks: list[BlockStatus] = []
+        # Victims in the order chosen, appended to the two lists as found: the keys and
+        # blocks of the logs' entries (no index boxed per victim); each block's mark still
+        # says where it is. Taken back out if there are fewer than ``n``.
+        start = len(keys)
+        start_blocks = len(blocks)  # the caller's lists need not be the same length
         now, weight = self._now, self._duel.weight
         # A demoted block's weighted age, once: its stamp is beyond a native int, so the
         # arithmetic would allocate on every comparison (the same float either way).
@@ -537,29 +544,31 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 )
                 if m < 0 or p_age >= now - (main.blocks[m].mark >> _STAMP_SHIFT):
                     if in_stack:
-                        chosen_keys.append(demoted.keys[p])
-                        chosen_blocks.append(demoted.blocks[p])
+                        keys.append(demoted.keys[p])
+                        blocks.append(demoted.blocks[p])
                         p = self._next_demoted(p - 1, protected, guarded)
                         if p < 0:
                             in_stack = False
                             p = self._next_idle(probation, probation.head, protected, guarded)
                     else:
-                        chosen_keys.append(probation.keys[p])
-                        chosen_blocks.append(probation.blocks[p])
+                        keys.append(probation.keys[p])
+                        blocks.append(probation.blocks[p])
                         p = self._next_idle(probation, p + 1, protected, guarded)
                     continue
             if m >= 0:
-                chosen_keys.append(main.keys[m])
-                chosen_blocks.append(main.blocks[m])
+                keys.append(main.keys[m])
+                blocks.append(main.blocks[m])
                 m = self._next_idle(main, m + 1, protected, guarded)
             else:
+                del keys[start:]
+                del blocks[start_blocks:]
                 return False
         table = self._blocks
         ghost, main_ghost = self._ghost, self._main_ghost
         from_main = from_probation = from_stack = tails = 0
         for i in range(n):
-            key = chosen_keys[i]
-            block = chosen_blocks[i]
+            key = keys[start + i]
+            block = blocks[start_blocks + i]
             mark = block.mark
             where = mark & 3
             if where == _MAIN:
@@ -575,8 +584,6 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                     tails += 1
             block.mark = _NOWHERE
             del table[key]
-            keys.append(key)
-            blocks.append(block)
         main.size -= from_main
         probation.size -= from_probation
         demoted.size -= from_stack
