@@ -20,7 +20,9 @@ from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["WeightDuel"]
 
-_HASH_SPACE = 1 << 16
+HASH_SPACE: Final = 1 << 16
+"""A key is sampled when 16 bits of its CRC-32 are below ``rate x HASH_SPACE``."""
+_HASH_SPACE: Final = HASH_SPACE
 
 # Where a key is in one copy (its ``state``): nowhere, a queue, or a queue's ghosts.
 _ABSENT: Final = 0
@@ -235,11 +237,16 @@ class _MiniCache:
         index = cast(int, boxed_id)
         queue.size -= 1
         state[index] = ghosts.tag
+        # Every entry up to ``position`` is dead now: the next :meth:`_Log.oldest` starts
+        # past it instead of checking it again.
+        queue.head = position + 1
         ghosts.size += 1
         ghosts.append(boxed_id, queue.stamps[position], state, last)
         if ghosts.size > self.capacity:
-            gone = cast(int, ghosts.ids[ghosts.oldest(state, last)])
+            oldest = ghosts.oldest(state, last)
+            gone = cast(int, ghosts.ids[oldest])
             state[gone] = _ABSENT
+            ghosts.head = oldest + 1
             ghosts.size -= 1
             self.ids.release(gone)
 
@@ -271,6 +278,12 @@ class WeightDuel:
         self._steps = 0
         self._now = 0  # accesses so far: the clock of every copy
         self.weight = initial_weight
+
+    @property
+    def threshold(self) -> int:
+        """A key is sampled when its CRC's low 16 bits are below this (every key when it
+        is :data:`HASH_SPACE` or more)."""
+        return self._threshold
 
     def sampled(self, key: OffloadKey) -> bool:
         """Whether ``key`` is in the sample (a deterministic hash, so replays repeat)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
+from typing import Final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
@@ -23,6 +24,25 @@ from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
 __all__ = ["ShadowRace"]
 
 _HASH_SPACE = 1 << 16
+_crc32: Final = zlib.crc32
+"""Bound once: compiled, ``zlib.crc32`` in a function is a module attribute lookup per call."""
+
+
+def _distinct(keys: list[OffloadKey]) -> list[OffloadKey]:
+    """``keys`` without repeats, first occurrences in order. A request's sample is a few
+    keys: compared pairwise, it costs less than ``dict.fromkeys`` (a generic class-method
+    call and a dict); a long one still takes the dict."""
+    n = len(keys)
+    if n <= 1:
+        return keys
+    if n > 16:
+        return list(dict.fromkeys(keys))
+    out: list[OffloadKey] = []
+    for index in range(n):
+        key = keys[index]
+        if key not in out:
+            out.append(key)
+    return out
 
 
 class _Runner:
@@ -52,20 +72,19 @@ class _Runner:
             return hits
         new = [key for key in keys[hits:] if policy.get(key) is None]
         need = len(policy) + len(new) - self.capacity
-        free: list[BlockStatus] = []
+        free: list[BlockStatus] = []  # the victims' blocks, reused for the new keys
         if need > 0:
-            victims = policy.evict(need, ())
-            if victims is None:
+            gone: list[OffloadKey] = []
+            if not policy.evict_blocks(need, (), gone, free):
                 return hits
-            free = [block for _, block in victims]
-        pairs = []
-        for key in new:
+        blocks: list[BlockStatus] = []  # the new keys' blocks: no pair per key
+        for _ in range(len(new)):
             block = free.pop() if free else BlockStatus(0)
             block.ref_cnt = -1
-            pairs.append((key, block))
-        policy.insert_many(pairs)
+            blocks.append(block)
+        policy.insert_blocks(new, blocks)
         policy.touch(keys)
-        for _, block in pairs:
+        for block in blocks:
             block.ref_cnt = 0
         return hits
 
@@ -110,12 +129,15 @@ class ShadowRace:
         threshold = self._threshold
         if threshold >= _HASH_SPACE:  # every key: no hash needed
             sampled = list(keys)
+        elif isinstance(keys, list):  # by index: no generic iterator step per key
+            sampled = []
+            for index in range(len(keys)):
+                key = keys[index]
+                if (_crc32(key) >> 16) < threshold:
+                    sampled.append(key)
         else:
-            crc = zlib.crc32
-            sampled = [key for key in keys if (crc(key) >> 16) < threshold]
-        if len(sampled) > 1:
-            sampled = list(dict.fromkeys(sampled))
-        return sampled
+            sampled = [key for key in keys if (_crc32(key) >> 16) < threshold]
+        return _distinct(sampled)
 
     @property
     def threshold(self) -> int:
@@ -125,15 +147,17 @@ class ShadowRace:
     @staticmethod
     def distinct(sampled: list[OffloadKey]) -> list[OffloadKey]:
         """``sampled`` without repeats, in order (what :meth:`sample` returns)."""
-        if len(sampled) > 1:
-            sampled = list(dict.fromkeys(sampled))
-        return sampled
+        return _distinct(sampled)
 
     def request(self, sampled: list[OffloadKey]) -> bool:
         """Feed one request's sampled keys to every miniature; True when the leader changed."""
-        counts = [runner.request(sampled) for runner in self._runners]
+        runners = self._runners
+        counts = [runner.request(sampled) for runner in runners]
         lead = counts[self._leader_index]
-        for runner, hits in zip(self._runners, counts, strict=True):
+        # By index: compiled, ``zip(..., strict=True)`` is a generic call with a keyword.
+        for index in range(len(runners)):
+            runner = runners[index]
+            hits = counts[index]
             runner.score += hits
             runner.hits += hits
             runner.spread += (hits - lead) * (hits - lead)

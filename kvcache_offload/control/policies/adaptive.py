@@ -60,6 +60,11 @@ class AdaptiveCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._classes = {name: get_cache_policy_cls(name) for name in self.candidates}
+        # Whether ``evict_blocks`` may pass the manager's lists to the live policy: not
+        # when a subclass changed ``evict`` (it must still see every eviction).
+        self._plain_evict = type(self).evict is AdaptiveCachePolicy.evict
+        # Likewise for ``insert_blocks`` and the subclass's ``insert_many``.
+        self._plain_insert = type(self).insert_many is AdaptiveCachePolicy.insert_many
         self._start()
 
     def _start(self) -> None:
@@ -126,6 +131,22 @@ class AdaptiveCachePolicy(CachePolicy):
         self._live.insert_many(pairs)
         self._last_stored = pairs[-1][0]
 
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        # :meth:`insert_many` of the pairs without building them (the manager's call).
+        if not self._plain_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        if not keys:
+            return
+        if not self._shared:
+            table = self._blocks
+            for index in range(len(keys)):
+                table[keys[index]] = blocks[index]
+        self._live.insert_blocks(keys, blocks)
+        self._last_stored = keys[-1]
+
     def remove(self, key: OffloadKey) -> None:
         if not self._shared:
             del self._blocks[key]
@@ -158,6 +179,25 @@ class AdaptiveCachePolicy(CachePolicy):
             for key, _ in victims:
                 del blocks[key]
         return victims
+
+    def evict_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        # :meth:`evict` in the manager's list form, which the live policy fills directly.
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        start = len(keys)
+        if not self._live.evict_blocks(n, protected, keys, blocks):
+            return False
+        if not self._shared:
+            table = self._blocks
+            for index in range(start, len(keys)):
+                del table[keys[index]]
+        return True
 
     def _switch(self, name: str) -> None:
         old = self._live

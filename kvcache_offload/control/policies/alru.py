@@ -33,6 +33,7 @@ method call (the lab's eighth round), and a list of stamps a boxed int per use (
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Collection, Sequence
 from typing import ClassVar, Final, final
 
@@ -40,12 +41,16 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._mini_sim import HASH_SPACE as _HASH_SPACE
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["AdaptiveLRUCachePolicy"]
+
+_crc32: Final = zlib.crc32
+"""Bound once: compiled, ``zlib.crc32`` in a function is a module attribute lookup per call."""
 
 _DEMOTED: Final = -(1 << 62)
 """Age stamp of a demoted block: older than anything, so it is the first to go."""
@@ -245,6 +250,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._feeds_duel = True
         # The adaptive policy's race sample, drawn with the duel's (:meth:`share_hash`).
         self._race_threshold = -1
+        # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed
+        # ``insert_many`` (it must still see every store).
+        self._own_insert = type(self).insert_many is AdaptiveLRUCachePolicy.insert_many
         self.race_keys: list[OffloadKey] = []
         self.race_source: Sequence[OffloadKey] | None = None
         self._reset_learning()
@@ -300,7 +308,20 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for key, _ in pairs:
             batch.append(key)
 
+    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        # :meth:`insert_many` of the pairs without building them (the manager's call).
+        if not self._own_insert:
+            super().insert_blocks(keys, blocks)
+            return
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        table = self._blocks
+        for index in range(len(keys)):
+            table[keys[index]] = blocks[index]
+        self._batch.extend(keys)
+
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
+        block.key_crc = -1  # a new key for this block (see ``touch``)
         self._now += 1
         now = self._now
         if self._ghost.recall(key) or self._main_ghost.recall(key):
@@ -329,6 +350,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             block = blocks.get(key)
             if block is None:
                 continue
+            block.key_crc = -1  # a new key for this block (see ``touch``)
             now += 1
             if ghost.recall(key) or main_ghost.recall(key):
                 main.size += 1
@@ -411,23 +433,41 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         after_store = last is not None and last.ref_cnt == -1
         self._flush_batch()
         self.race_source = None
-        if self._feeds_duel and not after_store:
-            # The miniature caches see the request's sampled keys, except stores just
-            # prepared; the touch after a store only repeats the hit prefix.
-            duel = self._duel
-            if self._race_threshold >= 0:
-                race_keys: list[OffloadKey] = []
-                sampled = duel.sample_with(keys, blocks, self._race_threshold, race_keys)
-                self.race_keys = race_keys
-                self.race_source = keys
-            else:
-                sampled = duel.sample(keys, blocks)
-            if sampled:
-                duel.access(sampled)
+        # The miniature caches see the request's sampled keys, except stores just
+        # prepared; the touch after a store only repeats the hit prefix. The sample is
+        # drawn in the same walk as the use (one table lookup per key), tail first, and
+        # put back in prefix order before the copies see it; a stored block keeps its
+        # key's CRC (:attr:`BlockStatus.key_crc`), so a hit is hashed only once.
+        sampling = self._feeds_duel and not after_store
+        duel = self._duel
+        own = duel.threshold if sampling else 0
+        race = self._race_threshold if sampling else -1
+        hashing = race >= 0 or own < _HASH_SPACE
+        sampled: list[OffloadKey] = []
+        race_keys: list[OffloadKey] = []
+        # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
+        # costs a builtins lookup per call and a generic iterator step per key.
+        key_list = keys if isinstance(keys, list) else list(keys)
         probation, main = self._probation, self._main
         now = self._now  # the clock in a local, stored back at the end
-        for key in reversed(keys):
+        for position in range(len(key_list) - 1, -1, -1):
+            key = key_list[position]
             block = blocks.get(key)
+            if sampling:
+                if hashing:
+                    if block is None:
+                        value = _crc32(key)
+                    else:
+                        value = block.key_crc
+                        if value < 0:
+                            value = _crc32(key)
+                            block.key_crc = value
+                    if (value & 0xFFFF) < own and (block is None or block.ref_cnt != -1):
+                        sampled.append(key)
+                    if (value >> 16) < race:
+                        race_keys.append(key)
+                elif block is None or block.ref_cnt != -1:
+                    sampled.append(key)
             if block is None:
                 continue
             mark = block.mark
@@ -451,15 +491,28 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 if tail:
                     self._tails -= 1
                 self._tail_stats.add_use(tail)
+        if race >= 0:
+            race_keys.reverse()
+            self.race_keys = race_keys
+            self.race_source = keys
+        if sampled:
+            # The copies' state is their own: using them after the queues changes nothing.
+            sampled.reverse()
+            duel.access(sampled)
         self._now = now
         if now >= self._next_rebase:
             self._rebase()
 
     # -- eviction ------------------------------------------------------------------------
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select_blocks(
+        self,
+        n: int,
+        protected: Collection[OffloadKey],
+        keys: list[OffloadKey],
+        blocks: list[BlockStatus],
+    ) -> bool:
+        # The victims go straight into the manager's two lists: no pair per victim.
         # Two walks (probation: the demoted stack from its end, then the log from its head;
         # main: its log) merged by age; the victims are taken out only once there are ``n``.
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
@@ -473,10 +526,11 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             in_stack = False
             p = self._next_idle(probation, probation.head, protected, guarded)
         m = self._next_idle(main, main.head, protected, guarded)
-        # Victims in the order chosen: the keys and blocks of the logs' entries (no index
-        # boxed per victim); each block's mark still says where it is.
-        chosen_keys: list[OffloadKey] = []
-        chosen_blocks: list[BlockStatus] = []
+        # Victims in the order chosen, appended to the two lists as found: the keys and
+        # blocks of the logs' entries (no index boxed per victim); each block's mark still
+        # says where it is. Taken back out if there are fewer than ``n``.
+        start = len(keys)
+        start_blocks = len(blocks)  # the caller's lists need not be the same length
         now, weight = self._now, self._duel.weight
         # A demoted block's weighted age, once: its stamp is beyond a native int, so the
         # arithmetic would allocate on every comparison (the same float either way).
@@ -490,30 +544,31 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 )
                 if m < 0 or p_age >= now - (main.blocks[m].mark >> _STAMP_SHIFT):
                     if in_stack:
-                        chosen_keys.append(demoted.keys[p])
-                        chosen_blocks.append(demoted.blocks[p])
+                        keys.append(demoted.keys[p])
+                        blocks.append(demoted.blocks[p])
                         p = self._next_demoted(p - 1, protected, guarded)
                         if p < 0:
                             in_stack = False
                             p = self._next_idle(probation, probation.head, protected, guarded)
                     else:
-                        chosen_keys.append(probation.keys[p])
-                        chosen_blocks.append(probation.blocks[p])
+                        keys.append(probation.keys[p])
+                        blocks.append(probation.blocks[p])
                         p = self._next_idle(probation, p + 1, protected, guarded)
                     continue
             if m >= 0:
-                chosen_keys.append(main.keys[m])
-                chosen_blocks.append(main.blocks[m])
+                keys.append(main.keys[m])
+                blocks.append(main.blocks[m])
                 m = self._next_idle(main, m + 1, protected, guarded)
             else:
-                return None
-        blocks = self._blocks
+                del keys[start:]
+                del blocks[start_blocks:]
+                return False
+        table = self._blocks
         ghost, main_ghost = self._ghost, self._main_ghost
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
         from_main = from_probation = from_stack = tails = 0
         for i in range(n):
-            key = chosen_keys[i]
-            block = chosen_blocks[i]
+            key = keys[start + i]
+            block = blocks[start_blocks + i]
             mark = block.mark
             where = mark & 3
             if where == _MAIN:
@@ -528,13 +583,12 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 if mark & _TAIL:
                     tails += 1
             block.mark = _NOWHERE
-            del blocks[key]
-            victims.append((key, block))
+            del table[key]
         main.size -= from_main
         probation.size -= from_probation
         demoted.size -= from_stack
         self._tails -= tails
-        return victims
+        return True
 
     def _rebase(self) -> None:
         """Subtract the oldest live stamp from every stamp and from the clock: the ages,

@@ -23,7 +23,7 @@ class BlockStatus:
     """State of one CPU slot: its id and its reference count (-1 = being written), plus a
     small int the policy holding the block keeps there (:attr:`mark`)."""
 
-    __slots__ = ("block_id", "block_id_object", "mark", "ref_cnt")
+    __slots__ = ("block_id", "block_id_object", "key_crc", "mark", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -36,6 +36,11 @@ class BlockStatus:
         # the block already in hand costs a few instructions where a per-key dict costs a
         # hash-table probe on every read, write and delete.
         self.mark = 0
+        # The CRC-32 of the block's key, or -1: a policy that samples keys by their CRC
+        # keeps it here once computed (compiled, a ``zlib.crc32`` call costs hundreds of
+        # instructions, a cached hit's a field read). Whoever reads it must reset it when
+        # a key takes the block (the manager reuses blocks for other keys).
+        self.key_crc = -1
 
     @property
     def is_ready(self) -> bool:

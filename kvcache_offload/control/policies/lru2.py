@@ -197,7 +197,11 @@ class LRU2CachePolicy(QueuePolicy):
         self._flush_batch()
         blocks, probation, main, heap = self._blocks, self._probation, self._main, self._heap
         now = self._now  # in a local, stored back at the end
-        for key in reversed(keys):
+        # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
+        # costs a builtins lookup and call per touch and a generic iterator step per key.
+        key_list = keys if isinstance(keys, list) else list(keys)
+        for position in range(len(key_list) - 1, -1, -1):
+            key = key_list[position]
             block = blocks.get(key)
             if block is None or block.ref_cnt == -1:
                 continue

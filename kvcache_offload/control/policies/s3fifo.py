@@ -104,7 +104,11 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         self._flush_batch()
         blocks = self._blocks
         move = self._main.move_to_end  # bound once: compiled, a call by name looks it up each time
-        for key in reversed(keys):
+        # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
+        # costs a builtins lookup and call per touch and a generic iterator step per key.
+        key_list = keys if isinstance(keys, list) else list(keys)
+        for position in range(len(key_list) - 1, -1, -1):
+            key = key_list[position]
             block = blocks.get(key)
             # A store just prepared is not an access.
             if block is None or block.ref_cnt == -1:
