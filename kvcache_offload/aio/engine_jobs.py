@@ -15,7 +15,7 @@ from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
 from kvcache_offload.aio.engine_lifecycle import Lifecycle
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.poller import TransferPoller
-from kvcache_offload.aio.types import LoadResult, StoreResult
+from kvcache_offload.aio.types import LoadResult, StoreResult, job_load_result, job_store_result
 from kvcache_offload.contracts.handler import TransferResult
 from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
 from kvcache_offload.contracts.manager import ReqContext
@@ -49,7 +49,9 @@ class TransferJobs(Lifecycle):
         Keys already offloaded are skipped. Raises :class:`CapacityError` when there is no
         room and :class:`TransferError` when the copy failed (the store is then rolled back).
         """
-        poller = self._require_poller()
+        poller = self._poller
+        if poller is None:
+            poller = self._require_poller()
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
         # The manager's events (its evictions) are published once the copy is on its way:
@@ -66,7 +68,8 @@ class TransferJobs(Lifecycle):
                     gpu_blocks,
                     factor=self._factor,
                     num_groups=self._num_groups,
-                    selected=self._positions(keys, stored),
+                    # Every key stored (the common case): no selection to apply.
+                    selected=None if stored == keys else self._positions(keys, stored),
                 )
             except BaseException:
                 self._publish_manager_events()
@@ -74,10 +77,13 @@ class TransferJobs(Lifecycle):
                 raise
 
             def on_done(result: TransferResult) -> None:
-                self._record_transfer(STORE_DIRECTION, result)
-                self._finish_store(stored, ctx, result.success, "transfer failed")
+                success = result.success
+                if success:
+                    self._record_copy(STORE_DIRECTION, result.transfer_size, result.transfer_time)
+                self._finish_store(stored, ctx, success, "transfer failed")
 
-            self._ensure_started()
+            if self._runner is None:
+                self._ensure_started()
             try:
                 future = poller.submit((gpu_spec, out.store_spec), on_done)
             except BaseException:
@@ -89,7 +95,7 @@ class TransferJobs(Lifecycle):
         result = await future
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
-        return StoreResult(
+        return job_store_result(
             stored, out.evicted_keys, result.transfer_size or 0, result.transfer_time or 0.0
         )
 
@@ -114,7 +120,9 @@ class TransferJobs(Lifecycle):
         Raises :class:`BlockStateError` if a key is not ready (nothing is pinned then) and
         :class:`TransferError` if the copy failed (the blocks are unpinned).
         """
-        poller = self._require_poller()
+        poller = self._poller
+        if poller is None:
+            poller = self._require_poller()
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
         if not keys:
@@ -124,14 +132,18 @@ class TransferJobs(Lifecycle):
         gpu_spec = gpu_spec_for_keys(
             keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
         )
-        self._check_open()
+        if self._closed:
+            self._check_open()
         cpu_spec = self.manager.prepare_load(keys, ctx)
 
         def on_done(result: TransferResult) -> None:
-            self._record_transfer(LOAD_DIRECTION, result)
-            self._finish_load(keys, ctx, result.success, {"job_id": result.job_id})
+            success = result.success
+            if success:
+                self._record_copy(LOAD_DIRECTION, result.transfer_size, result.transfer_time)
+            self._finish_load_job(keys, ctx, success, result.job_id)
 
-        self._ensure_started()
+        if self._runner is None:
+            self._ensure_started()
         try:
             future = poller.submit((cpu_spec, gpu_spec), on_done)
         except BaseException:
@@ -140,4 +152,4 @@ class TransferJobs(Lifecycle):
         result = await future
         if not result.success:
             raise TransferError(f"loading {len(keys)} blocks failed (job {result.job_id})")
-        return LoadResult(keys, result.transfer_size or 0, result.transfer_time or 0.0)
+        return job_load_result(keys, result.transfer_size or 0, result.transfer_time or 0.0)

@@ -101,6 +101,8 @@ class PlanBuilder:
             next(iter(only.distinct_sizes)) if only and len(only.distinct_sizes) == 1 else None
         )
         self._single_alignment = alignment_of(only.align_bits) if only else 1
+        self._unit_geometry = (src.factor, dst.factor, src.num_rows, dst.num_rows)
+        """``plan_units``' geometry arguments (see :meth:`write_single_units`)."""
 
     @property
     def single_group(self) -> _GroupFacts | None:
@@ -149,9 +151,22 @@ class PlanBuilder:
             # One C call checks the ids and writes both sides' units; a job it refuses takes
             # the path below, which names what is wrong.
             size = int(group_sizes[0])
-            units = np.empty(2 * max(size, 0), dtype=np.int64)
-            if self.write_single_units(src_ids, dst_ids, size, int(block_indices[0]), units):
-                return self._single_plan(single, units[:size], units[size:])
+            if size > 0 and src_ids.dtype is _INT64 and dst_ids.dtype is _INT64:
+                # write_single_units inline (the common job: native int64 ids): no method
+                # call, the geometry's four numbers read once per handler.
+                units = np.empty(2 * size, dtype=_INT64)
+                try:
+                    ok = _plan_units is not None and _plan_units(
+                        src_ids, dst_ids, size, int(block_indices[0]), *self._unit_geometry, units
+                    )
+                except BufferError:  # a strided id view: the general path copes
+                    ok = False
+                if ok:
+                    return self._single_plan(single, units[:size], units[size:])
+            else:
+                units = np.empty(2 * max(size, 0), dtype=np.int64)
+                if self.write_single_units(src_ids, dst_ids, size, int(block_indices[0]), units):
+                    return self._single_plan(single, units[:size], units[size:])
         _check_ids(src_ids, src.num_rows, "source")
         _check_ids(dst_ids, dst.num_rows, "destination")
         if single is not None and group_sizes[0] > 0 and block_indices[0] >= 0:

@@ -52,7 +52,9 @@ class HostCopyQueue:
         # same refs never add a group.
         self._groups: dict[int, tuple[np.ndarray, int]] = {}
         self._group_of_refs: dict[tuple[bytes, bytes], int] = {}
-        self._in_flight: dict[int, NativeCopy] = {}
+        self.in_flight: dict[int, NativeCopy] = {}
+        """The copies queued and not yet collected, by sequence number (empty: nothing for
+        :meth:`collect` to find, so a handler skips the call)."""
 
     @staticmethod
     def available() -> bool:
@@ -84,13 +86,13 @@ class HostCopyQueue:
             if len(g.ref_tensors) and len(g.src_units)
         ]
         copy = NativeCopy(int(self._native.submit(parts)))
-        self._in_flight[copy.seq] = copy
+        self.in_flight[copy.seq] = copy
         return copy
 
     def collect(self) -> None:
         """Mark every copy the thread finished (or cancelled at close) as done."""
         for seq, seconds, cancelled in self._native.take_finished():
-            copy = self._in_flight.pop(seq, None)
+            copy = self.in_flight.pop(seq, None)
             if copy is not None:
                 copy.finish(seconds, cancelled)
 

@@ -132,8 +132,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        src_ids, dst_ids, group_sizes, block_indices = parse_job(spec, self.gpu_to_cpu)
-        plan = self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
+        plan = self._planner.build(*parse_job(spec, self.gpu_to_cpu))
         with self._lock:
             if not self._open:
                 raise TransferError(f"job {job_id}: the handler is shut down")
@@ -159,7 +158,12 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         job = _Job(job_id, plan.num_bytes, QueuedCopy.ran_now(self._run_plan, plan, None))
         self._jobs.append(job)
         self._pending[job_id] = job
-        self._notify()
+        callback = self._on_complete
+        if callback is not None:  # what _notify does, without its call
+            try:
+                callback()
+            except Exception:
+                logger.exception("completion callback raised; ignored")
 
     # -- batching (BatchingSwitch): held jobs go to the thread as one copy, one hand-off ----
     def _can_hold_jobs(self) -> bool:
@@ -200,13 +204,22 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if not self._jobs:  # nothing to report (a copy ended since is collected with its job)
             return []
         results = []
+        jobs, pending = self._jobs, self._pending
         with self._lock:
-            if self._queue is not None:
+            if self._queue is not None and self._queue.in_flight:
                 self._queue.collect()
-            while self._jobs and self._jobs[0].future.done():
-                job = self._jobs.popleft()
-                del self._pending[job.job_id]
-                results.append(self._result(job))
+            while jobs and jobs[0].future._done:
+                job = jobs.popleft()
+                del pending[job.job_id]
+                copy = job.future
+                if copy._error is None and not copy._cancelled:  # _result's common case
+                    results.append(
+                        TransferResult(
+                            job.job_id, True, job.num_bytes, copy._seconds, self.transfer_type
+                        )
+                    )
+                else:
+                    results.append(self._result(job))
         return results
 
     def _result(self, job: _Job) -> TransferResult:
