@@ -7,7 +7,8 @@ refused or failed transfer completes the store with ``success=False``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Generator, Sequence
 
 import numpy as np
 
@@ -23,6 +24,17 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = ["GpuBlocks", "TransferJobs"]
+
+
+@types.coroutine
+def one_loop_turn() -> Generator[None, None, None]:
+    """Give the event loop one turn (what ``asyncio.sleep(0)`` does, one call less).
+
+    A job whose copy finished while it was submitted is collected by its caller after this
+    turn rather than by the poller task: the caller still yields once, as before (the
+    poller's turn came after it in the same loop iteration), and the task is not woken."""
+    yield
+
 
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
@@ -85,13 +97,18 @@ class TransferJobs(Lifecycle):
             if self._runner is None:
                 self._ensure_started()
             try:
-                future = poller.submit((gpu_spec, out.store_spec), on_done)
+                future, collect = poller.submit_job((gpu_spec, out.store_spec), on_done, True)
             except BaseException:
                 self._publish_manager_events()
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
         finally:
             self._publish_manager_events()  # a no-op when published above
+        if collect:  # the copy finished during submission (a small one, done inline)
+            try:
+                await one_loop_turn()
+            finally:  # cancelled or not: the job completes now, on this turn
+                poller.collect_now()
         result = await future
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
@@ -145,10 +162,15 @@ class TransferJobs(Lifecycle):
         if self._runner is None:
             self._ensure_started()
         try:
-            future = poller.submit((cpu_spec, gpu_spec), on_done)
+            future, collect = poller.submit_job((cpu_spec, gpu_spec), on_done, True)
         except BaseException:
             self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
             raise
+        if collect:  # the copy finished during submission (a small one, done inline)
+            try:
+                await one_loop_turn()
+            finally:  # cancelled or not: the job completes now, on this turn
+                poller.collect_now()
         result = await future
         if not result.success:
             raise TransferError(f"loading {len(keys)} blocks failed (job {result.job_id})")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from asyncio import get_running_loop
 from collections.abc import Callable
@@ -132,6 +133,10 @@ class TransferPoller:
         self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", _always)
         """Whether a handler holds a job to flush (a worker that cannot say: always)."""
         self._spinning = False
+        self._submitting = False
+        """True while a handler is being handed a job (see :meth:`wake_threadsafe`)."""
+        self._done_in_submit = False
+        """The handler finished a job during :meth:`submit` and said so."""
 
     @property
     def in_flight(self) -> int:
@@ -142,6 +147,11 @@ class TransferPoller:
 
         A no-op while the poller turns the loop looking by itself: it clears the flag and
         looks once more before it sleeps, so no completion goes unseen."""
+        if self._submitting and threading.get_ident() == self._waker._loop_thread:
+            # The handler finished the job it is being handed (a small copy done inline):
+            # submit_job says so, and wakes the task itself unless its caller collects.
+            self._done_in_submit = True
+            return
         if not self._spinning:
             self._waker.wake_threadsafe()
 
@@ -151,13 +161,29 @@ class TransferPoller:
         Raises :class:`TransferError` if the worker refused the job; ``on_done`` is not
         called then (the caller rolls back itself).
         """
+        return self.submit_job(spec, on_done, False)[0]
+
+    def submit_job(
+        self, spec: TransferSpec, on_done: OnDone, collect: bool
+    ) -> tuple[asyncio.Future[TransferResult], bool]:
+        """:meth:`submit`, for a caller that may collect its own job: with ``collect`` True,
+        a job that its handler finished during the submission (a small copy done inline)
+        wakes nobody and the answer's second item is True; the caller then gives the loop
+        one turn and calls :meth:`collect_now` (also when cancelled meanwhile), which runs
+        ``on_done`` and resolves the future, instead of the poller task's next turn."""
         loop = get_running_loop()
         waker = self._waker
         if waker._loop is not loop:
             waker.bind(loop)
         job_id = self._next_job_id
         self._next_job_id = job_id + 1
-        if not self._transfer_async(job_id, spec):
+        self._submitting = True
+        try:
+            submitted = self._transfer_async(job_id, spec)
+        finally:
+            self._submitting = False
+        if not submitted:
+            self._done_in_submit = False
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
@@ -177,8 +203,16 @@ class TransferPoller:
                 job.ends = ends
             ends = min(ends, now + self.predicted_spin_cap_s)
             self._look_until = max(self._look_until, ends + self.completion_spin_s)
+        if self._done_in_submit:
+            self._done_in_submit = False
+            if collect:
+                return future, True
         waker.wake()
-        return future
+        return future, False
+
+    def collect_now(self) -> None:
+        """Collect what finished, on the caller's turn (see :meth:`submit_job`)."""
+        self.poll_once()
 
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without
