@@ -210,10 +210,6 @@ class TransferPoller:
         waker.wake()
         return future, False
 
-    def collect_now(self) -> None:
-        """Collect what finished, on the caller's turn (see :meth:`submit_job`)."""
-        self.poll_once()
-
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without
         turning the loop in between (one turn cost ~8 us on the H200 host, half of which a
@@ -280,6 +276,9 @@ class TransferPoller:
                 self._drained.set()
         return len(results)
 
+    collect_now = poll_once
+    """Collect what finished, on the caller's turn (see :meth:`submit_job`)."""
+
     @staticmethod
     def _finish(job: _Job, result: TransferResult) -> None:
         try:
@@ -324,6 +323,11 @@ class TransferPoller:
             if self.pushed:
                 self._spinning = self.on_demand
                 if self.poll_once() or (self.on_demand and self._look_closely()):
+                    if not self._jobs:
+                        # Nothing in flight: sleep on the waker (the resumed coroutines run
+                        # meanwhile). A job that its caller collects itself (see
+                        # submit_job) then costs this task no turn at all.
+                        continue
                     await asyncio.sleep(0)  # let the resumed coroutines run first
                 elif self.on_demand and time.perf_counter() < self._look_until:
                     # A copy in flight should end soon (moments after the last submission
