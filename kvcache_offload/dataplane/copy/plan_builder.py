@@ -127,6 +127,52 @@ class PlanBuilder:
             return False
         return bool(ok)
 
+    def plan_job(self, spec: tuple[object, object], gpu_to_cpu: bool) -> TransferPlan:
+        """``build(*parse_job(spec, gpu_to_cpu))``: the plan of one job's (source,
+        destination) spec pair, with the common job (the engine's own spec classes, one
+        KV-cache group, native int64 ids the C planner accepts) in one frame; any other job
+        takes :func:`parse_job` and :meth:`build`, which name what is wrong."""
+        single = self._single
+        if (
+            single is not None
+            and _plan_units is not None
+            and type(spec) is tuple
+            and len(spec) == 2
+        ):
+            if gpu_to_cpu:
+                gpu_spec, cpu_spec = spec
+            else:
+                cpu_spec, gpu_spec = spec
+            if type(gpu_spec) is GPULoadStoreSpec and type(cpu_spec) is CPULoadStoreSpec:
+                sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
+                gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+                src_ids, dst_ids = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
+                size = int(sizes[0]) if len(sizes) == 1 and len(starts) == 1 else 0
+                if (
+                    size > 0
+                    and src_ids.dtype is _INT64
+                    and dst_ids.dtype is _INT64
+                    and src_ids.ndim == 1
+                    and dst_ids.ndim == 1
+                ):
+                    units = np.empty(2 * size, dtype=_INT64)
+                    try:
+                        ok = _plan_units(
+                            src_ids, dst_ids, size, int(starts[0]), *self._unit_geometry, units
+                        )
+                    except BufferError:  # a strided id view: the general path copes
+                        ok = False
+                    if ok:
+                        return TransferPlan(  # _single_plan inline
+                            [GroupPlan(single.tensors, single.sizes, units[:size], units[size:])],
+                            len(single.tensors) * size,
+                            single.bytes_per_unit * size,
+                            self._single_uniform,
+                            single.max_size,
+                            self._single_alignment,
+                        )
+        return self.build(*parse_job(spec, gpu_to_cpu))
+
     def build(
         self,
         src_ids: np.ndarray,

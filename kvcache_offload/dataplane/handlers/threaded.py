@@ -133,19 +133,23 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        plan = self._planner.build(*parse_job(spec, self.gpu_to_cpu))
+        plan = self._planner.plan_job(spec, self.gpu_to_cpu)
         with self._lock:
             if not self._open:
                 raise TransferError(f"job {job_id}: the handler is shut down")
-            held = self._held.jobs  # the list itself: no HeldJobs dunder call per job
-            if job_id in self._pending or (held and job_id in self._held):
+            batch = self._held
+            held = batch.jobs  # the list itself: no HeldJobs dunder call per job
+            if job_id in self._pending or (held and job_id in batch.ids):
                 raise TransferError(f"job {job_id} is already in flight on this handler")
             if self._batching and (self._jobs or held):
                 # Copies are queued or running: hold this job for the batch. An idle thread
                 # gets the job at once, so a lone request pays no extra loop iteration.
-                self._held.add(job_id, plan)
-                if self._held.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
-                    self._issue(self._held.take())
+                # (HeldJobs.add inline: one call less per held job.)
+                held.append((job_id, plan))
+                batch.ids.add(job_id)
+                batch.nbytes += plan.num_bytes
+                if batch.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
+                    self._issue(batch.take())
                 return True
             if not self._jobs and plan.num_bytes <= self._inline_max_bytes:
                 self._run_inline(job_id, plan)
