@@ -51,10 +51,12 @@ class ManagerSteps(EngineBase):
     ) -> PrepareStoreOutput:
         """Prepare with the manager; ``publish=False`` leaves its events (evictions) for the
         caller to publish, which must happen before it yields to the loop."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if self._observers.watches_stores:
             self._observers.on_store(keys)
-        self._release_quarantined()
+        if self._quarantine.pending:
+            self._release_quarantined()
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             self._totals.stores_rejected += 1

@@ -137,6 +137,12 @@ class TransferPoller:
         """True while a handler is being handed a job (see :meth:`wake_threadsafe`)."""
         self._done_in_submit = False
         """The handler finished a job during :meth:`submit` and said so."""
+        self._asleep = True
+        """The task sleeps with nothing in flight (or has not started): a submission must
+        wake it."""
+        self._wake_per_job = not self.pushed or self.on_demand
+        """Whether every submission wakes the task (it polls, or looks by itself), not only
+        one that finds it asleep."""
 
     @property
     def in_flight(self) -> int:
@@ -188,8 +194,10 @@ class TransferPoller:
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
         # A job issued at once (its handler was idle) leaves nothing to flush: the flush is
-        # scheduled by the first submission of the tick that a handler held.
-        if self.batched and not self._flush_scheduled and self._holds_jobs():
+        # scheduled by the first submission of the tick that a handler held. (A job done
+        # during the call was not held, and its handler holds no other: it went at once.)
+        done_in_submit = self._done_in_submit
+        if self.batched and not self._flush_scheduled and not done_in_submit and self._holds_jobs():
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         now = perf_counter()
@@ -203,11 +211,16 @@ class TransferPoller:
                 job.ends = ends
             ends = min(ends, now + self.predicted_spin_cap_s)
             self._look_until = max(self._look_until, ends + self.completion_spin_s)
-        if self._done_in_submit:
+        if done_in_submit:
             self._done_in_submit = False
             if collect:
                 return future, True
-        waker.wake()
+        if self._asleep or self._wake_per_job:
+            # A task that sleeps with jobs in flight is woken by their ends (or its
+            # backstop), so only an idle one needs this job's wake-up; one that looks by
+            # itself or polls hears of every job.
+            self._asleep = False
+            waker.wake()
         return future, False
 
     def _look_closely(self) -> bool:
@@ -318,7 +331,9 @@ class TransferPoller:
         while True:
             if not self._jobs:
                 self._spinning = False
+                self._asleep = True
                 await self._waker.wait()
+                self._asleep = False
                 continue
             if self.pushed:
                 self._spinning = self.on_demand

@@ -101,6 +101,12 @@ class PlanBuilder:
             next(iter(only.distinct_sizes)) if only and len(only.distinct_sizes) == 1 else None
         )
         self._single_alignment = alignment_of(only.align_bits) if only else 1
+        self._single_parts: tuple[np.ndarray, np.ndarray, int, int, int] | None = (
+            (only.tensors, only.sizes, len(only.tensors), only.bytes_per_unit, only.max_size)
+            if only
+            else None
+        )
+        """What a plan of the one group takes from its facts, read once per job."""
         self._unit_geometry = (src.factor, dst.factor, src.num_rows, dst.num_rows)
         """``plan_units``' geometry arguments (see :meth:`write_single_units`)."""
 
@@ -132,13 +138,8 @@ class PlanBuilder:
         destination) spec pair, with the common job (the engine's own spec classes, one
         KV-cache group, native int64 ids the C planner accepts) in one frame; any other job
         takes :func:`parse_job` and :meth:`build`, which name what is wrong."""
-        single = self._single
-        if (
-            single is not None
-            and _plan_units is not None
-            and type(spec) is tuple
-            and len(spec) == 2
-        ):
+        parts = self._single_parts
+        if parts is not None and _plan_units is not None and type(spec) is tuple and len(spec) == 2:
             if gpu_to_cpu:
                 gpu_spec, cpu_spec = spec
             else:
@@ -162,13 +163,14 @@ class PlanBuilder:
                         )
                     except BufferError:  # a strided id view: the general path copes
                         ok = False
-                    if ok:
-                        return TransferPlan(  # _single_plan inline
-                            [GroupPlan(single.tensors, single.sizes, units[:size], units[size:])],
-                            len(single.tensors) * size,
-                            single.bytes_per_unit * size,
+                    if ok:  # _single_plan inline
+                        tensors, ref_sizes, num_refs, unit_bytes, max_size = parts
+                        return TransferPlan(
+                            [GroupPlan(tensors, ref_sizes, units[:size], units[size:])],
+                            num_refs * size,
+                            unit_bytes * size,
                             self._single_uniform,
-                            single.max_size,
+                            max_size,
                             self._single_alignment,
                         )
         return self.build(*parse_job(spec, gpu_to_cpu))
