@@ -25,6 +25,10 @@ from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = ["GpuBlocks", "TransferJobs"]
 
+_NO_CONTEXT = ReqContext()
+"""The context of a job whose caller passed none (as for lookups): nothing here or in the
+manager writes to it, so one serves every such job."""
+
 
 @types.coroutine
 def one_loop_turn() -> Generator[None, None, None]:
@@ -64,7 +68,7 @@ class TransferJobs(Lifecycle):
         poller = self._poller
         if poller is None:
             poller = self._require_poller()
-        ctx = req_context if req_context is not None else ReqContext()
+        ctx = req_context if req_context is not None else _NO_CONTEXT
         keys = list(keys)
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
@@ -140,7 +144,7 @@ class TransferJobs(Lifecycle):
         poller = self._poller
         if poller is None:
             poller = self._require_poller()
-        ctx = req_context if req_context is not None else ReqContext()
+        ctx = req_context if req_context is not None else _NO_CONTEXT
         keys = list(keys)
         if not keys:
             return LoadResult([])

@@ -69,7 +69,6 @@ OnDone = Callable[[TransferResult], None]
 class _Job:
     future: asyncio.Future[TransferResult]
     on_done: OnDone
-    submitted_at: float
     blocks: int = 0
     source: str = ""
     ends: float = 0.0
@@ -202,7 +201,7 @@ class TransferPoller:
             loop.call_soon(self._flush)
         now = perf_counter()
         future = loop.create_future()
-        job = self._jobs[job_id] = _Job(future, on_done, now)
+        job = self._jobs[job_id] = _Job(future, on_done)
         self._last_activity = now
         if self.on_demand:  # only a poller that looks by itself predicts ends
             job.blocks, job.source = blocks, source = _blocks_and_source(spec)
