@@ -146,7 +146,13 @@ class PlanBuilder:
                 cpu_spec, gpu_spec = spec
             if type(gpu_spec) is GPULoadStoreSpec and type(cpu_spec) is CPULoadStoreSpec:
                 sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
-                gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+                # The arrays as the specs hold them once built (no property call each).
+                gpu_ids = gpu_spec._block_ids
+                if gpu_ids is None:
+                    gpu_ids = gpu_spec.block_ids
+                cpu_ids = cpu_spec._block_ids
+                if cpu_ids is None:
+                    cpu_ids = cpu_spec.block_ids
                 src_ids, dst_ids = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
                 size = int(sizes[0]) if len(sizes) == 1 and len(starts) == 1 else 0
                 if (

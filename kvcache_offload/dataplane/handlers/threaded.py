@@ -111,6 +111,10 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 method()
 
         self._queue = copy_queue
+        self._queue_run_now: Callable[[TransferPlan], None] | None = (
+            copy_queue.run_now if copy_queue is not None and copy_queue.runs_now else None
+        )
+        """Copies a job inline through the native queue's groups (None: ``run_plan``)."""
         self._thread: CopyThread | None = None
         if copy_queue is None:
             self._thread = CopyThread(thread_name, on_done)
@@ -160,12 +164,17 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _run_inline(self, job_id: int, plan: TransferPlan) -> None:
         """Copy now on this thread (the copy thread is idle, so order is kept); the job is
         reported by the next ``get_finished`` like any other, after the completion callback."""
-        # QueuedCopy.ran_now inline (one small job at a time: two calls less).
+        # QueuedCopy.ran_now inline (one small job at a time: two calls less). With the
+        # native queue, its registered groups copy the job (same copy, columns parsed once).
         run_plan = self._run_plan
         copy = QueuedCopy(run_plan, (plan, None))
+        run_now = self._queue_run_now
         start = perf_counter()
         try:
-            run_plan(plan, None)
+            if run_now is not None:
+                run_now(plan)
+            else:
+                run_plan(plan, None)
             copy._seconds = perf_counter() - start
         except Exception as exc:
             copy._error = exc
