@@ -199,17 +199,17 @@ class TransferPoller:
         if self.batched and not self._flush_scheduled and not done_in_submit and self._holds_jobs():
             self._flush_scheduled = True
             loop.call_soon(self._flush)
-        now = perf_counter()
         future = loop.create_future()
         job = self._jobs[job_id] = _Job(future, on_done)
-        self._last_activity = now
-        if self.on_demand:  # only a poller that looks by itself predicts ends
-            job.blocks, job.source = blocks, source = _blocks_and_source(spec)
-            ends = self._copy_clock.expect(source, blocks, now)
-            if ends > now:
-                job.ends = ends
-            ends = min(ends, now + self.predicted_spin_cap_s)
-            self._look_until = max(self._look_until, ends + self.completion_spin_s)
+        if self._wake_per_job:  # only a task that polls or looks reads the time
+            self._last_activity = now = perf_counter()
+            if self.on_demand:  # only a poller that looks by itself predicts ends
+                job.blocks, job.source = blocks, source = _blocks_and_source(spec)
+                ends = self._copy_clock.expect(source, blocks, now)
+                if ends > now:
+                    job.ends = ends
+                ends = min(ends, now + self.predicted_spin_cap_s)
+                self._look_until = max(self._look_until, ends + self.completion_spin_s)
         if done_in_submit:
             self._done_in_submit = False
             if collect:
@@ -278,9 +278,10 @@ class TransferPoller:
                 continue
             if not future.done():  # the awaiting coroutine may have been cancelled
                 future.set_result(result)
-        self._last_activity = now = perf_counter()
-        if self.on_demand:  # only a poller that looks by itself predicts or looks on
-            self._look_until = max(self._look_until, now + self.completion_spin_s)
+        if self._wake_per_job:  # only a task that polls or looks reads the time
+            self._last_activity = now = perf_counter()
+            if self.on_demand:  # only a poller that looks by itself predicts or looks on
+                self._look_until = max(self._look_until, now + self.completion_spin_s)
         if not jobs:
             if self.on_demand:
                 self._copy_clock.idle()
