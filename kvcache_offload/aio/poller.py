@@ -172,10 +172,13 @@ class TransferPoller:
         self, spec: TransferSpec, on_done: OnDone, collect: bool
     ) -> tuple[asyncio.Future[TransferResult], bool]:
         """:meth:`submit`, for a caller that may collect its own job: with ``collect`` True,
-        a job that its handler finished during the submission (a small copy done inline)
-        wakes nobody and the answer's second item is True; the caller then gives the loop
-        one turn and calls :meth:`collect_now` (also when cancelled meanwhile), which runs
-        ``on_done`` and resolves the future, instead of the poller task's next turn."""
+        a job that its handler finished during the submission (a small copy done inline,
+        announced by the completion callback on the loop thread) wakes nobody and the
+        answer's second item is True; the caller then gives the loop one turn and calls
+        :meth:`collect_now` (also when cancelled meanwhile), which runs ``on_done`` and
+        resolves the future, instead of the poller task's next turn. Handlers that push
+        every end only (the CPU backend); a poller that looks or polls by itself is woken
+        as before."""
         loop = get_running_loop()
         waker = self._waker
         if waker._loop is not loop:
@@ -212,8 +215,14 @@ class TransferPoller:
                 self._look_until = max(self._look_until, ends + self.completion_spin_s)
         if done_in_submit:
             self._done_in_submit = False
-            if collect:
+            # Only where the ends of later jobs are pushed: a task that looks by itself (or
+            # polls) is woken as usual, so a callback that came for another reason can never
+            # leave a job unwatched.
+            if collect and not self._wake_per_job:
                 return future, True
+            self._asleep = False  # the swallowed announcement's wake-up, as it would have
+            waker.wake()
+            return future, False
         if self._asleep or self._wake_per_job:
             # A task that sleeps with jobs in flight is woken by their ends (or its
             # backstop), so only an idle one needs this job's wake-up; one that looks by
