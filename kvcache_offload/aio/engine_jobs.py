@@ -7,7 +7,8 @@ refused or failed transfer completes the store with ``success=False``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Generator, Sequence
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
 from kvcache_offload.aio.engine_lifecycle import Lifecycle
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.poller import TransferPoller
-from kvcache_offload.aio.types import LoadResult, StoreResult
+from kvcache_offload.aio.types import LoadResult, StoreResult, job_load_result, job_store_result
 from kvcache_offload.contracts.handler import TransferResult
 from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
 from kvcache_offload.contracts.manager import ReqContext
@@ -23,6 +24,21 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = ["GpuBlocks", "TransferJobs"]
+
+_NO_CONTEXT = ReqContext()
+"""The context of a job whose caller passed none (as for lookups): nothing here or in the
+manager writes to it, so one serves every such job."""
+
+
+@types.coroutine
+def one_loop_turn() -> Generator[None, None, None]:
+    """Give the event loop one turn (what ``asyncio.sleep(0)`` does, one call less).
+
+    A job whose copy finished while it was submitted is collected by its caller after this
+    turn rather than by the poller task: the caller still yields once, as before (the
+    poller's turn came after it in the same loop iteration), and the task is not woken."""
+    yield
+
 
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
@@ -49,8 +65,10 @@ class TransferJobs(Lifecycle):
         Keys already offloaded are skipped. Raises :class:`CapacityError` when there is no
         room and :class:`TransferError` when the copy failed (the store is then rolled back).
         """
-        poller = self._require_poller()
-        ctx = req_context if req_context is not None else ReqContext()
+        poller = self._poller
+        if poller is None:
+            poller = self._require_poller()
+        ctx = req_context if req_context is not None else _NO_CONTEXT
         keys = list(keys)
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
@@ -66,7 +84,8 @@ class TransferJobs(Lifecycle):
                     gpu_blocks,
                     factor=self._factor,
                     num_groups=self._num_groups,
-                    selected=self._positions(keys, stored),
+                    # Every key stored (the common case): no selection to apply.
+                    selected=None if stored == keys else self._positions(keys, stored),
                 )
             except BaseException:
                 self._publish_manager_events()
@@ -74,22 +93,30 @@ class TransferJobs(Lifecycle):
                 raise
 
             def on_done(result: TransferResult) -> None:
-                self._record_transfer(STORE_DIRECTION, result)
-                self._finish_store(stored, ctx, result.success, "transfer failed")
+                success = result.success
+                if success:
+                    self._record_copy(STORE_DIRECTION, result.transfer_size, result.transfer_time)
+                self._finish_store(stored, ctx, success, "transfer failed")
 
-            self._ensure_started()
+            if self._runner is None:
+                self._ensure_started()
             try:
-                future = poller.submit((gpu_spec, out.store_spec), on_done)
+                future, collect = poller.submit_job((gpu_spec, out.store_spec), on_done, True)
             except BaseException:
                 self._publish_manager_events()
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
         finally:
             self._publish_manager_events()  # a no-op when published above
+        if collect:  # the copy finished during submission (a small one, done inline)
+            try:
+                await one_loop_turn()
+            finally:  # cancelled or not: the job completes now, on this turn
+                poller.collect_now()
         result = await future
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
-        return StoreResult(
+        return job_store_result(
             stored, out.evicted_keys, result.transfer_size or 0, result.transfer_time or 0.0
         )
 
@@ -114,8 +141,10 @@ class TransferJobs(Lifecycle):
         Raises :class:`BlockStateError` if a key is not ready (nothing is pinned then) and
         :class:`TransferError` if the copy failed (the blocks are unpinned).
         """
-        poller = self._require_poller()
-        ctx = req_context if req_context is not None else ReqContext()
+        poller = self._poller
+        if poller is None:
+            poller = self._require_poller()
+        ctx = req_context if req_context is not None else _NO_CONTEXT
         keys = list(keys)
         if not keys:
             return LoadResult([])
@@ -124,20 +153,29 @@ class TransferJobs(Lifecycle):
         gpu_spec = gpu_spec_for_keys(
             keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
         )
-        self._check_open()
+        if self._closed:
+            self._check_open()
         cpu_spec = self.manager.prepare_load(keys, ctx)
 
         def on_done(result: TransferResult) -> None:
-            self._record_transfer(LOAD_DIRECTION, result)
-            self._finish_load(keys, ctx, result.success, {"job_id": result.job_id})
+            success = result.success
+            if success:
+                self._record_copy(LOAD_DIRECTION, result.transfer_size, result.transfer_time)
+            self._finish_load_job(keys, ctx, success, result.job_id)
 
-        self._ensure_started()
+        if self._runner is None:
+            self._ensure_started()
         try:
-            future = poller.submit((cpu_spec, gpu_spec), on_done)
+            future, collect = poller.submit_job((cpu_spec, gpu_spec), on_done, True)
         except BaseException:
             self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
             raise
+        if collect:  # the copy finished during submission (a small one, done inline)
+            try:
+                await one_loop_turn()
+            finally:  # cancelled or not: the job completes now, on this turn
+                poller.collect_now()
         result = await future
         if not result.success:
             raise TransferError(f"loading {len(keys)} blocks failed (job {result.job_id})")
-        return LoadResult(keys, result.transfer_size or 0, result.transfer_time or 0.0)
+        return job_load_result(keys, result.transfer_size or 0, result.transfer_time or 0.0)

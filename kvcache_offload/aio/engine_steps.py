@@ -51,10 +51,12 @@ class ManagerSteps(EngineBase):
     ) -> PrepareStoreOutput:
         """Prepare with the manager; ``publish=False`` leaves its events (evictions) for the
         caller to publish, which must happen before it yields to the loop."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if self._observers.watches_stores:
             self._observers.on_store(keys)
-        self._release_quarantined()
+        if self._quarantine.pending:
+            self._release_quarantined()
         out = self.manager.prepare_store(keys, ctx)
         if out is None:
             self._totals.stores_rejected += 1
@@ -105,6 +107,20 @@ class ManagerSteps(EngineBase):
         else:
             self._totals.load_blocks_failed += len(keys)
             self._hub.publish(_LOAD_FAILED, keys, detail={"req_id": ctx.req_id, **detail})
+
+    def _finish_load_job(
+        self, keys: list[OffloadKey], ctx: ReqContext, success: bool, job_id: int
+    ) -> None:
+        """:meth:`_finish_load` of one of the engine's own load jobs (its detail names the
+        job), without building the detail twice: one per load."""
+        self.manager.complete_load(keys, ctx)
+        if success:
+            self._totals.load_blocks_completed += len(keys)
+            kind = _LOAD_COMPLETED
+        else:
+            self._totals.load_blocks_failed += len(keys)
+            kind = _LOAD_FAILED
+        self._hub.publish(kind, keys, detail={"req_id": ctx.req_id, "job_id": job_id})
 
     def _publish_manager_events(self) -> None:
         publish = self._hub.publish

@@ -186,6 +186,8 @@ _EVENT_SLOTS = tuple(
     for name in ("seq", "timestamp", "type", "keys", "medium", "detail")
 )
 _SET_SEQ, _SET_TIMESTAMP, _SET_TYPE, _SET_KEYS, _SET_MEDIUM, _SET_DETAIL = _EVENT_SLOTS
+_object_new = object.__new__
+_time = time.time
 
 
 def _new_event(
@@ -263,10 +265,15 @@ class EventHub:
         medium: str = "CPU",
         detail: dict[str, Any] | None = None,
     ) -> EngineEvent:
-        self._seq += 1
-        event = _new_event(
-            self._seq, time.time(), type, list(keys), medium, detail if detail is not None else {}
-        )
+        self._seq = seq = self._seq + 1
+        # _new_event inline (every job publishes one to three events).
+        event = _object_new(EngineEvent)
+        _SET_SEQ(event, seq)
+        _SET_TIMESTAMP(event, _time())
+        _SET_TYPE(event, type)
+        _SET_KEYS(event, list(keys))
+        _SET_MEDIUM(event, medium)
+        _SET_DETAIL(event, detail if detail is not None else {})
         self._ring.append(event)
         published = self._published
         published[type] = published.get(type, 0) + 1

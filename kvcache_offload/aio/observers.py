@@ -67,6 +67,9 @@ class AccessObservers:
         self._store = [o for o in store if not deferred(o)]
         self._est_lookup = [o for o in lookup if deferred(o)]
         self._est_store = [o for o in store if deferred(o)]
+        # Plain attributes, not properties: the engine reads one per lookup or store.
+        self.watches_lookups = bool(self._lookup or self._est_lookup)
+        self.watches_stores = bool(self._store or self._est_store)
         self._capacity = [o for o in self.all if isinstance(o, CapacityObserver)]
         self._mrc = [o for o in self.all if isinstance(o, MissRatioReporter)]
         self._shadow = [o for o in self.all if isinstance(o, ShadowReporter)]
@@ -189,11 +192,3 @@ class AccessObservers:
             except Exception:
                 logger.exception("shadow_stats of observer %r raised; ignored", obs)
         return None
-
-    @property
-    def watches_lookups(self) -> bool:
-        return bool(self._lookup or self._est_lookup)
-
-    @property
-    def watches_stores(self) -> bool:
-        return bool(self._store or self._est_store)

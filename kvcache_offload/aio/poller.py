@@ -42,9 +42,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
+from asyncio import get_running_loop
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 
 from kvcache_offload.aio._waker import Waker
 from kvcache_offload.aio.copy_clock import CopyClock
@@ -66,9 +69,8 @@ OnDone = Callable[[TransferResult], None]
 class _Job:
     future: asyncio.Future[TransferResult]
     on_done: OnDone
-    submitted_at: float
-    blocks: int
-    source: str
+    blocks: int = 0
+    source: str = ""
     ends: float = 0.0
     """Predicted end (``perf_counter``); 0: not predicted."""
 
@@ -100,6 +102,7 @@ class TransferPoller:
         batch: bool = True,
     ) -> None:
         self.worker = worker
+        self._transfer_async = worker.transfer_async
         self.spin_s = spin_s
         self.completion_spin_s = completion_spin_s
         self.predicted_spin_cap_s = predicted_spin_cap_s
@@ -129,6 +132,16 @@ class TransferPoller:
         self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", _always)
         """Whether a handler holds a job to flush (a worker that cannot say: always)."""
         self._spinning = False
+        self._submitting = False
+        """True while a handler is being handed a job (see :meth:`wake_threadsafe`)."""
+        self._done_in_submit = False
+        """The handler finished a job during :meth:`submit` and said so."""
+        self._asleep = True
+        """The task sleeps with nothing in flight (or has not started): a submission must
+        wake it."""
+        self._wake_per_job = not self.pushed or self.on_demand
+        """Whether every submission wakes the task (it polls, or looks by itself), not only
+        one that finds it asleep."""
 
     @property
     def in_flight(self) -> int:
@@ -139,6 +152,11 @@ class TransferPoller:
 
         A no-op while the poller turns the loop looking by itself: it clears the flag and
         looks once more before it sleeps, so no completion goes unseen."""
+        if self._submitting and threading.get_ident() == self._waker._loop_thread:
+            # The handler finished the job it is being handed (a small copy done inline):
+            # submit_job says so, and wakes the task itself unless its caller collects.
+            self._done_in_submit = True
+            return
         if not self._spinning:
             self._waker.wake_threadsafe()
 
@@ -148,33 +166,70 @@ class TransferPoller:
         Raises :class:`TransferError` if the worker refused the job; ``on_done`` is not
         called then (the caller rolls back itself).
         """
-        loop = asyncio.get_running_loop()
+        return self.submit_job(spec, on_done, False)[0]
+
+    def submit_job(
+        self, spec: TransferSpec, on_done: OnDone, collect: bool
+    ) -> tuple[asyncio.Future[TransferResult], bool]:
+        """:meth:`submit`, for a caller that may collect its own job: with ``collect`` True,
+        a job that its handler finished during the submission (a small copy done inline,
+        announced by the completion callback on the loop thread) wakes nobody and the
+        answer's second item is True; the caller then gives the loop one turn and calls
+        :meth:`collect_now` (also when cancelled meanwhile), which runs ``on_done`` and
+        resolves the future, instead of the poller task's next turn. Handlers that push
+        every end only (the CPU backend); a poller that looks or polls by itself is woken
+        as before."""
+        loop = get_running_loop()
         waker = self._waker
-        waker.bind(loop)
+        if waker._loop is not loop:
+            waker.bind(loop)
         job_id = self._next_job_id
-        self._next_job_id += 1
-        if not self.worker.transfer_async(job_id, spec):
+        self._next_job_id = job_id + 1
+        self._submitting = True
+        try:
+            submitted = self._transfer_async(job_id, spec)
+        finally:
+            self._submitting = False
+        if not submitted:
+            self._done_in_submit = False
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
             )
         # A job issued at once (its handler was idle) leaves nothing to flush: the flush is
-        # scheduled by the first submission of the tick that a handler held.
-        if self.batched and not self._flush_scheduled and self._holds_jobs():
+        # scheduled by the first submission of the tick that a handler held. (A job done
+        # during the call was not held, and its handler holds no other: it went at once.)
+        done_in_submit = self._done_in_submit
+        if self.batched and not self._flush_scheduled and not done_in_submit and self._holds_jobs():
             self._flush_scheduled = True
             loop.call_soon(self._flush)
-        now = time.perf_counter()
         future = loop.create_future()
-        job = self._jobs[job_id] = _Job(future, on_done, now, 0, "")
-        self._last_activity = now
-        if self.on_demand:  # only a poller that looks by itself predicts ends
-            job.blocks, job.source = blocks, source = _blocks_and_source(spec)
-            ends = self._copy_clock.expect(source, blocks, now)
-            if ends > now:
-                job.ends = ends
-            ends = min(ends, now + self.predicted_spin_cap_s)
-            self._look_until = max(self._look_until, ends + self.completion_spin_s)
-        waker.wake()
-        return future
+        job = self._jobs[job_id] = _Job(future, on_done)
+        if self._wake_per_job:  # only a task that polls or looks reads the time
+            self._last_activity = now = perf_counter()
+            if self.on_demand:  # only a poller that looks by itself predicts ends
+                job.blocks, job.source = blocks, source = _blocks_and_source(spec)
+                ends = self._copy_clock.expect(source, blocks, now)
+                if ends > now:
+                    job.ends = ends
+                ends = min(ends, now + self.predicted_spin_cap_s)
+                self._look_until = max(self._look_until, ends + self.completion_spin_s)
+        if done_in_submit:
+            self._done_in_submit = False
+            # Only where the ends of later jobs are pushed: a task that looks by itself (or
+            # polls) is woken as usual, so a callback that came for another reason can never
+            # leave a job unwatched.
+            if collect and not self._wake_per_job:
+                return future, True
+            self._asleep = False  # the swallowed announcement's wake-up, as it would have
+            waker.wake()
+            return future, False
+        if self._asleep or self._wake_per_job:
+            # A task that sleeps with jobs in flight is woken by their ends (or its
+            # backstop), so only an idle one needs this job's wake-up; one that looks by
+            # itself or polls hears of every job.
+            self._asleep = False
+            waker.wake()
+        return future, False
 
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without
@@ -209,8 +264,11 @@ class TransferPoller:
         except Exception:
             logger.exception("worker.get_finished() raised; will retry")
             return 0
+        if not results:
+            return 0
+        jobs = self._jobs
         for result in results:
-            job = self._jobs.pop(result.job_id, None)
+            job = jobs.pop(result.job_id, None)
             if job is None:
                 logger.warning("worker reported unknown job %d", result.job_id)
                 continue
@@ -218,17 +276,30 @@ class TransferPoller:
                 # Jobs that end together may have shared one copy (a batch), whose time
                 # each reports: only a lone end times one job's blocks.
                 self._copy_clock.observe(job.source, job.blocks, result.transfer_time)
-            self._finish(job, result)
-        if results:
-            self._last_activity = now = time.perf_counter()
+            # What _finish does, inline: one call less per job.
+            future = job.future
+            try:
+                job.on_done(result)
+            except Exception as exc:
+                logger.exception("completion of job %d failed", result.job_id)
+                if not future.done():
+                    future.set_exception(exc)
+                continue
+            if not future.done():  # the awaiting coroutine may have been cancelled
+                future.set_result(result)
+        if self._wake_per_job:  # only a task that polls or looks reads the time
+            self._last_activity = now = perf_counter()
             if self.on_demand:  # only a poller that looks by itself predicts or looks on
                 self._look_until = max(self._look_until, now + self.completion_spin_s)
-            if not self._jobs:
-                if self.on_demand:
-                    self._copy_clock.idle()
-                if self._drained is not None:
-                    self._drained.set()
+        if not jobs:
+            if self.on_demand:
+                self._copy_clock.idle()
+            if self._drained is not None:
+                self._drained.set()
         return len(results)
+
+    collect_now = poll_once
+    """Collect what finished, on the caller's turn (see :meth:`submit_job`)."""
 
     @staticmethod
     def _finish(job: _Job, result: TransferResult) -> None:
@@ -269,11 +340,18 @@ class TransferPoller:
         while True:
             if not self._jobs:
                 self._spinning = False
+                self._asleep = True
                 await self._waker.wait()
+                self._asleep = False
                 continue
             if self.pushed:
                 self._spinning = self.on_demand
                 if self.poll_once() or (self.on_demand and self._look_closely()):
+                    if not self._jobs:
+                        # Nothing in flight: sleep on the waker (the resumed coroutines run
+                        # meanwhile). A job that its caller collects itself (see
+                        # submit_job) then costs this task no turn at all.
+                        continue
                     await asyncio.sleep(0)  # let the resumed coroutines run first
                 elif self.on_demand and time.perf_counter() < self._look_until:
                     # A copy in flight should end soon (moments after the last submission

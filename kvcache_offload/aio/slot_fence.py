@@ -87,11 +87,13 @@ class SlotQuarantine:
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
-        self._heap: list[QuarantinedSlots] = []
+        self.pending: list[QuarantinedSlots] = []
+        """The quarantined slots, a heap by release time (empty: nothing is ever due, which
+        the engine checks before every store without a call)."""
         self._order = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self.pending)
 
     def fence(self, block_ids: list[int]) -> None:
         if block_ids:
@@ -104,11 +106,11 @@ class SlotQuarantine:
     def _push(self, item: QuarantinedSlots) -> None:
         item.release_at = time.monotonic() + self.grace_s
         item.order = next(self._order)
-        heapq.heappush(self._heap, item)
+        heapq.heappush(self.pending, item)
 
     def due(self) -> list[QuarantinedSlots]:
         """Remove and return the entries whose grace period is over."""
-        heap = self._heap
+        heap = self.pending
         if not heap or heap[0].release_at > time.monotonic():
             return []
         now = time.monotonic()
@@ -119,8 +121,8 @@ class SlotQuarantine:
 
     def take_pinned(self) -> list[QuarantinedSlots]:
         """Remove and return the pinned entries (a reset fences their blocks instead)."""
-        pinned = [item for item in self._heap if item.pinned_keys]
+        pinned = [item for item in self.pending if item.pinned_keys]
         if pinned:
-            self._heap = [item for item in self._heap if not item.pinned_keys]
-            heapq.heapify(self._heap)
+            self.pending = [item for item in self.pending if not item.pinned_keys]
+            heapq.heapify(self.pending)
         return pinned

@@ -120,6 +120,34 @@ class LoadResult:
     transfer_seconds: float = 0.0
 
 
+_new_object = object.__new__
+
+
+def job_store_result(
+    keys_stored: list[OffloadKey], evicted_keys: list[OffloadKey], nbytes: int, seconds: float
+) -> StoreResult:
+    """``StoreResult(keys_stored, evicted_keys, nbytes, seconds)`` without the frozen
+    ``__init__`` (one ``object.__setattr__`` per field, ~1 us): one per store job."""
+    result = _new_object(StoreResult)
+    fields = result.__dict__
+    fields["keys_stored"] = keys_stored
+    fields["evicted_keys"] = evicted_keys
+    fields["transfer_bytes"] = nbytes
+    fields["transfer_seconds"] = seconds
+    return result
+
+
+def job_load_result(keys_loaded: list[OffloadKey], nbytes: int, seconds: float) -> LoadResult:
+    """``LoadResult(keys_loaded, nbytes, seconds)`` without the frozen ``__init__``: one per
+    load job."""
+    result = _new_object(LoadResult)
+    fields = result.__dict__
+    fields["keys_loaded"] = keys_loaded
+    fields["transfer_bytes"] = nbytes
+    fields["transfer_seconds"] = seconds
+    return result
+
+
 @dataclass(frozen=True)
 class StoreLease(WireShape):
     """A prepared store that the client completes itself (sidecar mode)."""

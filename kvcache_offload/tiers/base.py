@@ -14,6 +14,7 @@ tier reports a miss and removes the value itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,12 +41,9 @@ class LatencyHistogram:
             self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, seconds: float) -> None:
-        i = 0
-        for i, bound in enumerate(self.bounds):  # noqa: B007 - 14 buckets, no bisect needed
-            if seconds <= bound:
-                break
-        else:
-            i = len(self.bounds)
+        # The first bucket whose bound is >= seconds (bounds ascend); one per transfer job.
+        # A NaN lands in the +Inf bucket.
+        i = bisect_left(self.bounds, seconds) if seconds == seconds else len(self.bounds)
         self.counts[i] += 1
         self.sum += seconds
         self.count += 1

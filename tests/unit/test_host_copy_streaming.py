@@ -71,3 +71,54 @@ def test_the_cpu_backend_streams_stores_only_and_round_trips_exactly() -> None:
                 assert store.success and load.success
         finally:
             h.shutdown()
+
+
+@native
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_queue_copying_a_plan_now_writes_what_the_copier_writes(streaming: bool) -> None:
+    # A small job that finds its copy thread idle is copied inline through the queue's
+    # registered groups (CopyQueue.run_now): the same bytes as HostCopier.run.
+    from kvcache_offload.dataplane.copy.host_copy import HostCopier
+    from kvcache_offload.dataplane.copy.plan import CopySides
+    from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder
+    from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue
+
+    gen = torch.Generator().manual_seed(11)
+    kv = make_caches(
+        num_tensors=2,
+        num_gpu_blocks=16,
+        page=4096,
+        group_layers=[[(0, 4096), (1, 4000)]],
+        gen=gen,
+        device="cpu",
+    )
+    h = CpuBackendOffloadingHandlers(kv, 1, 16)
+    sides = CopySides.of_direction(h.gpu_tensors, h.cpu_tensors, 1, True)
+    copier = HostCopier(sides, streaming=streaming)
+    queue = HostCopyQueue(copier, "test-run-now")
+    try:
+        assert queue.runs_now
+        handler = h.gpu_to_cpu_handler
+        planner = PlanBuilder(handler._group_refs, handler.src_geom, handler.dst_geom)
+        rng = np.random.default_rng(3)
+        job = random_job(
+            rng,
+            group_sizes=[5],
+            block_indices=[0],
+            factor=1,
+            num_gpu_blocks=16,
+            num_cpu_blocks=16,
+        )
+        plan = planner.plan_job((job.gpu_spec, job.cpu_spec), True)
+        for t in h.cpu_tensors:
+            t.zero_()
+        copier.run(plan)
+        want = [t.clone() for t in h.cpu_tensors]
+        for t in h.cpu_tensors:
+            t.zero_()
+        queue.run_now(plan)
+        assert all(torch.equal(a, b) for a, b in zip(h.cpu_tensors, want, strict=True))
+        assert any(t.any() for t in want)
+    finally:
+        queue.close()
+        h.shutdown()

@@ -797,6 +797,44 @@ done:
     return result;
 }
 
+/* run_now(group, src_units, dst_units): copy one part of a registered group on the calling
+ * thread (GIL released) and return when the bytes are in place. For a small job that finds
+ * the queue idle: the group's columns were parsed once by add_group, so the call parses two
+ * buffers instead of copy_units' nine. */
+static PyObject *queue_run_now(CopyQueue *q, PyObject *args) {
+    Py_ssize_t gid;
+    Py_buffer su, du;
+    if (!PyArg_ParseTuple(args, "ny*y*", &gid, &su, &du)) return NULL;
+    PyObject *result = NULL;
+    if (gid < 0 || gid >= q->ngroups) {
+        PyErr_Format(PyExc_ValueError, "CopyQueue.run_now: no group %zd", gid);
+        goto done;
+    }
+    if (su.len != du.len || su.len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "CopyQueue.run_now: unit buffers of %zd and %zd bytes (int64, one length)",
+                     su.len, du.len);
+        goto done;
+    }
+    {
+        QGroup *g = q->groups[gid];
+        const int64_t *u_s = su.buf, *u_d = du.buf;
+        Py_ssize_t units = su.len / 8;
+        Py_BEGIN_ALLOW_THREADS
+        copy_unit_run(g->bufs[0].buf, g->bufs[1].buf, g->bufs[2].buf, g->sf, g->bufs[3].buf,
+                      g->bufs[4].buf, g->bufs[5].buf, g->df, g->bufs[6].buf, g->refs, u_s, u_d,
+                      units, g->streaming);
+        stream_fence(g->streaming);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&su);
+    PyBuffer_Release(&du);
+    return result;
+}
+
 static PyObject *queue_take_finished(CopyQueue *q, PyObject *unused) {
     (void)unused;
     pthread_mutex_lock(&q->mu);
@@ -844,6 +882,8 @@ static PyMethodDef queue_methods[] = {
      "dst_factor, sizes, streaming=False) -> group id"},
     {"submit", (PyCFunction)queue_submit, METH_O,
      "submit([(group, src_units, dst_units), ...]) -> sequence number"},
+    {"run_now", (PyCFunction)queue_run_now, METH_VARARGS,
+     "run_now(group, src_units, dst_units): copy one part now on this thread (GIL released)"},
     {"take_finished", (PyCFunction)queue_take_finished, METH_NOARGS,
      "take_finished() -> [(seq, seconds, cancelled), ...]"},
     {"wait", (PyCFunction)queue_wait, METH_O, "wait(seq): block until job seq ended"},

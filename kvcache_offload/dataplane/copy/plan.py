@@ -230,9 +230,22 @@ class TransferPlan:
         """One plan that copies every fragment of ``plans`` (jobs of one handler, so a KV-cache
         group has the same refs in each): each group's units are concatenated in order."""
         by_group: dict[int, list[GroupPlan]] = {}
+        # The totals in the same pass (a batch merges one plan per job: no generator each).
+        first_plan = plans[0]
+        uniform_size = first_plan.uniform_size
+        max_size, alignment = first_plan.max_size, first_plan.alignment
+        num_fragments = num_bytes = 0
         for plan in plans:
             for g in plan.groups:
                 by_group.setdefault(g.index, []).append(g)
+            num_fragments += plan.num_fragments
+            num_bytes += plan.num_bytes
+            if uniform_size is not None and plan.uniform_size != uniform_size:
+                uniform_size = None
+            if plan.max_size > max_size:
+                max_size = plan.max_size
+            if plan.alignment < alignment:
+                alignment = plan.alignment
         groups = []
         for index in sorted(by_group):
             parts = by_group[index]
@@ -250,15 +263,7 @@ class TransferPlan:
                     first.ref_offset,
                 )
             )
-        sizes = {p.uniform_size for p in plans}
-        return cls(
-            groups=groups,
-            num_fragments=sum(p.num_fragments for p in plans),
-            num_bytes=sum(p.num_bytes for p in plans),
-            uniform_size=plans[0].uniform_size if len(sizes) == 1 else None,
-            max_size=max(p.max_size for p in plans),
-            alignment=min(p.alignment for p in plans),
-        )
+        return cls(groups, num_fragments, num_bytes, uniform_size, max_size, alignment)
 
     def split_refs(self, share: float) -> tuple[TransferPlan, TransferPlan]:
         """About ``share`` of every group's refs (by count) and the rest, as two plans."""

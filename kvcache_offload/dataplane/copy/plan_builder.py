@@ -101,6 +101,14 @@ class PlanBuilder:
             next(iter(only.distinct_sizes)) if only and len(only.distinct_sizes) == 1 else None
         )
         self._single_alignment = alignment_of(only.align_bits) if only else 1
+        self._single_parts: tuple[np.ndarray, np.ndarray, int, int, int] | None = (
+            (only.tensors, only.sizes, len(only.tensors), only.bytes_per_unit, only.max_size)
+            if only
+            else None
+        )
+        """What a plan of the one group takes from its facts, read once per job."""
+        self._unit_geometry = (src.factor, dst.factor, src.num_rows, dst.num_rows)
+        """``plan_units``' geometry arguments (see :meth:`write_single_units`)."""
 
     @property
     def single_group(self) -> _GroupFacts | None:
@@ -124,6 +132,54 @@ class PlanBuilder:
         except BufferError:  # a strided id view: the general path copes
             return False
         return bool(ok)
+
+    def plan_job(self, spec: tuple[object, object], gpu_to_cpu: bool) -> TransferPlan:
+        """``build(*parse_job(spec, gpu_to_cpu))``: the plan of one job's (source,
+        destination) spec pair, with the common job (the engine's own spec classes, one
+        KV-cache group, native int64 ids the C planner accepts) in one frame; any other job
+        takes :func:`parse_job` and :meth:`build`, which name what is wrong."""
+        parts = self._single_parts
+        if parts is not None and _plan_units is not None and type(spec) is tuple and len(spec) == 2:
+            if gpu_to_cpu:
+                gpu_spec, cpu_spec = spec
+            else:
+                cpu_spec, gpu_spec = spec
+            if type(gpu_spec) is GPULoadStoreSpec and type(cpu_spec) is CPULoadStoreSpec:
+                sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
+                # The arrays as the specs hold them once built (no property call each).
+                gpu_ids = gpu_spec._block_ids
+                if gpu_ids is None:
+                    gpu_ids = gpu_spec.block_ids
+                cpu_ids = cpu_spec._block_ids
+                if cpu_ids is None:
+                    cpu_ids = cpu_spec.block_ids
+                src_ids, dst_ids = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
+                size = int(sizes[0]) if len(sizes) == 1 and len(starts) == 1 else 0
+                if (
+                    size > 0
+                    and src_ids.dtype is _INT64
+                    and dst_ids.dtype is _INT64
+                    and src_ids.ndim == 1
+                    and dst_ids.ndim == 1
+                ):
+                    units = np.empty(2 * size, dtype=_INT64)
+                    try:
+                        ok = _plan_units(
+                            src_ids, dst_ids, size, int(starts[0]), *self._unit_geometry, units
+                        )
+                    except BufferError:  # a strided id view: the general path copes
+                        ok = False
+                    if ok:  # _single_plan inline
+                        tensors, ref_sizes, num_refs, unit_bytes, max_size = parts
+                        return TransferPlan(
+                            [GroupPlan(tensors, ref_sizes, units[:size], units[size:])],
+                            num_refs * size,
+                            unit_bytes * size,
+                            self._single_uniform,
+                            max_size,
+                            self._single_alignment,
+                        )
+        return self.build(*parse_job(spec, gpu_to_cpu))
 
     def build(
         self,
@@ -149,9 +205,22 @@ class PlanBuilder:
             # One C call checks the ids and writes both sides' units; a job it refuses takes
             # the path below, which names what is wrong.
             size = int(group_sizes[0])
-            units = np.empty(2 * max(size, 0), dtype=np.int64)
-            if self.write_single_units(src_ids, dst_ids, size, int(block_indices[0]), units):
-                return self._single_plan(single, units[:size], units[size:])
+            if size > 0 and src_ids.dtype is _INT64 and dst_ids.dtype is _INT64:
+                # write_single_units inline (the common job: native int64 ids): no method
+                # call, the geometry's four numbers read once per handler.
+                units = np.empty(2 * size, dtype=_INT64)
+                try:
+                    ok = _plan_units is not None and _plan_units(
+                        src_ids, dst_ids, size, int(block_indices[0]), *self._unit_geometry, units
+                    )
+                except BufferError:  # a strided id view: the general path copes
+                    ok = False
+                if ok:
+                    return self._single_plan(single, units[:size], units[size:])
+            else:
+                units = np.empty(2 * max(size, 0), dtype=np.int64)
+                if self.write_single_units(src_ids, dst_ids, size, int(block_indices[0]), units):
+                    return self._single_plan(single, units[:size], units[size:])
         _check_ids(src_ids, src.num_rows, "source")
         _check_ids(dst_ids, dst.num_rows, "destination")
         if single is not None and group_sizes[0] > 0 and block_indices[0] >= 0:

@@ -20,7 +20,8 @@ class HeldJobs:
 
     def __init__(self) -> None:
         self.jobs: list[tuple[int, TransferPlan]] = []
-        self._ids: set[int] = set()
+        self.ids: set[int] = set()
+        """The held jobs' ids (a handler checks a new job against them without a call)."""
         self._dst: set[int] = set()
         self.nbytes = 0
 
@@ -28,11 +29,11 @@ class HeldJobs:
         return bool(self.jobs)
 
     def __contains__(self, job_id: object) -> bool:
-        return job_id in self._ids
+        return job_id in self.ids
 
     def add(self, job_id: int, plan: TransferPlan, dst_blocks: set[int] | None = None) -> None:
         self.jobs.append((job_id, plan))
-        self._ids.add(job_id)
+        self.ids.add(job_id)
         self.nbytes += plan.num_bytes
         if dst_blocks:
             self._dst |= dst_blocks
@@ -44,7 +45,7 @@ class HeldJobs:
     def take(self) -> list[tuple[int, TransferPlan]]:
         """The held jobs, oldest first; the batch starts over empty."""
         jobs = self.jobs
-        self.jobs, self._ids, self._dst, self.nbytes = [], set(), set(), 0
+        self.jobs, self.ids, self._dst, self.nbytes = [], set(), set(), 0
         return jobs
 
     @staticmethod

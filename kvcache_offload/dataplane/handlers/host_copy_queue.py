@@ -52,7 +52,10 @@ class HostCopyQueue:
         # same refs never add a group.
         self._groups: dict[int, tuple[np.ndarray, int]] = {}
         self._group_of_refs: dict[tuple[bytes, bytes], int] = {}
-        self._in_flight: dict[int, NativeCopy] = {}
+        self._run_now = getattr(self._native, "run_now", None)
+        self.in_flight: dict[int, NativeCopy] = {}
+        """The copies queued and not yet collected, by sequence number (empty: nothing for
+        :meth:`collect` to find, so a handler skips the call)."""
 
     @staticmethod
     def available() -> bool:
@@ -84,13 +87,34 @@ class HostCopyQueue:
             if len(g.ref_tensors) and len(g.src_units)
         ]
         copy = NativeCopy(int(self._native.submit(parts)))
-        self._in_flight[copy.seq] = copy
+        self.in_flight[copy.seq] = copy
         return copy
+
+    @property
+    def runs_now(self) -> bool:
+        """Whether :meth:`run_now` copies through the registered groups (an extension built
+        before it existed has no ``CopyQueue.run_now``)."""
+        return self._run_now is not None
+
+    def run_now(self, plan: TransferPlan) -> None:
+        """Copy ``plan`` on the calling thread, now (GIL released during each part), with
+        the columns of the groups registered once: what ``HostCopier.run`` does for a job
+        copied inline, minus parsing every column per call. The caller keeps the order (the
+        queue is idle). Needs :attr:`runs_now`."""
+        run = self._run_now
+        assert run is not None
+        for g in plan.groups:
+            if len(g.ref_tensors) and len(g.src_units):
+                run(
+                    self._group_id(g.ref_tensors, g.ref_sizes),
+                    flat_int64(g.src_units),
+                    flat_int64(g.dst_units),
+                )
 
     def collect(self) -> None:
         """Mark every copy the thread finished (or cancelled at close) as done."""
         for seq, seconds, cancelled in self._native.take_finished():
-            copy = self._in_flight.pop(seq, None)
+            copy = self.in_flight.pop(seq, None)
             if copy is not None:
                 copy.finish(seconds, cancelled)
 

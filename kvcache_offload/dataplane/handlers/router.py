@@ -42,6 +42,8 @@ class OffloadingWorker:
     def __init__(self) -> None:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
+        self._by_classes: dict[tuple[type, type], OffloadingHandler] = {}
+        """The handler of each (source, destination) spec class pair seen so far."""
         self._batching: list[BatchesJobs] = []
         self._held: list[HeldJobs] = []
         """The held batches of the handlers that share ``BatchingSwitch``."""
@@ -59,26 +61,36 @@ class OffloadingWorker:
         if transfer_type in self.transfer_type_to_handler:
             raise ConfigError(f"a handler for {transfer_type} is already registered")
         self.transfer_type_to_handler[transfer_type] = handler
+        self._by_classes.clear()
         if all(h is not handler for h in self.handlers):
             self.handlers.append(handler)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         """Submit a job; a handler that raises or refuses yields False, never an exception."""
         src, dst = spec
-        transfer_type = (src.medium(), dst.medium())
-        handler = self.transfer_type_to_handler.get(transfer_type)
+        classes = (type(src), type(dst))
+        handler = self._by_classes.get(classes)
         if handler is None:
-            logger.warning("no handler for transfer type %s (job %d)", transfer_type, job_id)
-            return False
+            transfer_type = (src.medium(), dst.medium())
+            handler = self.transfer_type_to_handler.get(transfer_type)
+            if handler is None:
+                logger.warning("no handler for transfer type %s (job %d)", transfer_type, job_id)
+                return False
+            # A spec class names one medium (``medium()`` is static): route its pair by
+            # class from now on, without two calls per job.
+            self._by_classes[classes] = handler
         try:
             success = handler.transfer_async(job_id, spec)
         except Exception:
             logger.warning(
-                "handler raised submitting job %d (%s)", job_id, transfer_type, exc_info=True
+                "handler raised submitting job %d (%s)",
+                job_id,
+                (src.medium(), dst.medium()),
+                exc_info=True,
             )
             return False
         if not success:
-            logger.warning("failed to submit job %d (%s)", job_id, transfer_type)
+            logger.warning("failed to submit job %d (%s)", job_id, (src.medium(), dst.medium()))
         return success
 
     def get_finished(self) -> list[TransferResult]:
