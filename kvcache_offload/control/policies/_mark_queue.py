@@ -115,6 +115,10 @@ class MarkQueue:
         self._stamps = stamps
         self._head = 0
 
+    def adopt_table(self, blocks: dict[OffloadKey, BlockStatus]) -> None:
+        """Look members up in ``blocks`` (the same blocks in another dict) from now on."""
+        self._blocks = blocks
+
     def clear(self) -> None:
         """Forget every member (the block table is being emptied too)."""
         self._keys.clear()

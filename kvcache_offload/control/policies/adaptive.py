@@ -35,6 +35,7 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.alru import AdaptiveLRUCachePolicy
 from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
+from kvcache_offload.control.policies.lru2 import LRU2CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
 
 __all__ = ["AdaptiveCachePolicy"]
@@ -55,6 +56,12 @@ class AdaptiveCachePolicy(CachePolicy):
     """How much more a challenger's miniature must hit, relatively, to take over."""
     window: ClassVar[float] = 4.0
     """Sampled blocks per evaluation of the race, in miniature capacities."""
+    pause_lead: ClassVar[float] = 0.25
+    """How far (relatively) the leader's miniature must lead every other one for a rest."""
+    pause_after: ClassVar[int] = 2
+    """Evaluations in a row with such a lead before the race rests."""
+    pause_windows: ClassVar[float] = 12.0
+    """Length of a rest in evaluation windows of traffic (0: the race never rests)."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -76,6 +83,9 @@ class AdaptiveCachePolicy(CachePolicy):
             shadow_blocks=self.shadow_blocks,
             margin=self.margin,
             window=self.window,
+            pause_lead=self.pause_lead,
+            pause_after=self.pause_after,
+            pause_windows=self.pause_windows,
         )
         self._set_live(self._classes[first](self.cache_capacity))
         self._last_stored: OffloadKey | None = None
@@ -86,12 +96,16 @@ class AdaptiveCachePolicy(CachePolicy):
         CRC per key for both) and keeps its blocks in this policy's table."""
         self._live: CachePolicy = live
         self._live_alru: AdaptiveLRUCachePolicy | None = None
+        self._shared = False
         if isinstance(live, AdaptiveLRUCachePolicy):
             live.share_hash(self._race.threshold)
             # It holds the same blocks: one table for both (``_shared``).
             live.adopt_table(self._blocks)
             self._live_alru = live
-        self._shared = self._live_alru is not None
+            self._shared = True
+        elif isinstance(live, LRU2CachePolicy):
+            live.adopt_table(self._blocks)
+            self._shared = True
 
     def _share_miniatures(self, live: CachePolicy, name: str) -> None:
         """The race's adaptive LRU follows ``live`` when that is one, or leads (see module
@@ -162,6 +176,10 @@ class AdaptiveCachePolicy(CachePolicy):
             block = self._blocks.get(stored)
             if block is not None and block.ref_cnt == -1 and stored in keys:
                 return  # the touch after this request's store: the race saw the request
+        race = self._race
+        if race.paused_keys > 0:  # resting (see ShadowRace): the miniatures skip it
+            race.paused_keys -= len(keys)
+            return
         live = self._live_alru
         if live is not None and live.race_source is keys:
             sampled = ShadowRace.distinct(live.race_keys)
@@ -201,9 +219,12 @@ class AdaptiveCachePolicy(CachePolicy):
 
     def _switch(self, name: str) -> None:
         old = self._live
-        if self._live_alru is not None:
+        if self._shared:
             # Drained on a table of its own: this one keeps every block, in its order.
-            self._live_alru.adopt_table(dict(self._blocks))
+            if isinstance(old, AdaptiveLRUCachePolicy):
+                old.adopt_table(dict(self._blocks))
+            elif isinstance(old, LRU2CachePolicy):
+                old.adopt_table(dict(self._blocks))
             self._shared = False
         order: list[tuple[OffloadKey, BlockStatus]] = []
         while True:

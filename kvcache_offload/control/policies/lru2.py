@@ -164,6 +164,13 @@ class LRU2CachePolicy(QueuePolicy):
         self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
         self._now = 0
 
+    def adopt_table(self, table: dict[OffloadKey, BlockStatus]) -> None:
+        """Keep the blocks in ``table`` (holding exactly this policy's blocks) from now on:
+        the adaptive policy's block table, so that a store or an eviction updates one dict,
+        not two."""
+        self._blocks = table
+        self._probation.adopt_table(table)
+
     def _reset_learning(self) -> None:
         self._probation.clear()
         self._heap.clear()
