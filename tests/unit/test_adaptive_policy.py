@@ -36,6 +36,10 @@ def _trace(requests: list[list[int]]) -> Trace:
 def _hot_set_under_one_offs(rounds: int = 30) -> Trace:
     """150 hot blocks, each followed by four blocks never seen again: LRU's reuse distance
     (750 blocks) is far beyond a 256-block cache, but the hot set fits."""
+    return _trace(_hot_set_requests(rounds))
+
+
+def _hot_set_requests(rounds: int) -> list[list[int]]:
     requests: list[list[int]] = []
     fresh = 10_000
     for _ in range(rounds):
@@ -44,18 +48,22 @@ def _hot_set_under_one_offs(rounds: int = 30) -> Trace:
             for _ in range(4):
                 requests.append([fresh])
                 fresh += 1
-    return _trace(requests)
+    return requests
 
 
 def _reused_once_soon(steps: int = 6000) -> Trace:
     """A set used three times, then a stream where each block comes back once, 120 requests
     later and never again: recency is all there is, and LRU-2 holds on to the stale set."""
-    requests = [[i] for _ in range(3) for i in range(200)]
+    return _trace(_reused_once_soon_requests(steps))
+
+
+def _reused_once_soon_requests(steps: int, base: int = 0) -> list[list[int]]:
+    requests = [[base + i] for _ in range(3) for i in range(200)]
     for t in range(steps):
-        requests.append([1000 + t])
+        requests.append([base + 1000 + t])
         if t >= 120:
-            requests.append([1000 + t - 120])
-    return _trace(requests)
+            requests.append([base + 1000 + t - 120])
+    return requests
 
 
 def _hit_rate(policy: str | type[CachePolicy], trace: Trace, capacity: int = 256) -> float:
@@ -103,6 +111,55 @@ def test_adaptive_ignores_noise_between_equal_candidates() -> None:
     manager = CPUOffloadingManager(64, _Twins)
     replay_trace(manager, _hot_set_under_one_offs(5))
     assert manager.policy.debug_state()["switches"] == 0
+
+
+class _NeverRests(_LruOrLru2):
+    rest_windows = 0.0
+
+
+def test_the_race_rests_while_the_live_candidate_leads_widely() -> None:
+    trace = _hot_set_under_one_offs(60)
+    resting, racing = CPUOffloadingManager(256, _LruOrLru2), CPUOffloadingManager(256, _NeverRests)
+    a, b = replay_trace(resting, trace), replay_trace(racing, trace)
+    state = resting.policy.debug_state()
+    assert state["live"] == "lru2" and state["race_rests"] >= 2  # it raced again after a rest
+    assert racing.policy.debug_state()["race_rests"] == 0
+    assert a.block_hits == b.block_hits  # the same decisions, for a fraction of the race
+    assert resting.policy._race.sampled_blocks < racing.policy._race.sampled_blocks / 3  # type: ignore[attr-defined]
+
+
+def test_a_rest_does_not_stop_a_later_switch() -> None:
+    # LRU-2 wins widely (the race rests), then the traffic turns to recency: after a rest
+    # the race sees it and the live cache goes back to LRU.
+    requests = _hot_set_requests(30) + _reused_once_soon_requests(6000, base=100_000)
+    manager = CPUOffloadingManager(256, _LruOrLru2)
+    replay_trace(manager, _trace(requests))
+    state = manager.policy.debug_state()
+    assert state["race_rests"] >= 1
+    assert state["live"] == "lru" and state["switches"] == 2
+
+
+def test_a_live_lru2_shares_the_block_table_across_switches() -> None:
+    # The manager looks blocks up in the policy's table: it must stay the same dict, holding
+    # exactly the stored blocks, whichever candidate serves.
+    policy = AdaptiveCachePolicy(8)
+    table = policy.block_table()
+    blocks = {i: BlockStatus(i) for i in range(8)}
+    for i, block in blocks.items():
+        policy.insert(key(i), block)
+        block.ref_cnt = 0
+    for name in ("lru2", "alru", "lru2"):
+        policy._switch(name)  # type: ignore[attr-defined]
+        assert policy.live_policy == name and policy.block_table() is table
+        assert table == {key(i): blocks[i] for i in blocks}
+    victims = policy.evict(3, frozenset())
+    assert victims is not None and len(victims) == 3
+    for i in key_ids(k for k, _ in victims):
+        del blocks[i]
+    assert table == {key(i): blocks[i] for i in blocks} and len(policy) == 5
+    policy.insert(key(100), BlockStatus(100))
+    policy.remove(key(100))
+    assert len(table) == 5 and policy.get(key(100)) is None
 
 
 def test_a_switch_keeps_every_block_and_its_state() -> None:

@@ -107,9 +107,9 @@ class ShadowRace:
         margin: float = 0.05,
         window: float = 4.0,
         z: float = 2.0,
-        pause_lead: float = 0.25,
-        pause_after: int = 2,
-        pause_windows: float = 0.0,
+        rest_lead: float = 0.25,
+        rest_after: int = 2,
+        rest_windows: float = 0.0,
     ) -> None:
         rate = min(1.0, shadow_blocks / max(cache_capacity, 1))
         self.rate = rate
@@ -126,14 +126,14 @@ class ShadowRace:
         self.evaluations = 0
         self.switches = 0
         self.sampled_blocks = 0
-        self._pause_lead = pause_lead
-        self._pause_after = max(1, pause_after)
-        # Keys of traffic per rest: ``pause_windows`` windows of sampled blocks, unsampled.
-        self._pause_keys = round(pause_windows * self._window / rate)
+        self._rest_lead = rest_lead
+        self._rest_after = max(1, rest_after)
+        # Keys of traffic per rest: ``rest_windows`` windows of sampled blocks, unsampled.
+        self._rest_span = round(rest_windows * self._window / rate)
         self._calm = 0
-        self.paused_keys = 0
+        self.rest_keys = 0
         """Keys of traffic the caller still skips before the race runs again (see class doc)."""
-        self.pauses = 0
+        self.rests = 0
 
     def sample(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The sampled keys of ``keys``, in order, without repeats."""
@@ -205,7 +205,7 @@ class ShadowRace:
                 self._challenger = best.name
         else:
             self._challenger = ""
-        if self._pause_keys > 0:
+        if self._rest_span > 0:
             self._rest(current)
         for runner in runners:
             runner.score *= 0.5
@@ -215,7 +215,7 @@ class ShadowRace:
     def _rest(self, current: _Runner) -> None:
         """Start a rest when ``current`` has led every other runner widely long enough."""
         wide = True
-        bar = 1.0 + self._pause_lead
+        bar = 1.0 + self._rest_lead
         for runner in self._runners:
             if runner is not current and current.score <= bar * runner.score:
                 wide = False
@@ -223,10 +223,10 @@ class ShadowRace:
             self._calm = 0
             return
         self._calm += 1
-        if self._calm >= self._pause_after:
-            self.paused_keys = self._pause_keys
-            self.pauses += 1
-            self._calm = self._pause_after - 1  # one more wide lead after the rest
+        if self._calm >= self._rest_after:
+            self.rest_keys = self._rest_span
+            self.rests += 1
+            self._calm = self._rest_after - 1  # one more wide lead after the rest
 
     def policy(self, name: str) -> CachePolicy | None:
         """The miniature of candidate ``name`` (the first of that name), or None."""
