@@ -206,7 +206,7 @@ class ShadowRace:
         else:
             self._challenger = ""
         if self._rest_span > 0:
-            self._rest(current)
+            self._rest(best if changed else current)
         for runner in runners:
             runner.score *= 0.5
             runner.spread *= 0.5
