@@ -29,8 +29,14 @@ class Waker:
         self._loop_thread: int | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is self._loop:  # called per submission: a loop runs on one thread
+            return
         self._loop = loop
         self._loop_thread = threading.get_ident()
+
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the bound loop's thread."""
+        return threading.get_ident() == self._loop_thread
 
     def wake(self) -> None:
         """Wake the waiting task (call on the loop thread)."""
@@ -49,7 +55,7 @@ class Waker:
         loop = self._loop
         if loop is None or self._wake_scheduled:
             return
-        if threading.get_ident() == self._loop_thread:  # e.g. a copy done inline
+        if self.on_loop_thread():  # e.g. a copy done inline
             self.wake()
             return
         self._wake_scheduled = True

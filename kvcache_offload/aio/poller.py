@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from asyncio import get_running_loop
 from collections.abc import Callable
@@ -152,7 +151,7 @@ class TransferPoller:
 
         A no-op while the poller turns the loop looking by itself: it clears the flag and
         looks once more before it sleeps, so no completion goes unseen."""
-        if self._submitting and threading.get_ident() == self._waker._loop_thread:
+        if self._submitting and self._waker.on_loop_thread():
             # The handler finished the job it is being handed (a small copy done inline):
             # submit_job says so, and wakes the task itself unless its caller collects.
             self._done_in_submit = True
@@ -181,8 +180,7 @@ class TransferPoller:
         as before."""
         loop = get_running_loop()
         waker = self._waker
-        if waker._loop is not loop:
-            waker.bind(loop)
+        waker.bind(loop)
         job_id = self._next_job_id
         self._next_job_id = job_id + 1
         self._submitting = True
@@ -276,7 +274,7 @@ class TransferPoller:
                 # Jobs that end together may have shared one copy (a batch), whose time
                 # each reports: only a lone end times one job's blocks.
                 self._copy_clock.observe(job.source, job.blocks, result.transfer_time)
-            # What _finish does, inline: one call less per job.
+            # Run the callback, then resolve the future (inline: one call less per job).
             future = job.future
             try:
                 job.on_done(result)
@@ -300,18 +298,6 @@ class TransferPoller:
 
     collect_now = poll_once
     """Collect what finished, on the caller's turn (see :meth:`submit_job`)."""
-
-    @staticmethod
-    def _finish(job: _Job, result: TransferResult) -> None:
-        try:
-            job.on_done(result)
-        except Exception as exc:
-            logger.exception("completion of job %d failed", result.job_id)
-            if not job.future.done():
-                job.future.set_exception(exc)
-            return
-        if not job.future.done():  # the awaiting coroutine may have been cancelled
-            job.future.set_result(result)
 
     def _completion_fd_ready(self, fd: int) -> None:
         """A handler's copy thread announced an end on its descriptor: clear it, look."""

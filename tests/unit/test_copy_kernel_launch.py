@@ -9,6 +9,7 @@ and fall back to the JIT, never fail the job. A fake compiled kernel records the
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
@@ -120,7 +121,7 @@ def test_an_unknown_launcher_turns_the_direct_launch_off_and_the_jit_runs_the_jo
     jit = FakeJit()
     monkeypatch.setattr(tk, "_uva_copy_kernel", jit, raising=False)
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda stream, device: None)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: _NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     ref = torch.zeros(64, dtype=torch.int64)
     job = torch.zeros(64, dtype=torch.int64)
     bound = tk.BoundCopyKernel(ref, src_factor=1, dst_factor=1, alignment=ALIGN, config=CONFIG)
@@ -133,11 +134,3 @@ def test_an_unknown_launcher_turns_the_direct_launch_off_and_the_jit_runs_the_jo
     assert kwargs == {"BLOCK": CONFIG.block_bytes, "ALIGN": ALIGN, "num_warps": CONFIG.num_warps}
     bound.launch(job, n_groups=1, n_units=1, total_pairs=32, max_size=65536, stream=7)
     assert len(jit.launches) == 2 and launcher.calls == []
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -114,7 +114,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._other_direction: SingleDirectionOffloadingHandler | None = None
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
         taken behind copies in flight only while this handler is :meth:`copying` too."""
-        self._paired = False
         self._last_end_seen = 0.0
         self._last_copy_s = 0.0
         if completion_wait not in ("blocking", "spin"):
@@ -324,7 +323,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         copy engines overlap the directions, which the kernel does not; with traffic one way
         the batched kernel costs the event loop less per job (docs/transfers.md)."""
         self._other_direction, other._other_direction = other, self
-        self._paired = other._paired = True
 
     def copying(self) -> bool:
         """Whether this direction is in a burst of traffic: a copy in flight, a job held for
@@ -402,7 +400,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 t = self._transfers.popleft()
                 failed = t.staged is not None and t.staged.error is not None
                 seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
-                if self._paired and seconds is not None:  # the window of copying()
+                if self._other_direction is not None and seconds is not None:  # copying()'s window
                     self._last_end_seen = time.perf_counter()
                     self._last_copy_s = seconds
                 for job_id, nbytes in t.jobs:
