@@ -76,12 +76,14 @@ class OffloadConfig(BaseSettings):
     size (docs/transfers.md gives the rule and the measurements behind it); the others force
     one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
     plain torch ops). Ignored by the CPU backend."""
-    staged_when_busy: Literal["off", "stores", "both", "mixed"] = "off"
+    staged_when_busy: Literal["off", "stores", "both", "mixed"] = "mixed"
     """Under "auto", which directions send a job that queues behind copies in flight through
     the staged path (the copy engines, which overlap the other direction) instead of the
-    kernel: "stores", "both", "mixed" (both directions, but only while the other direction
-    is copying too) or "off". A lone job keeps the kernel either way. ``true`` / ``false``
-    (or 1 / 0) mean "both" / "off". docs/transfers.md has the measurements of each."""
+    kernel: "mixed" (the default: both directions, but only while the other direction is
+    copying too, so traffic both ways overlaps on the copy engines and one-way traffic keeps
+    the batched kernel), "stores", "both" or "off". A lone job keeps the kernel either way.
+    ``true`` / ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the
+    measurements of each."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None
@@ -98,6 +100,13 @@ class OffloadConfig(BaseSettings):
     them at once (only safe when no sidecar client can be late)."""
     event_buffer_size: int = Field(default=10_000, ge=1)
     subscriber_queue_size: int = Field(default=1_000, ge=1)
+    gc_freeze: bool = True
+    """At start, collect garbage once and ``gc.freeze()`` every object then alive (unless
+    something is frozen already), undone on close: the cycle collector's full passes then
+    walk only what was allocated since, instead of the whole torch/model heap while every
+    job in flight waits (100-300 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
+    if the process later drops large cyclic structures that existed before the engine
+    started and needs them collected while the engine runs."""
 
     # -- KV events for routers (vLLM's ZMQ wire format, docs/kv-events.md) -----------------
     kv_events_endpoint: str | None = None

@@ -35,6 +35,7 @@ from kvcache_offload.aio.engine_leases import LeaseOperations
 from kvcache_offload.aio.engine_lookups import Lookups
 from kvcache_offload.aio.engine_stats import collect_stats
 from kvcache_offload.aio.event_hub import EventHub
+from kvcache_offload.aio.gc_freeze import HeapFreeze
 from kvcache_offload.aio.leases import LeaseTable
 from kvcache_offload.aio.observers import AccessObservers
 from kvcache_offload.aio.poller import TransferPoller
@@ -129,6 +130,7 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._runner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._closed = False
+        self._heap_freeze = HeapFreeze()
         self._totals = EngineTotals()
         self._bytes = {STORE_DIRECTION: 0, LOAD_DIRECTION: 0}
         self._seconds = {STORE_DIRECTION: 0.0, LOAD_DIRECTION: 0.0}

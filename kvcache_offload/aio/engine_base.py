@@ -16,6 +16,7 @@ from kvcache_offload.errors import OffloadError
 
 if TYPE_CHECKING:
     from kvcache_offload.aio.event_hub import EventHub
+    from kvcache_offload.aio.gc_freeze import HeapFreeze
     from kvcache_offload.aio.leases import LeaseTable
     from kvcache_offload.aio.observers import AccessObservers
     from kvcache_offload.aio.poller import TransferPoller
@@ -70,6 +71,7 @@ class EngineBase:
     _runner: asyncio.Task[None] | None
     _stop: asyncio.Event | None
     _closed: bool
+    _heap_freeze: HeapFreeze
     _totals: EngineTotals
     _bytes: dict[str, int]
     _seconds: dict[str, float]

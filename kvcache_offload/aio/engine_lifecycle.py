@@ -43,6 +43,8 @@ class Lifecycle(BlockBytes):
             await self._get_block_memory()
         if self._tiers is not None:
             await self._tiers.open()
+        if self.config.gc_freeze:
+            self._heap_freeze.freeze()
 
     def _ensure_started(self) -> None:
         if self._runner is None and not self._closed:
@@ -113,6 +115,7 @@ class Lifecycle(BlockBytes):
                     await anyio.to_thread.run_sync(self.spec.shutdown)
                 except Exception:
                     logger.exception("shutting the spec down failed")
+            self._heap_freeze.release()
 
     @staticmethod
     def _guard(fn: Callable[[], object], what: str) -> None:

@@ -108,6 +108,34 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
             paired = [h._other_direction is not None for h in engine.worker.handlers]
             assert paired == [setting == "mixed"] * 2, setting
     engine, _ = build()
-    async with engine:  # the default: the kernel behind copies in flight too
+    async with engine:  # the default: the copy engines only while both directions copy
         assert engine.worker is not None
-        assert not any(h.staged_when_busy for h in engine.worker.handlers)
+        assert all(h.staged_when_busy for h in engine.worker.handlers)
+        assert all(h._other_direction is not None for h in engine.worker.handlers)
+
+
+async def test_aclose_unpins_the_cpu_tier_at_once() -> None:
+    """The pinned tier goes with aclose(), not with a later garbage collection: unpinning
+    it synchronizes the device, and a collection that did so stalled other engines' copies."""
+    import gc
+    import weakref
+
+    from kvcache_offload import make_offload_key
+
+    engine, tensors = build()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        async with engine:
+            keys = [make_offload_key(b"tier-%d" % i, 0) for i in range(4)]
+            await engine.store(keys, [0, 1, 2, 3])
+            await engine.load(keys, [4, 5, 6, 7])
+            pair = engine.spec.build_handlers(layouts.blocks_first_per_layer(tensors))
+            bases = {id(t._base): t._base for t in pair.cpu_tensors if t._base is not None}
+            refs = [weakref.ref(b) for b in bases.values()]
+            del pair, bases
+            assert refs and all(r() is not None for r in refs)
+        assert all(r() is None for r in refs), "the pinned CPU tier outlived aclose()"
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -195,7 +195,8 @@ def test_staged_shutdown_with_jobs_in_flight_finishes_them_and_refuses_more(subm
     gpu_tensors = [t.tensor for t in kv.tensors]
     for t in h.cpu_tensors:
         t[256:] = torch.randint(-128, 128, (256, t.shape[1]), dtype=torch.int8, generator=gen)
-    gpu_before, cpu_before = snapshot(gpu_tensors), snapshot(h.cpu_tensors)
+    cpu_tensors = list(h.cpu_tensors)  # shutdown() lets go of the tier; the test keeps it
+    gpu_before, cpu_before = snapshot(gpu_tensors), snapshot(cpu_tensors)
     low, high = np.arange(256), np.arange(256, 512)
     store_spec = (GPULoadStoreSpec(low, [256], [0]), CPULoadStoreSpec(low))
     load_spec = (CPULoadStoreSpec(high), GPULoadStoreSpec(high, [256], [0]))
@@ -209,7 +210,7 @@ def test_staged_shutdown_with_jobs_in_flight_finishes_them_and_refuses_more(subm
         h.gpu_to_cpu_handler.transfer_async(9, store_spec)
     assert h.gpu_to_cpu_handler.get_finished() == []
     assert h.gpu_to_cpu_handler.describe()["staging"]["staging_gpu_bytes"] == 0
-    for g, c, g0, c0 in zip(gpu_tensors, h.cpu_tensors, gpu_before, cpu_before, strict=True):
+    for g, c, g0, c0 in zip(gpu_tensors, cpu_tensors, gpu_before, cpu_before, strict=True):
         assert torch.equal(c[:256], g0[:256])  # every store landed before shutdown returned
         assert torch.equal(g[256:].cpu(), c0[256:])  # and every load
 

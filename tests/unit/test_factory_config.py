@@ -124,7 +124,7 @@ def test_from_dict_accepts_vllm_extra_config_keys() -> None:
 def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_booleans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().staged_when_busy == "off"
+    assert OffloadConfig().staged_when_busy == "mixed"
     spellings = (
         ("stores", "stores"),
         ("BOTH", "both"),

@@ -22,6 +22,7 @@ from kvcache_offload.dataplane.copy.plan import (
     CopySides,
     TransferPlan,
 )
+from kvcache_offload.errors import TransferError
 
 __all__ = ["HostCopier", "NativeCopyQueue", "flat_int64", "native_available"]
 
@@ -64,7 +65,7 @@ class HostCopier:
         """``streaming``: write the destination with non-temporal stores (the C walk only),
         for copies into the CPU tier, whose bytes are not read again soon: a store then
         neither reads every destination line first nor evicts what the engine works on."""
-        self._keep = sides
+        self._keep: CopySides | None = sides
         self.src_geom, self.dst_geom = sides.geometry()
         self.streaming = streaming
         self._table = np.empty((3, 0), dtype=np.int64)
@@ -72,10 +73,21 @@ class HostCopier:
         """``ref_columns`` by the ids of a group's ref arrays: a handler's plans pass the same
         two arrays job after job, and gathering the columns again cost five numpy calls."""
 
+    def release(self) -> None:
+        """Let go of the tensors (the handlers shut down first): a later copy raises
+        :class:`TransferError` instead of writing to memory that may be freed."""
+        self._keep = None
+        self._columns.clear()
+
+    def _check_open(self) -> None:
+        if self._keep is None:
+            raise TransferError("the host copier was released (its handlers are shut down)")
+
     def ref_columns(self, ref_tensors: np.ndarray, ref_sizes: np.ndarray) -> tuple[Any, ...]:
         """What the C copy needs of a group's refs before its units: each side's base, row
         stride and sub-block columns and factor, then the sizes (``copy_units``' and
         ``CopyQueue.add_group``'s leading arguments)."""
+        self._check_open()
         sb, sst, ssub = self.src_geom.of_refs(ref_tensors).flat
         db, dst, dsub = self.dst_geom.of_refs(ref_tensors).flat
         return (
@@ -121,6 +133,7 @@ class HostCopier:
                     dst = flat_int64(dst)
                 _copy_units(*columns, src, dst, self.streaming)
             return
+        self._check_open()
         if self._table.shape[1] < n:
             self._table = np.empty((3, max(n, 2 * self._table.shape[1])), dtype=np.int64)
         table = plan.fill_pointer_table(self.src_geom, self.dst_geom, self._table)

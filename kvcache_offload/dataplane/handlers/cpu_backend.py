@@ -188,6 +188,11 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
             self._direction(kv_caches, gpu_to_cpu, inline_max_bytes) for gpu_to_cpu in (True, False)
         )
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        for copier in self.host_copiers.values():
+            copier.release()  # they keep the tier's tensors alive for their addresses
+
     def _direction(
         self, kv_caches: CanonicalKVCaches, gpu_to_cpu: bool, inline_max_bytes: int
     ) -> ThreadedOffloadingHandler:

@@ -52,7 +52,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
-        staged_when_busy: StagedWhenBusy = "off",
+        staged_when_busy: StagedWhenBusy = "mixed",
     ) -> None:
         self.gpu_tensors = canonical_views_on(
             kv_caches,
