@@ -185,14 +185,18 @@ class Rig:
     def __init__(self, layout: Layout, device: str, mechanism: str, num_gpu_blocks: int) -> None:
         self.kv = layout.build(num_gpu_blocks, device)
         self.block_bytes = layouts.block_nbytes(self.kv)
-        # "auto+off" (any staged_when_busy value after the "+"): auto with that setting, a
-        # column next to the default's in the same run; without one, the default's value.
-        mechanism, _, when_busy = mechanism.partition("+")
-        busy: dict[str, Any] = {"staged_when_busy": when_busy} if when_busy else {}
+        # "auto+off" (a staged_when_busy value after a "+") or "auto+gc_freeze=0" (any
+        # OffloadConfig field): auto with that setting, a column next to the default's in
+        # the same run; everything not named keeps the default.
+        mechanism, *options = mechanism.split("+")
+        overrides: dict[str, Any] = {}
+        for option in options:
+            key, eq, value = option.partition("=")
+            overrides.update({key: value} if eq else {"staged_when_busy": option})
         config = OffloadConfig(
             cpu_bytes_to_use=1024 * self.block_bytes,
             transfer_mechanism=mechanism,  # type: ignore[arg-type]
-            **busy,
+            **overrides,
             layout=KVCacheLayout(
                 gpu_block_sizes=[16],
                 bytes_per_block=self.block_bytes,
@@ -453,7 +457,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     names = args.layouts.split(",") if args.layouts else (
         ["llama8b", "tp4_70b", "cross_layer"] if device == "cuda" else ["cpu_small"]
     )  # fmt: skip
-    mechanisms = args.mechanisms.split(",") if device == "cuda" else ["auto"]
+    mechanisms = args.mechanisms.split(",")
+    if device != "cuda":  # the CPU backend has one path: only auto's columns apply
+        mechanisms = [m for m in mechanisms if m.split("+")[0] == "auto"] or ["auto"]
     floors = Floors(device, 1024 * MiB if device == "cuda" else 256 * MiB)
     results = []
     for name in names:
@@ -484,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mechanisms",
         default="auto,kernel,dma,staged",
         help="columns: a transfer_mechanism, or auto+SETTING for auto with that "
-        "staged_when_busy (e.g. auto+off)",
+        "staged_when_busy or FIELD=VALUE (e.g. auto+off, auto+gc_freeze=0)",
     )
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--stream-s", type=float, default=3.0)

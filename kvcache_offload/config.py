@@ -101,8 +101,8 @@ class OffloadConfig(BaseSettings):
     event_buffer_size: int = Field(default=10_000, ge=1)
     subscriber_queue_size: int = Field(default=1_000, ge=1)
     gc_freeze: bool = True
-    """At start, collect garbage once and ``gc.freeze()`` every object then alive (unless
-    something is frozen already), undone on close: the cycle collector's full passes then
+    """At start, collect garbage once and ``gc.freeze()`` every object then alive, undone on
+    close where nothing was frozen before: the cycle collector's full passes then
     walk only what was allocated since, instead of the whole torch/model heap while every
     job in flight waits (100-300 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
     if the process later drops large cyclic structures that existed before the engine

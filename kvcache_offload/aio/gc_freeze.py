@@ -10,9 +10,10 @@ when the engine starts are the host's (modules, the model, the KV cache), so the
 collects once and then ``gc.freeze()``\\ s them: later full passes walk only what was
 allocated since. vLLM's engine does the same after its own start-up.
 
-The freeze is process-wide, so it is shared politely: an engine freezes only when nothing
-is frozen yet (a host that froze its heap first keeps its own policy), and on close the
-engine that froze thaws the heap (everything frozen since goes back to the collector).
+The freeze is process-wide, so it is shared politely: one engine at a time freezes, and
+it thaws the heap on close only if nothing was frozen before it (a host or a library that
+froze its own objects first keeps them frozen: on the H200 image something at import time
+had frozen 375 objects, so "only when nothing is frozen" never froze anything there).
 """
 
 from __future__ import annotations
@@ -30,26 +31,33 @@ _owner: HeapFreeze | None = None
 class HeapFreeze:
     """One engine's freeze of the objects alive at its start (``OffloadConfig.gc_freeze``)."""
 
+    def __init__(self) -> None:
+        self._thaw = False
+        """Whether :meth:`release` thaws the heap (nothing was frozen before this freeze)."""
+
     @property
     def active(self) -> bool:
         return _owner is self
 
     def freeze(self) -> bool:
-        """Collect, then freeze everything alive; False (and nothing done) when something is
-        frozen already or the collector is off."""
+        """Collect, then freeze everything alive; False (and nothing done) while another
+        engine's freeze holds or the collector is off."""
         global _owner
         with _lock:
-            if _owner is not None or gc.get_freeze_count() or not gc.isenabled():
+            if _owner is not None or not gc.isenabled():
                 return False
+            self._thaw = gc.get_freeze_count() == 0
             gc.collect()  # so that no garbage of the host's start-up is frozen with it
             gc.freeze()
             _owner = self
             return True
 
     def release(self) -> None:
-        """Thaw the heap if this freeze froze it; otherwise do nothing."""
+        """End this freeze: thaw the heap if nothing was frozen before it, else leave the
+        heap frozen (thawing would also thaw what someone else froze)."""
         global _owner
         with _lock:
             if _owner is self:
                 _owner = None
-                gc.unfreeze()
+                if self._thaw:
+                    gc.unfreeze()

@@ -38,13 +38,14 @@ async def test_gc_freeze_false_leaves_the_collector_alone() -> None:
         assert gc.get_freeze_count() == 0
 
 
-async def test_a_host_that_froze_its_heap_keeps_its_freeze() -> None:
-    gc.freeze()
-    host_object: list[object] = [[]]
+async def test_a_heap_frozen_before_the_engine_stays_frozen() -> None:
+    gc.freeze()  # a host (or a library at import time) froze its objects first
+    host_object: list[object] = [[]]  # allocated since: the engine's freeze takes it too
     async with _engine() as engine:
-        assert not engine._heap_freeze.active
-        assert any(o is host_object for o in gc.get_objects())  # the engine froze nothing
-    assert gc.get_freeze_count() > 0  # and did not thaw the host's freeze
+        assert engine._heap_freeze.active
+        assert not any(o is host_object for o in gc.get_objects())
+    assert gc.get_freeze_count() > 0  # the engine did not thaw what it did not freeze alone
+    assert not any(o is host_object for o in gc.get_objects())
 
 
 def test_one_freeze_at_a_time_and_only_its_owner_thaws() -> None:
