@@ -583,13 +583,16 @@ def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds() -> None:
     )
 )
 def test_mark_queue_keeps_arrival_order_of_its_members(ops: list[tuple[str, int]]) -> None:
-    # Members leave anywhere (a use), in walk order (an eviction) or with their key (the
-    # block table drops it); a key stored again gets a new stamp. Dead entries are skipped,
-    # trimmed at the head and compacted; the walk must always be the model's order.
+    # Members leave anywhere (a use), in walk order (an eviction, whose block the manager
+    # hands to the next new key, as it does) or with their key (the block table drops it); a
+    # key stored again gets a new stamp. Dead entries are skipped, trimmed at the head (also
+    # past the oldest members an eviction took) and compacted; the walk must always be the
+    # model's order.
     from kvcache_offload.control.policies._mark_queue import MarkQueue
 
     blocks: dict[OffloadKey, BlockStatus] = {}
-    queue = MarkQueue(blocks)
+    freed: list[BlockStatus] = []  # evicted blocks, reused for the next new keys
+    queue = MarkQueue()
     model: list[OffloadKey] = []  # members, oldest first
     stamps: dict[OffloadKey, int] = {}
     clock = 0
@@ -598,7 +601,7 @@ def test_mark_queue_keeps_arrival_order_of_its_members(ops: list[tuple[str, int]
         if op == "push" and k not in model:
             block = blocks.get(k)
             if block is None:
-                block = blocks[k] = BlockStatus(i)
+                block = blocks[k] = freed.pop() if freed else BlockStatus(i)
             clock += 1
             queue.push(k, block, clock)
             model.append(k)
@@ -614,7 +617,9 @@ def test_mark_queue_keeps_arrival_order_of_its_members(ops: list[tuple[str, int]
             taken = queue.key_at(index)
             assert queue.block is blocks[taken]
             queue.take(blocks[taken])
-            del blocks[taken]  # evicted
+            if taken == model[0]:
+                queue.taken_through(index)
+            freed.append(blocks.pop(taken))  # evicted
             model.remove(taken)
         elif op == "evict" and k in blocks and k not in model:
             del blocks[k]  # a used block leaves: its old entries stay dead
@@ -649,6 +654,25 @@ def test_lru2_failed_store_of_a_batched_ghost_key_leaves_no_heap_entry() -> None
     policy.touch(keys(3))
     assert sorted(_evicted_ids(policy, 2)) == sorted({1, 2, 3} - {gone})
     assert len(policy) == 0
+
+
+def test_lru2_subclass_enqueue_still_sees_every_stored_key() -> None:
+    # The flush enqueues inline; a subclass that overrides ``_enqueue`` must still see each
+    # key, tail of the store first, and evict as the plain policy does.
+    base = get_cache_policy_cls("lru2")
+    seen: list[OffloadKey] = []
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def _enqueue(self, k: OffloadKey, block: BlockStatus) -> None:
+            seen.append(k)
+            super()._enqueue(k, block)
+
+    recording, plain = Recording(3), base(3)
+    for policy in (recording, plain):
+        _store(policy, 1, 2, 3)
+        policy.touch(keys(1))
+    assert seen == [key(3), key(2), key(1)]
+    assert _evicted_ids(recording, 2) == _evicted_ids(plain, 2)
 
 
 @settings(max_examples=200, deadline=None)

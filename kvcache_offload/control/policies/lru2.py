@@ -155,7 +155,7 @@ class LRU2CachePolicy(QueuePolicy):
         # Each block's ``mark`` holds its last access: > 0, the time of its only access (its
         # store) while on probation; -1 - its last access once used. No per-key dict of stamps.
         # The blocks on probation, oldest first (their marks are their stamps).
-        self._probation = MarkQueue(self._blocks)
+        self._probation = MarkQueue()
         # key -> second-last access of each used block; the heap orders them and holds
         # exactly one entry per key of this dict.
         self._main: dict[OffloadKey, int] = {}
@@ -163,13 +163,14 @@ class LRU2CachePolicy(QueuePolicy):
         # Evicted key -> its last access, oldest first, ``history`` x capacity of them.
         self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
         self._now = 0
+        # Whether the flush may enqueue inline: not when a subclass changed ``_enqueue``.
+        self._plain_enqueue = type(self)._enqueue is LRU2CachePolicy._enqueue
 
     def adopt_table(self, table: dict[OffloadKey, BlockStatus]) -> None:
         """Keep the blocks in ``table`` (holding exactly this policy's blocks) from now on:
         the adaptive policy's block table, so that a store or an eviction updates one dict,
         not two."""
         self._blocks = table
-        self._probation.adopt_table(table)
 
     def _reset_learning(self) -> None:
         self._probation.clear()
@@ -189,6 +190,32 @@ class LRU2CachePolicy(QueuePolicy):
             self._main[key] = last
             block.mark = -1 - now
             self._heap.push(last, key)
+
+    def _flush_batch(self) -> None:
+        batch = self._batch
+        if not batch:
+            return
+        if not self._plain_enqueue:
+            super()._flush_batch()
+            return
+        batch_blocks = self._batch_blocks
+        ghost, probation, main, heap = self._ghost, self._probation, self._main, self._heap
+        now = self._now  # in a local, stored back at the end
+        for index in range(len(batch) - 1, -1, -1):
+            # :meth:`_enqueue`, inline: a method call and the clock's attribute per key.
+            key = batch[index]
+            block = batch_blocks[index]
+            now += 1
+            last = ghost.recall_stamp(key)
+            if last < 0:
+                probation.push(key, block, now)
+            else:
+                main[key] = last
+                block.mark = -1 - now
+                heap.push(last, key)
+        self._now = now
+        batch.clear()
+        batch_blocks.clear()
 
     def remove(self, key: OffloadKey) -> None:
         self._flush_batch()  # first: a batched key may be enqueued (into main) by the flush
@@ -235,6 +262,10 @@ class LRU2CachePolicy(QueuePolicy):
         chosen: list[OffloadKey] = []
         chosen_blocks: list[BlockStatus] = []  # their blocks, as found: no second lookup
         probation = self._probation
+        # The last member chosen before the walk first skipped one: every member up to it
+        # leaves, so the next walk may start after it (-1: none).
+        taken_through = -1
+        passed_over = False
         index = probation.first()
         while index >= 0:
             key = probation.key_at(index)
@@ -242,8 +273,12 @@ class LRU2CachePolicy(QueuePolicy):
             if block.ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
                 chosen_blocks.append(block)
+                if not passed_over:
+                    taken_through = index
                 if len(chosen) == n:
                     break
+            else:
+                passed_over = True
             index = probation.after(index)
         from_probation = len(chosen)
         heap, main = self._heap, self._main
@@ -280,8 +315,10 @@ class LRU2CachePolicy(QueuePolicy):
                 del main[key]
             ghost.remember(key, last)
             del blocks[key]
-            victim_keys.append(key)
-            victim_blocks.append(block)
+        if taken_through >= 0:
+            probation.taken_through(taken_through)
+        victim_keys.extend(chosen)  # one call, not an append per victim
+        victim_blocks.extend(chosen_blocks)
         for key in skipped:
             heap.push(main[key], key)
         return True
