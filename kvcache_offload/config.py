@@ -104,7 +104,7 @@ class OffloadConfig(BaseSettings):
     """At start, collect garbage once and ``gc.freeze()`` every object then alive, undone on
     close where nothing was frozen before: the cycle collector's full passes then
     walk only what was allocated since, instead of the whole torch/model heap while every
-    job in flight waits (100-300 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
+    job in flight waits (80-175 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
     if the process later drops large cyclic structures that existed before the engine
     started and needs them collected while the engine runs."""
 

@@ -3,12 +3,12 @@
 A process that imported torch (and Triton, numpy, a model) holds hundreds of thousands of
 objects. The engine adds a few long-lived ones per job (stored keys, buffered events), so
 every few seconds CPython runs a full collection that walks all of them while the event
-loop waits: 80-120 ms on the development VM, up to ~300 ms on the H200 host, every job in
-flight late by as much (``bench.serving``: single stalls of 180-290 ms cost some engines
+loop waits: 80-125 ms on the development VM, 80-175 ms on the H200 host, every job in
+flight late by as much (``bench.serving``: single jobs of 120-290 ms cost some engines
 10-25 % of a one-second stream and showed as "swings" between engines). Objects alive
 when the engine starts are the host's (modules, the model, the KV cache), so the engine
 collects once and then ``gc.freeze()``\\ s them: later full passes walk only what was
-allocated since. vLLM's engine does the same after its own start-up.
+allocated since. vLLM's GPU worker does the same after its warm-up (``freeze_gc_heap``).
 
 The freeze is process-wide, so it is shared politely: one engine at a time freezes, and
 it thaws the heap on close only if nothing was frozen before it (a host or a library that
