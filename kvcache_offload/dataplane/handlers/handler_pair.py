@@ -28,10 +28,10 @@ class HandlerPair(Generic[H]):
         """Stop both handlers, then let go of the CPU tier.
 
         The tier (a pinned buffer of the whole CPU capacity on CUDA) is released here rather
-        than whenever the garbage collector breaks the engine's reference cycles: unpinning
-        gigabytes takes a while and synchronizes the device, so a collection that freed a
-        closed engine's tier stalled whatever the process ran at that moment (another
-        engine's copies, measured as 10-25 % swings between engines of one benchmark)."""
+        than whenever the garbage collector breaks the engine's reference cycles: the memory
+        comes back when the engine closes, and unpinning gigabytes (slow, and synchronizing
+        the device) does not land in the middle of whatever the process runs at the moment a
+        later collection happens to free it."""
         for handler in self.handlers:
             handler.shutdown()
         self.cpu_tensors = []
