@@ -36,7 +36,9 @@ def serve(
     cpu_bytes: Annotated[
         str | None, typer.Option(help="CPU bytes for offloaded blocks, e.g. 4GiB.")
     ] = None,
-    policy: Annotated[str | None, typer.Option(help="Eviction policy (lru, arc, ...).")] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="Eviction policy (default adaptive; lru, arc, ...).")
+    ] = None,
     block_size: Annotated[int | None, typer.Option(help="Tokens per offloaded block.")] = None,
     store_threshold: Annotated[
         int | None, typer.Option(help="Store a block only after it was offered this many times.")

@@ -59,8 +59,9 @@ class OffloadConfig(BaseSettings):
     """Total CPU bytes for offloaded blocks, across all workers."""
     block_size: int | None = Field(default=None, gt=0)
     """Tokens per offloaded block (a multiple of the GPU block size); None = GPU block size."""
-    eviction_policy: str = "lru"
-    """Registered policy name or "package.module:ClassName"."""
+    eviction_policy: str = "adaptive"
+    """Registered policy name or "package.module:ClassName". The default, "adaptive", is the
+    policy lab's recommendation (docs/policy-lab.md, twelfth round)."""
     store_threshold: int = Field(default=0, ge=0)
     """>= 2 stores a block only after it was offered that many times; 0 or 1 stores all."""
     max_tracker_size: int = Field(default=64_000, ge=1)

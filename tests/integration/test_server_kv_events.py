@@ -21,6 +21,7 @@ async def test_served_stores_evictions_and_reset_reach_a_subscriber_by_flags_and
         "--kv-events-endpoint", f"tcp://*:{pub_port}",
         "--kv-events-replay-endpoint", f"tcp://*:{replay_port}",
         "--kv-events-topic", "kv-events",
+        "--policy", "lru",  # the eviction below is LRU's: key 0
     )  # fmt: skip
     env = {"KVCACHE_OFFLOAD_KV_EVENTS_ENCODING": "map"}
     with running_server(*args, env=env) as server:

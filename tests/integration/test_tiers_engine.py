@@ -103,7 +103,8 @@ async def test_another_model_id_never_sees_the_blocks(standalone: RedisServer) -
 
 
 async def test_lookup_prefix_spans_tiers_and_names_each_keys_tier(tmp_path: Path) -> None:
-    async with OffloadEngine(config(2, disk_path=tmp_path, disk_bytes="1MiB")) as engine:
+    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", eviction_policy="lru")
+    async with OffloadEngine(cfg) as engine:
         await engine.write_blocks(keys(0), [data(0)])
         await engine.write_blocks(keys(1), [data(1)])
         await written(engine, "disk", 2)
@@ -135,7 +136,8 @@ async def test_events_name_the_tier_a_block_went_to(tmp_path: Path) -> None:
 async def test_blocks_evicted_before_the_writer_reached_them_still_go_below(
     tmp_path: Path, mode: str
 ) -> None:
-    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write=mode)
+    # LRU: the eviction order the comments below walk through
+    cfg = config(2, disk_path=tmp_path, disk_bytes="1MiB", tier_write=mode, eviction_policy="lru")
     async with OffloadEngine(cfg) as engine:
         for i in range(8):  # a 2-block CPU tier: each store evicts while writes are queued
             await engine.write_blocks(keys(i), [data(i)])

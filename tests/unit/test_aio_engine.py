@@ -98,7 +98,7 @@ async def test_store_with_no_evictable_room_raises_capacity_error() -> None:
 
 
 async def test_eviction_events_precede_the_stored_event() -> None:
-    async with make_engine(num_blocks=2) as engine:
+    async with make_engine(num_blocks=2, config={"eviction_policy": "lru"}) as engine:
         await engine.store(keys(1, 2), [0, 1])
         result = await engine.store(keys(3), [2])
         assert result.evicted_keys == keys(1)

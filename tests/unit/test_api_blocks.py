@@ -74,7 +74,7 @@ async def test_malformed_block_keys_answer_422() -> None:
 
 
 async def test_uploads_beyond_capacity_evict_the_oldest_blocks() -> None:
-    async with block_client() as client:
+    async with block_client(eviction_policy="lru") as client:
         keys = [hex_key(i) for i in range(5)]
         for key in keys:
             r = await _put(client, [key], b"z" * BLOCK_BYTES)

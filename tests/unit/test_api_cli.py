@@ -59,7 +59,8 @@ def _serve(*args: str) -> object:
     [
         (["--policy", "bogus"], "unknown cache policy 'bogus'"),
         (["--cpu-bytes", "1"], "holds no block: one offloaded block is 2.00 MiB"),
-        (["--cpu-bytes", "1000TiB"], "memory available: lower --cpu-bytes"),
+        # 20 TiB: within every policy's block limit (alru's is 2**25 blocks, 64 TiB here)
+        (["--cpu-bytes", "20TiB"], "memory available: lower --cpu-bytes"),
     ],
     ids=["unknown-policy", "no-block", "beyond-host-memory"],
 )

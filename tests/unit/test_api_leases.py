@@ -52,7 +52,7 @@ async def test_store_beyond_capacity_with_everything_pinned_answers_507() -> Non
 
 
 async def test_eviction_returns_the_evicted_keys() -> None:
-    async with served() as s:
+    async with served(small_config(eviction_policy="lru")) as s:
         keys = [hex_key(i) for i in range(CAPACITY_BLOCKS)]
         await store(s.client, keys)
         r = await s.client.post("/v1/store/prepare", json={"keys": [hex_key(999)]})

@@ -53,7 +53,7 @@ async def test_stats_report_engine_counters_as_json() -> None:
         body = r.json()
         assert body["store_blocks_completed"] == 2
         assert body["capacity_blocks"] == 16
-        assert body["policy"] == "lru"
+        assert body["policy"] == "adaptive"  # the default
 
 
 async def test_region_answers_404_when_the_server_has_no_shared_region() -> None:

@@ -17,6 +17,7 @@ from kvcache_offload import (
     UnknownSpecError,
     load_config,
 )
+from kvcache_offload.control.policies import AdaptiveCachePolicy
 from kvcache_offload.dataplane.spec import CPUOffloadingSpec
 
 
@@ -44,6 +45,14 @@ def test_default_spec_is_the_cpu_spec_sized_from_the_byte_budget() -> None:
 def test_store_threshold_wraps_the_manager_in_the_reuse_filter() -> None:
     spec = OffloadingSpecFactory.create_spec(load_config(store_threshold=2))
     assert isinstance(spec.get_manager(), FilterReusedOffloadingManager)
+
+
+def test_default_config_builds_a_manager_running_the_adaptive_policy() -> None:
+    assert OffloadConfig.model_fields["eviction_policy"].default == "adaptive"
+    manager = OffloadingSpecFactory.create_spec(load_config()).get_manager()
+    assert isinstance(manager, CPUOffloadingManager)
+    assert isinstance(manager.policy, AdaptiveCachePolicy)
+    assert manager.stats().policy == "adaptive"
 
 
 def test_offloaded_block_size_must_be_a_multiple_of_the_gpu_block_size() -> None:
