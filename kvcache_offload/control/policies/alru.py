@@ -233,7 +233,9 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             # A log holds at most about four times the capacity in entries, each with a
             # token of its own in the mark's token bits.
             raise ConfigError(
-                f"alru holds at most {1 << (_TOKEN_BITS - 2)} blocks, not {cache_capacity}"
+                f"the alru policy (which the default adaptive policy runs too) holds at most "
+                f"{1 << (_TOKEN_BITS - 2)} blocks, not {cache_capacity}: use larger blocks "
+                f"or another eviction_policy (lru, arc, ...)"
             )
         # Stamps: insertion time on probation, last use in main.
         tokens = self.log_tokens
