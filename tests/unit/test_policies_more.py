@@ -521,6 +521,46 @@ def test_ghost_list_keeps_large_stamps_through_trims_and_compactions(
 
 @settings(max_examples=200, deadline=None)
 @given(
+    st.sampled_from([1, 2, 3, 6, 50]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["remember", "remember", "recall"]),
+            st.integers(0, 1),
+            st.integers(0, 20),
+        ),
+        max_size=600,
+    ),
+)
+def test_ghost_pair_forgets_like_two_ghost_lists(
+    limit: int, ops: list[tuple[str, int, int]]
+) -> None:
+    # One dict for both lists (a key is a ghost of at most one): each list still forgets its
+    # own oldest, through recalls' dead entries, trims and compactions (limit 50 never fills).
+    from kvcache_offload.control.policies._ghosts import GhostList, GhostPair
+
+    pair = GhostPair(limit)
+    lists = (GhostList(limit), GhostList(limit))
+    for op, which, i in ops:
+        k = key(i)
+        if op == "remember":
+            if k in lists[0] or k in lists[1]:
+                continue  # the contract: only a key that is a ghost of neither
+            pair.remember(k, which)
+            lists[which].remember(k)
+        else:
+            expected = 0 if lists[0].recall(k) else 1 if lists[1].recall(k) else -1
+            assert pair.recall(k) == expected
+        assert (pair.size(0), pair.size(1)) == (len(lists[0]), len(lists[1]))
+        assert len(pair) == len(lists[0]) + len(lists[1])
+        assert [i for i in range(21) if key(i) in pair] == [
+            i for i in range(21) if key(i) in lists[0] or key(i) in lists[1]
+        ]
+    pair.clear()
+    assert (len(pair), pair.size(0), pair.size(1)) == (0, 0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
     st.lists(
         st.tuples(st.sampled_from(["append", "append", "remove", "pop"]), st.integers(0, 30)),
         min_size=300,

@@ -21,7 +21,7 @@ from typing import final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["GhostList"]
+__all__ = ["GhostList", "GhostPair"]
 
 
 @final
@@ -120,6 +120,120 @@ class GhostList:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+@final
+class _PairLog:
+    """One list of a :class:`GhostPair`: its log from ``head`` on, its dead entries per key
+    and its number of ghosts."""
+
+    __slots__ = ("dead", "head", "keys", "size")
+
+    def __init__(self) -> None:
+        self.keys: list[OffloadKey] = []
+        self.head = 0
+        self.dead: dict[OffloadKey, int] = {}
+        self.size = 0
+
+    def compact(self) -> None:
+        dead = self.dead
+        live: list[OffloadKey] = []
+        keys = self.keys
+        for index in range(self.head, len(keys)):
+            key = keys[index]
+            if not _passed_dead(dead, key):
+                live.append(key)
+        self.keys = live
+        self.head = 0
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.head = 0
+        self.dead.clear()
+        self.size = 0
+
+
+@final
+class GhostPair:
+    """Two ghost lists (0 and 1) of at most ``limit`` keys each, in one dict.
+
+    Each list forgets its own oldest ghost, exactly as a :class:`GhostList` of its own. A key
+    is a ghost of at most one of them: its owner remembers only a key that is a ghost of
+    neither (an evicted key, recalled when it was stored). So one dict (ghost -> its list)
+    answers :meth:`recall` with one probe where two lists take two for each key that is in
+    neither, which is most stored keys (the adaptive LRU's probation and main ghosts).
+    """
+
+    __slots__ = ("_first", "_lists", "_second", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lists: dict[OffloadKey, int] = {}  # ghost -> its list
+        self._first = _PairLog()
+        self._second = _PairLog()
+
+    def _log(self, which: int) -> _PairLog:
+        return self._second if which else self._first
+
+    def remember(self, key: OffloadKey, which: int) -> None:
+        """Record an evicted key (a ghost of neither list) as list ``which``'s newest."""
+        lists = self._lists
+        size = len(lists)
+        lists.setdefault(key, which)
+        if len(lists) == size:
+            return  # already a ghost (of this list, given the contract): it keeps its place
+        log = self._second if which else self._first
+        keys = log.keys
+        keys.append(key)
+        count = log.size
+        log.size = count + 1
+        if count >= self.limit:
+            self._forget_oldest(log)
+        elif log.dead and len(keys) - log.head > 2 * count + 64:
+            log.compact()
+
+    def _forget_oldest(self, log: _PairLog) -> None:
+        lists, keys, dead = self._lists, log.keys, log.dead
+        head = log.head
+        while True:
+            key = keys[head]
+            head += 1
+            if dead and _passed_dead(dead, key):  # a recalled key's entry
+                continue
+            del lists[key]
+            break
+        log.size -= 1
+        if head > 64 and 2 * head > len(keys):
+            del keys[:head]
+            head = 0
+        log.head = head
+
+    def recall(self, key: OffloadKey) -> int:
+        """Forget ``key``; the list it was a ghost of, or -1 (its block is being stored)."""
+        lists = self._lists
+        which = lists.get(key, -1)  # not ``pop``: compiled, a generic method call
+        if which >= 0:
+            del lists[key]
+            log = self._second if which else self._first
+            log.size -= 1
+            dead = log.dead
+            dead[key] = dead.get(key, 0) + 1
+        return which
+
+    def size(self, which: int) -> int:
+        """The number of ghosts of list ``which``."""
+        return self._log(which).size
+
+    def clear(self) -> None:
+        self._lists.clear()
+        self._first.clear()
+        self._second.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lists
+
+    def __len__(self) -> int:
+        return len(self._lists)
 
 
 def _passed_dead(dead: dict[OffloadKey, int], key: OffloadKey) -> bool:

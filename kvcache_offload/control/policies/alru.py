@@ -40,7 +40,7 @@ from typing import ClassVar, Final, final
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._ghosts import GhostPair
 from kvcache_offload.control.policies._mini_sim import HASH_SPACE as _HASH_SPACE
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
@@ -63,6 +63,9 @@ _DEMOTED_TAIL: Final = 2
 _MAIN: Final = 3
 _TAIL: Final = 4
 """Mark bit of a store tail still on probation."""
+_PROBATION_GHOSTS: Final = 0
+_MAIN_GHOSTS: Final = 1
+"""The two lists of the ghost pair: keys evicted from probation, from main."""
 _TOKEN_SHIFT: Final = 3
 _TOKEN_BITS: Final = 27
 _TOKEN_MASK: Final = (1 << _TOKEN_BITS) - 1
@@ -213,7 +216,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     """Age-weighted probation + LRU, weight from miniature simulations (see module doc)."""
 
     name = "alru"
-    queue_attributes = ("_ghost", "_main_ghost")
+    queue_attributes = ()  # its own ``remove``, ``clear`` and ``debug_state`` name them
     prefix_order = True
     weights: ClassVar[tuple[float, ...]] = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
     shadow_blocks: ClassVar[int] = 256
@@ -244,8 +247,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._main = _BlockLog(_MAIN, tokens)
         self._stamp_span = self.stamp_span
         self._next_rebase = self._stamp_span
-        self._ghost = GhostList(cache_capacity)
-        self._main_ghost = GhostList(cache_capacity)
+        # The keys evicted from probation (list 0) and from main (1), ``capacity`` of each.
+        self._ghosts = GhostPair(cache_capacity)
         self._tails = 0  # store tails still on probation (marked ``_TAIL``)
         self._dead_tail_ratio = self.dead_tail_ratio  # read once (a lookup when compiled)
         self._now = 0
@@ -326,7 +329,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         block.key_crc = -1  # a new key for this block (see ``touch``)
         self._now += 1
         now = self._now
-        if self._ghost.recall(key) or self._main_ghost.recall(key):
+        if self._ghosts.recall(key) >= 0:
             self._main.size += 1
             self._main.push(key, block, _mark(now, _MAIN))
         else:
@@ -345,7 +348,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         stats.add_store(len(batch))
         blocks = self._blocks
         probation, main = self._probation, self._main
-        ghost, main_ghost = self._ghost, self._main_ghost
+        ghosts = self._ghosts
         now = self._now
         for key in reversed(batch):
             # :meth:`_enqueue`, inline.
@@ -354,7 +357,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 continue
             block.key_crc = -1  # a new key for this block (see ``touch``)
             now += 1
-            if ghost.recall(key) or main_ghost.recall(key):
+            if ghosts.recall(key) >= 0:
                 main.size += 1
                 main.push(key, block, _mark(now, _MAIN))
             else:
@@ -406,8 +409,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._probation.clear()
         self._demoted.clear()
         self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
+        self._ghosts.clear()
         self._tails = 0
         self._reset_learning()
 
@@ -417,8 +419,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             "size": len(self),
             "probation": self._probation.size + self._demoted.size,
             "main": self._main.size,
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
+            "ghost": self._ghosts.size(_PROBATION_GHOSTS),
+            "main_ghost": self._ghosts.size(_MAIN_GHOSTS),
             "tails": self._tails,
         }
         state.update(self._learned_state())
@@ -566,7 +568,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                 del blocks[start_blocks:]
                 return False
         table = self._blocks
-        ghost, main_ghost = self._ghost, self._main_ghost
+        ghosts = self._ghosts
         from_main = from_probation = from_stack = tails = 0
         for i in range(n):
             key = keys[start + i]
@@ -574,10 +576,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             mark = block.mark
             where = mark & 3
             if where == _MAIN:
-                main_ghost.remember(key)
+                ghosts.remember(key, _MAIN_GHOSTS)
                 from_main += 1
             else:
-                ghost.remember(key)
+                ghosts.remember(key, _PROBATION_GHOSTS)
                 if where == _PROBATION:
                     from_probation += 1
                 else:

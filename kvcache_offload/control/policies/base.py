@@ -3,7 +3,8 @@
 Storage and decision cannot be split cleanly (ARC's ghost lists, segmented queues), so one
 object does both. Policies are pure Python and know nothing of torch or transfers; they only
 see each block's ``ref_cnt``: -1 being written, 0 idle (the only evictable state), >0 being
-read by that many loads. A block also carries one int for the policy holding it (``mark``).
+read by that many loads. A block also carries two ints for the policy holding it (``mark``,
+``second_mark``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ __all__ = ["BlockStatus", "CachePolicy", "append_victims"]
 
 class BlockStatus:
     """State of one CPU slot: its id and its reference count (-1 = being written), plus a
-    small int the policy holding the block keeps there (:attr:`mark`)."""
+    small int the policy holding the block keeps there (:attr:`mark`, :attr:`second_mark`)."""
 
-    __slots__ = ("block_id", "block_id_object", "key_crc", "mark", "ref_cnt")
+    __slots__ = ("block_id", "block_id_object", "key_crc", "mark", "ref_cnt", "second_mark")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -36,6 +37,10 @@ class BlockStatus:
         # the block already in hand costs a few instructions where a per-key dict costs a
         # hash-table probe on every read, write and delete.
         self.mark = 0
+        # A second int of the policy's own (LRU-2's second-last access of a used block), with
+        # the same rules as ``mark``: the policy sets it before it reads it, since the
+        # manager hands a block to another key (and policy) without resetting it.
+        self.second_mark = 0
         # The CRC-32 of the block's key, or -1: a policy that samples keys by their CRC
         # keeps it here once computed (compiled, a ``zlib.crc32`` call costs hundreds of
         # instructions, a cached hit's a field read). Whoever reads it must reset it when

@@ -13,10 +13,10 @@ not). A store's keys enter the probation queue tail first (a prefix loses its ta
 head), and a key stored again soon after eviction (a ghost, ``history`` x capacity remembered
 with their last access time) starts with that access as its history. Used blocks sit in a
 heap keyed by their second-last access, one entry per block, refreshed lazily: a use only
-updates the block's stamps, and an entry that reaches the top with an outdated second-last
-access is pushed again with the current one (it can only have grown), so the first
-up-to-date entry on top is the true oldest. A hot block costs nothing in the heap between
-evictions.
+updates the block's stamps (its ``mark`` and ``second_mark``: no per-key dict), and an entry
+that reaches the top with an outdated second-last access is pushed again with the current
+one (it can only have grown), so the first up-to-date entry on top is the true oldest. A hot
+block costs nothing in the heap between evictions.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class LRU2CachePolicy(QueuePolicy):
     """Probation (used once) first, then used blocks by oldest second-last access."""
 
     name = "lru2"
-    queue_attributes = ("_main", "_ghost")  # and the probation queue, which lives in marks
+    queue_attributes = ("_ghost",)  # and the probation queue and main, which live in marks
     prefix_order = True
     history: ClassVar[float] = 8.0
     """Evicted keys remembered (with their last access), as a multiple of the capacity."""
@@ -153,12 +153,12 @@ class LRU2CachePolicy(QueuePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         # Each block's ``mark`` holds its last access: > 0, the time of its only access (its
-        # store) while on probation; -1 - its last access once used. No per-key dict of stamps.
+        # store) while on probation; -1 - its last access once used (in main), and then its
+        # ``second_mark`` its second-last access. No per-key dict of stamps.
         # The blocks on probation, oldest first (their marks are their stamps).
         self._probation = MarkQueue()
-        # key -> second-last access of each used block; the heap orders them and holds
-        # exactly one entry per key of this dict.
-        self._main: dict[OffloadKey, int] = {}
+        # The used blocks (main), by second-last access: one heap entry per used block.
+        self._used = 0
         self._heap = _Heap()
         # Evicted key -> its last access, oldest first, ``history`` x capacity of them.
         self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
@@ -175,10 +175,11 @@ class LRU2CachePolicy(QueuePolicy):
     def _reset_learning(self) -> None:
         self._probation.clear()
         self._heap.clear()
+        self._used = 0
         self._now = 0
 
     def _learned_state(self) -> dict[str, object]:
-        return {"probation": len(self._probation)}
+        return {"main": self._used, "probation": len(self._probation)}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         now = self._now + 1
@@ -187,7 +188,8 @@ class LRU2CachePolicy(QueuePolicy):
         if last < 0:
             self._probation.push(key, block, now)
         else:
-            self._main[key] = last
+            self._used += 1
+            block.second_mark = last
             block.mark = -1 - now
             self._heap.push(last, key)
 
@@ -199,7 +201,8 @@ class LRU2CachePolicy(QueuePolicy):
             super()._flush_batch()
             return
         batch_blocks = self._batch_blocks
-        ghost, probation, main, heap = self._ghost, self._probation, self._main, self._heap
+        ghost, probation, heap = self._ghost, self._probation, self._heap
+        used = self._used
         now = self._now  # in a local, stored back at the end
         for index in range(len(batch) - 1, -1, -1):
             # :meth:`_enqueue`, inline: a method call and the clock's attribute per key.
@@ -210,9 +213,11 @@ class LRU2CachePolicy(QueuePolicy):
             if last < 0:
                 probation.push(key, block, now)
             else:
-                main[key] = last
+                used += 1
+                block.second_mark = last
                 block.mark = -1 - now
                 heap.push(last, key)
+        self._used = used
         self._now = now
         batch.clear()
         batch_blocks.clear()
@@ -222,14 +227,16 @@ class LRU2CachePolicy(QueuePolicy):
         block = self._blocks[key]
         if MarkQueue.holds(block):
             self._probation.take(block)
-        in_main = key in self._main
+        in_main = block.mark < 0
         super().remove(key)
         if in_main:  # a failed store of a ghost key: its heap entry goes too (rare)
-            self._heap.rebuild({second: k for k, second in self._main.items()})
+            self._used -= 1
+            self._heap.rebuild({b.second_mark: k for k, b in self._blocks.items() if b.mark < 0})
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
-        blocks, probation, main, heap = self._blocks, self._probation, self._main, self._heap
+        blocks, probation, heap = self._blocks, self._probation, self._heap
+        used = 0  # blocks that left probation
         now = self._now  # in a local, stored back at the end
         # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
         # costs a builtins lookup and call per touch and a generic iterator step per key.
@@ -242,12 +249,14 @@ class LRU2CachePolicy(QueuePolicy):
             now += 1
             mark = block.mark
             if mark < 0:  # used before: its heap entry is refreshed when on top
-                main[key] = -1 - mark
+                block.second_mark = -1 - mark
             else:
                 previous = probation.take(block)
-                main[key] = previous
+                block.second_mark = previous
                 heap.push(previous, key)
+                used += 1
             block.mark = -1 - now
+        self._used += used
         self._now = now
 
     def _select_blocks(
@@ -281,7 +290,7 @@ class LRU2CachePolicy(QueuePolicy):
                 passed_over = True
             index = probation.after(index)
         from_probation = len(chosen)
-        heap, main = self._heap, self._main
+        heap = self._heap
         # Everything taken off the heap, in order (to undo a failed eviction).
         popped: list[int] = []
         popped_keys: list[OffloadKey] = []
@@ -291,11 +300,11 @@ class LRU2CachePolicy(QueuePolicy):
             stamp = heap.stamp
             popped.append(stamp)
             popped_keys.append(key)
-            current = main[key]
+            block = blocks[key]
+            current = block.second_mark
             if current != stamp:
                 heap.push(current, key)  # used since: its place is further on
                 continue
-            block = blocks[key]
             if block.ref_cnt == 0 and not (guarded and key in protected):
                 chosen.append(key)
                 chosen_blocks.append(block)
@@ -308,32 +317,31 @@ class LRU2CachePolicy(QueuePolicy):
         for i in range(len(chosen)):
             key = chosen[i]
             block = chosen_blocks[i]
-            if i < from_probation:
-                last = probation.take(block)
-            else:
-                last = -1 - block.mark
-                del main[key]
+            last = probation.take(block) if i < from_probation else -1 - block.mark
             ghost.remember(key, last)
             del blocks[key]
+        self._used -= len(chosen) - from_probation
         if taken_through >= 0:
             probation.taken_through(taken_through)
         victim_keys.extend(chosen)  # one call, not an append per victim
         victim_blocks.extend(chosen_blocks)
         for key in skipped:
-            heap.push(main[key], key)
+            heap.push(blocks[key].second_mark, key)
         return True
 
     def _restore(self, popped: list[int], popped_keys: list[OffloadKey]) -> None:
         """The heap as before a failed eviction, which emptied it: the popped entries less
         the ones it pushed again (an outdated entry's key, popped a second time up to date)."""
-        main = self._main
+        blocks = self._blocks
         refreshed = {
-            key for stamp, key in zip(popped, popped_keys, strict=True) if main[key] != stamp
+            key
+            for stamp, key in zip(popped, popped_keys, strict=True)
+            if blocks[key].second_mark != stamp
         }
         self._heap.rebuild(
             {
                 stamp: key
                 for stamp, key in zip(popped, popped_keys, strict=True)
-                if key not in refreshed or main[key] != stamp
+                if key not in refreshed or blocks[key].second_mark != stamp
             }
         )
