@@ -308,6 +308,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         # The batch of :meth:`insert`, in one call (the manager stores a request at once).
+        if self._batch:
+            self._flush_batch()  # one store per batch: its last key is its request's tail
         self._blocks.update(pairs)
         batch = self._batch
         for key, _ in pairs:
@@ -320,6 +322,13 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
             return
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
+        if self._batch:
+            # Stores that follow one another with no other call between them (an engine
+            # storing for several requests, or into a tier with room to spare) are
+            # flushed one by one: merged, only the last one's tail was seen as a tail and
+            # the others' counted as used blocks, which taught the policy that tails are
+            # dead, and it then evicted every store's last block before the next store.
+            self._flush_batch()
         table = self._blocks
         for index in range(len(keys)):
             table[keys[index]] = blocks[index]
