@@ -298,7 +298,8 @@ async def bench_engine(
     layout: Layout, device: str, mechanism: str, args: argparse.Namespace, floors: Floors
 ) -> dict[str, Any]:
     tasks = args.tasks
-    rig = Rig(layout, device, mechanism, max(tasks * STREAM_JOB_BLOCKS, max(SINGLE_SIZES)))
+    widest = max([STREAM_JOB_BLOCKS, *args.sweep_blocks])
+    rig = Rig(layout, device, mechanism, max(tasks * widest, max(SINGLE_SIZES)))
     async with rig.engine:
         single = await single_jobs(rig, args.reps)
         streams = [
@@ -307,6 +308,13 @@ async def bench_engine(
             await stream(rig, "mixed 4-block", tasks, STREAM_JOB_BLOCKS, tasks // 2, args.stream_s),
             await stream(rig, "loads 1-block", tasks, 1, tasks, args.stream_s),
         ]
+        # One-way streams of other job sizes: where the kernel and the copy engines cross
+        # over is what sets staged_one_way_min_job_bytes (docs/transfers.md).
+        done = {s.name for s in streams}
+        for n in args.sweep_blocks:
+            for name, loaders in ((f"loads {n}-block", tasks), (f"stores {n}-block", 0)):
+                if name not in done:
+                    streams.append(await stream(rig, name, tasks, n, loaders, args.stream_s))
         describe = rig.engine.worker.handlers if rig.engine.worker is not None else []
         jobs_by_mechanism = {}
         for i, h in enumerate(describe):
@@ -496,6 +504,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-s", type=float, default=3.0)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument(
+        "--sweep",
+        default="",
+        help="also one-way load and store streams of these job sizes in blocks (e.g. 1,2,8)",
+    )
+    parser.add_argument(
         "--warmup-s", type=float, default=0.5, help="a throwaway engine's stream per layout"
     )
     parser.add_argument(
@@ -514,6 +527,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    try:
+        args.sweep_blocks = [int(n) for n in args.sweep.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--sweep takes block counts like 1,2,8, got {args.sweep!r}")
+    if any(n < 1 for n in args.sweep_blocks):
+        parser.error("--sweep block counts must be at least 1")
     if args.loop == "uvloop":
         import uvloop
 

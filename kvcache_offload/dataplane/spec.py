@@ -143,6 +143,8 @@ class CPUOffloadingSpec(OffloadingSpec):
                 region,
                 mechanism=self.config.transfer_mechanism,
                 staged_when_busy=self.config.staged_when_busy,
+                staged_one_way_min_load_bytes=int(self.config.staged_one_way_min_load_bytes),
+                staged_one_way_min_store_bytes=int(self.config.staged_one_way_min_store_bytes),
             )
         else:
             from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers

@@ -481,9 +481,16 @@ def test_under_mixed_a_direction_stays_busy_for_one_copy_duration_after_its_copy
         h.shutdown()
 
 
-def test_staged_when_mixed_keeps_one_way_traffic_on_the_kernel(monkeypatch):
+@pytest.mark.parametrize(
+    ("one_way_min_store_bytes", "staged_jobs"),
+    [(0, 0), (8 * 1024 * 1024, 0), (1024 * 1024, 3)],
+)
+def test_staged_when_mixed_sends_only_large_one_way_jobs_to_the_copy_engines(
+    monkeypatch, one_way_min_store_bytes, staged_jobs
+):
     # With traffic one way only, jobs queued behind copies in flight keep the batched
-    # kernel under "mixed"; the bytes are exact.
+    # kernel under "mixed" unless they reach staged_one_way_min_store_bytes (here 1 MiB
+    # jobs: the first finds the direction idle and takes the kernel); the bytes are exact.
     import dataclasses
 
     from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
@@ -501,7 +508,15 @@ def test_staged_when_mixed_keeps_one_way_traffic_on_the_kernel(monkeypatch):
         gen=gen,
         device="cuda",
     )
-    h = _handlers(kv, 1, 64, "auto", staged_when_busy="mixed", staging=staging)
+    h = _handlers(
+        kv,
+        1,
+        64,
+        "auto",
+        staged_when_busy="mixed",
+        staging=staging,
+        staged_one_way_min_store_bytes=one_way_min_store_bytes,
+    )
     try:
         assert h.gpu_to_cpu_handler.staged_when_busy and h.cpu_to_gpu_handler.staged_when_busy
         gpu_tensors = [t.tensor for t in kv.tensors]
@@ -516,8 +531,8 @@ def test_staged_when_mixed_keeps_one_way_traffic_on_the_kernel(monkeypatch):
         monkeypatch.undo()
         results = finish(h.gpu_to_cpu_handler, [30, 31, 32, 33])
         assert all(r.success for r in results)
-        assert h.gpu_to_cpu_handler.jobs_by_mechanism["staged"] == 0
-        assert h.gpu_to_cpu_handler.jobs_by_mechanism["kernel"] == 4
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism["staged"] == staged_jobs
+        assert h.gpu_to_cpu_handler.jobs_by_mechanism["kernel"] == 4 - staged_jobs
         from tests._roundtrip import Job
 
         want = cpu_before

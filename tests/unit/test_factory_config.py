@@ -148,3 +148,22 @@ def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_bool
     assert OffloadConfig(staged_when_busy=True).staged_when_busy == "both"
     with pytest.raises(ConfigError, match="staged_when_busy"):
         OffloadConfig.from_dict({"staged_when_busy": "loads"})
+
+
+def test_staged_one_way_sizes_take_sizes_per_direction_and_zero_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = OffloadConfig()
+    assert config.staged_one_way_min_load_bytes == 4 * 1024**2
+    assert config.staged_one_way_min_store_bytes == 8 * 1024**2
+    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_LOAD_BYTES", "8MiB")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_STORE_BYTES", "0")
+    config = OffloadConfig()
+    assert config.staged_one_way_min_load_bytes == 8 * 1024**2
+    assert config.staged_one_way_min_store_bytes == 0
+    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_LOAD_BYTES")
+    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_STORE_BYTES")
+    with pytest.raises(ConfigError, match="staged_one_way_min_load_bytes"):
+        OffloadConfig.from_dict({"staged_one_way_min_load_bytes": "lots"})
+    with pytest.raises(ConfigError, match="staged_one_way_min_store_bytes"):
+        OffloadConfig.from_dict({"staged_one_way_min_store_bytes": -1})

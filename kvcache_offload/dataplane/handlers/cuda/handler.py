@@ -89,9 +89,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         max_staging_bytes: int = 256 * 1024 * 1024,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        staged_auto_min_job_bytes: int | None = None,
         completion_wait: CompletionWait = "blocking",
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         staged_when_busy: bool = False,
+        staged_one_way_min_job_bytes: int = 0,
     ) -> None:
         factor = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
         self.gpu_to_cpu = gpu_to_cpu
@@ -110,10 +112,24 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
         self.hybrid_dma_share = float(hybrid_dma_share)
         self.staged_min_job_bytes = int(staged_min_job_bytes)
+        """Staged jobs from this size on go to the submit thread (and ``auto`` stages them)."""
+        auto_min = self.staged_min_job_bytes
+        if staged_auto_min_job_bytes is not None:
+            auto_min = min(int(staged_auto_min_job_bytes), auto_min)
+        self.staged_auto_min_job_bytes = auto_min
+        """``auto`` stages a small-fragment job from this size on, even on an idle direction
+        (None: from ``staged_min_job_bytes``)."""
         self.staged_when_busy = bool(staged_when_busy)
         self._other_direction: SingleDirectionOffloadingHandler | None = None
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
-        taken behind copies in flight only while this handler is :meth:`copying` too."""
+        taken behind copies in flight only while this handler is :meth:`copying` too, or
+        for jobs of at least ``one_way_min_job_bytes`` each."""
+        if staged_one_way_min_job_bytes < 0:
+            raise ConfigError(
+                "staged_one_way_min_job_bytes must be >= 0 (0: never), "
+                f"got {staged_one_way_min_job_bytes}"
+            )
+        self.one_way_min_job_bytes = int(staged_one_way_min_job_bytes)
         self._last_end_seen = 0.0
         self._last_copy_s = 0.0
         if completion_wait not in ("blocking", "spin"):
@@ -211,7 +227,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         fragment = single.bytes_per_unit / len(single.tensors)
         if self.dma_ok and fragment >= self.dma_min_fragment_bytes:
             return 0
-        return self.staged_min_job_bytes if self._staged is not None else 1 << 62
+        return self.staged_auto_min_job_bytes if self._staged is not None else 1 << 62
 
     def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
         """Issue a one-group kernel job on an idle direction without building a plan; False
@@ -265,15 +281,13 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if (
             staged is not None
             and staged.config.auto_min_piece_bytes is not None
-            and (plan.num_bytes >= self.staged_min_job_bytes or not self.kernel_ok or busy)
+            and (plan.num_bytes >= self.staged_auto_min_job_bytes or not self.kernel_ok or busy)
         ):
-            # Serving-size jobs take the kernel: it starts at once and costs about half the
-            # staged path's host time (H200 host: 67 against 122 us for a 1-block load). The
-            # kernel tops out at 45-49 GB/s for loads, stores or both at once, the copy
-            # engines at 54 one way and 97-98 both ways, so behind copies in flight the staged
-            # path can move more (``staged_when_busy``). It is off by default: with it on for
-            # stores, mixed streams moved 7-14 % more but their p99 doubled, and staged
-            # streams swing between engines (docs/transfers.md has the A/B).
+            # A lone serving-size job takes the kernel: it starts at once and costs less host
+            # time. The kernel tops out at 45-49 GB/s for loads, stores or both at once, the
+            # copy engines at 54 one way and 97-98 both ways, so behind copies in flight, with
+            # the other direction copying, or for loads of 32 MiB and more, the staged path
+            # moves more (``staged_when_busy``, docs/transfers.md has the measurements).
             pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
             if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
                 return "staged"
@@ -321,7 +335,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         """Take the staged path behind copies in flight only while ``other`` (the opposite
         direction) is copying too, and make ``other`` do the same: with traffic both ways the
         copy engines overlap the directions, which the kernel does not; with traffic one way
-        the batched kernel costs the event loop less per job (docs/transfers.md)."""
+        the batched kernel costs the event loop less per job (docs/transfers.md). Each
+        handler's jobs that average its ``one_way_min_job_bytes`` or more (0: none) take the
+        staged path behind copies in flight whatever the other direction does: their copy
+        outlasts the staged path's extra host time, and one way the copy engines move more of
+        the link than the kernel."""
         self._other_direction, other._other_direction = other, self
 
     def copying(self) -> bool:
@@ -364,7 +382,13 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         # Asked only with the rule on: done() is an event query, not free on the hot path.
         busy = self.staged_when_busy and prev is not None and not prev.done()
         if busy and self._other_direction is not None:
-            busy = self._other_direction.copying()
+            # "mixed": the copy engines while the other direction copies too (they overlap
+            # it), or for jobs large enough that their copy outlasts the staged path's extra
+            # host time (one way, the copy engines move more of the link than the kernel).
+            large = self.one_way_min_job_bytes
+            busy = (
+                large > 0 and plan.num_bytes >= large * len(jobs)
+            ) or self._other_direction.copying()
         mechanism = self.choose_mechanism(plan, busy=busy)
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:
@@ -490,6 +514,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
             "hybrid_dma_share": self.hybrid_dma_share,
             "staged_min_job_bytes": self.staged_min_job_bytes,
+            "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
             "completion_wait": "blocking" if self._blocking_events else "spin",
             "kernel_config": repr(self.kernel_config),
             "staging": self._staged.describe() if self._staged is not None else None,

@@ -15,7 +15,10 @@ from kvcache_offload.dataplane.handlers.cuda.handler import SingleDirectionOfflo
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
     DEFAULT_HYBRID_DMA_SHARE,
+    DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
     DEFAULT_STAGED_MIN_JOB_BYTES,
+    DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES,
+    DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES,
     CompletionWait,
     Mechanism,
     StagedWhenBusy,
@@ -50,9 +53,12 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
+        staged_lone_min_load_bytes: int = DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
         staged_when_busy: StagedWhenBusy = "mixed",
+        staged_one_way_min_load_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES,
+        staged_one_way_min_store_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES,
     ) -> None:
         self.gpu_tensors = canonical_views_on(
             kv_caches,
@@ -82,6 +88,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             refs,
             True,
             staged_when_busy=busy_stores,
+            staged_one_way_min_job_bytes=staged_one_way_min_store_bytes,
             **kwargs,
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
@@ -91,6 +98,8 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             refs,
             False,
             staged_when_busy=busy_loads,
+            staged_one_way_min_job_bytes=staged_one_way_min_load_bytes,
+            staged_auto_min_job_bytes=staged_lone_min_load_bytes,
             **kwargs,
         )
         if staged_when_busy == "mixed":
