@@ -89,7 +89,7 @@ class OffloadConfig(BaseSettings):
     """Under ``staged_when_busy="mixed"``, loads queued behind loads take the staged path
     even while no store is copying, once they average this many bytes each (e.g. "4MiB");
     0: one-way loads always keep the kernel. One way, the copy engines moved 4- and 8-block
-    load streams at 0.93-1.02 of the link against the kernel's 0.86-0.91 on an H200, but
+    load streams at 0.93-1.02 of the link against the kernel's 0.85-0.91 on an H200, but
     cost more host time per copy, which 1-block jobs cannot hide (docs/transfers.md)."""
     staged_one_way_min_store_bytes: ByteSize = Field(default=ByteSize(8 * 1024**2), ge=0)
     """The same for stores queued behind stores ("8MiB"; 0: never). Stores gain from 8 MiB

@@ -63,18 +63,18 @@ thread (bench.serving, docs/transfers.md)."""
 DEFAULT_STAGED_LONE_MIN_LOAD_BYTES = 32 * 1024 * 1024
 """``auto`` sends a small-fragment load through the staged path (issued on the caller's
 thread) from this size on, also when it finds its direction idle. On an H200 (bench.serving,
-four runs) 64-block loads (80-128 MiB) took 2-13 % less time staged than through the kernel
-on both per-layer layouts; 64-block stores were within the spread (-7 to +4 %), so a lone
-store keeps the kernel below ``DEFAULT_STAGED_MIN_JOB_BYTES``."""
+four runs, two per-layer layouts) 64-block loads (80-128 MiB) took 2-13 % less time staged
+than through the kernel in 7 of 8 pairs (the eighth +3 %); 64-block stores were within -7 to
++4 %, so a lone store keeps the kernel below ``DEFAULT_STAGED_MIN_JOB_BYTES``."""
 DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES = 4 * 1024 * 1024
 """Under ``staged_when_busy="mixed"``, a load queued behind loads also takes the staged path
 while no store is copying, once the jobs of its copy average this many bytes (0: never).
-H200, three runs: 4- and 8-block load streams (5-16 MiB jobs) at 0.93-1.02 of the link
-against the kernel's 0.86-0.91; 1-block (1.25-2 MiB) jobs gain nothing staged, since the
+H200, four runs: 4- and 8-block load streams (5-16 MiB jobs) at 0.93-1.02 of the link
+against the kernel's 0.85-0.91; 1-block (1.25-2 MiB) jobs gain nothing staged, since the
 staged path costs more host time per copy."""
 DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES = 8 * 1024 * 1024
-"""The same for stores queued behind stores. H200, three runs: 8-block store streams
-(10-16 MiB jobs) at 0.95-1.01 of the link staged against the kernel's 0.89-0.94; 4-block
+"""The same for stores queued behind stores. H200, four runs: 8-block store streams
+(10-16 MiB jobs) at 0.95-1.01 of the link staged against the kernel's 0.90-0.94; 4-block
 stores of 5 MiB (tp4_70b) gained in one run and lost in two."""
 
 StagedWhenBusy = Literal["off", "stores", "both", "mixed"] | bool
