@@ -44,6 +44,7 @@ from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.dataplane import layouts
+from kvcache_offload.errors import BlockStateError
 
 console = Console(width=180)
 MiB = 1024 * 1024
@@ -243,6 +244,9 @@ class StreamResult:
     bytes_in_flight: int
     pass_rates: tuple[float, ...] = ()
     """Pooled results: each pass's rate (a stall in one engine shows as one low pass)."""
+    reloads: int = 0
+    """Loads that found a block of theirs evicted and stored it again first (the policy's
+    choice: a scheduler would have seen the miss in its lookup)."""
 
     @property
     def rate(self) -> float:
@@ -261,14 +265,22 @@ async def stream(
         await engine.store(keys, blocks)
     times: list[float] = []
     moved = 0
+    reloads = 0
     deadline = 0.0
 
     async def loader(i: int) -> None:
-        nonlocal moved
+        nonlocal moved, reloads
         while time.perf_counter() < deadline:
             await engine.touch(load_keys[i])  # as a scheduler does: keeps them from eviction
             t0 = time.perf_counter()
-            await engine.load(load_keys[i], gpu[i])
+            try:
+                await engine.load(load_keys[i], gpu[i])
+            except BlockStateError:
+                # The policy evicted one of them meanwhile (a scheduler's lookup would have
+                # missed): store them again rather than fail the stream; counted apart.
+                await engine.store(load_keys[i], gpu[i])
+                reloads += 1
+                continue
             times.append(time.perf_counter() - t0)
             moved += job_bytes
 
@@ -288,7 +300,7 @@ async def stream(
             tg.create_task(loader(i) if i < loaders else storer(i))
     wall = time.perf_counter() - t0
     cores = (time.process_time() - cpu0) / wall
-    return StreamResult(name, moved, wall, times, cores, tasks * job_bytes)
+    return StreamResult(name, moved, wall, times, cores, tasks * job_bytes, reloads=reloads)
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -354,6 +366,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 sum(p.cpu_cores * p.seconds for p in parts) / seconds,
                 s.bytes_in_flight,
                 tuple(p.rate for p in parts),
+                sum(p.reloads for p in parts),
             )
         )
     return {**first, "single": single, "streams": streams, "passes": len(runs)}
@@ -417,7 +430,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                                 "pass_gb_s": [r / 1e9 for r in s.pass_rates],
                                 "p50_s": p50, "p99_s": p99, "max_s": worst,
                                 "p99_bound_s": bound, "cpu_cores": s.cpu_cores,
-                                "jobs": len(s.job_times)})  # fmt: skip
+                                "jobs": len(s.job_times), "reloads": s.reloads})  # fmt: skip
         st.add_row(name, *cells)
     console.print(st)
     floor_name = "one-way bulk copy" if device == "cuda" else "one thread copying the same jobs"
@@ -427,6 +440,12 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
     )
     for run in runs:
         console.print(f"  {run['mechanism']}: jobs by mechanism {run['jobs_by_mechanism']}")
+        for s in run["streams"]:
+            if s.reloads:
+                console.print(
+                    f"  {run['mechanism']}, {s.name}: {s.reloads} loads found a block evicted "
+                    "and stored it again (not timed, not counted as moved bytes)"
+                )
     return {
         "layout": layout.name,
         "describe": layout.describe,
