@@ -309,9 +309,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
         # The batch of :meth:`insert`, in one call (the manager stores a request at once).
         self._blocks.update(pairs)
-        batch = self._batch
-        for key, _ in pairs:
+        batch, batch_blocks = self._batch, self._batch_blocks
+        for key, block in pairs:
             batch.append(key)
+            batch_blocks.append(block)
 
     def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
         # :meth:`insert_many` of the pairs without building them (the manager's call).
@@ -324,6 +325,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for index in range(len(keys)):
             table[keys[index]] = blocks[index]
         self._batch.extend(keys)
+        self._batch_blocks.extend(blocks)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         block.key_crc = -1  # a new key for this block (see ``touch``)
@@ -346,30 +348,32 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # request's last block.
         stats = self._tail_stats
         stats.add_store(len(batch))
-        blocks = self._blocks
+        # Each batched key's block as inserted: every call that could drop a key (``remove``,
+        # ``evict``) flushes first, so no table probe is needed to find it.
+        batch_blocks = self._batch_blocks
         probation, main = self._probation, self._main
         ghosts = self._ghosts
         now = self._now
-        for key in reversed(batch):
-            # :meth:`_enqueue`, inline.
-            block = blocks.get(key)
-            if block is None:
-                continue
+        for index in range(len(batch) - 1, -1, -1):
+            # :meth:`_enqueue`, inline (and :func:`_mark`: a call per key when compiled).
+            key = batch[index]
+            block = batch_blocks[index]
             block.key_crc = -1  # a new key for this block (see ``touch``)
             now += 1
             if ghosts.recall(key) >= 0:
                 main.size += 1
-                main.push(key, block, _mark(now, _MAIN))
+                main.push(key, block, (now << _STAMP_SHIFT) | _MAIN)
             else:
                 probation.size += 1
-                probation.push(key, block, _mark(now, _PROBATION))
+                probation.push(key, block, (now << _STAMP_SHIFT) | _PROBATION)
         self._now = now
         if now >= self._next_rebase:
             self._rebase()
         tail_key = batch[-1]
-        tail = blocks.get(tail_key)
+        tail = batch_blocks[-1]
         batch.clear()
-        if tail is not None and (tail.mark & 3) == _PROBATION:
+        batch_blocks.clear()
+        if (tail.mark & 3) == _PROBATION:
             self._tails += 1
             self._demote_tails = stats.tails_are_dead(self._dead_tail_ratio)
             if self._demote_tails:
@@ -406,6 +410,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     def clear(self) -> None:
         self._blocks.clear()
         self._batch.clear()
+        self._batch_blocks.clear()
         self._probation.clear()
         self._demoted.clear()
         self._main.clear()
@@ -432,9 +437,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         blocks = self._blocks
         # The touch right after a store (its keys still being written), as vLLM and the
         # lab's driver make it.
-        batch = self._batch
-        last = blocks.get(batch[-1]) if batch else None
-        after_store = last is not None and last.ref_cnt == -1
+        batch_blocks = self._batch_blocks
+        after_store = len(batch_blocks) > 0 and batch_blocks[-1].ref_cnt == -1
         self._flush_batch()
         self.race_source = None
         # The miniature caches see the request's sampled keys, except stores just
@@ -484,7 +488,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                     probation.push(key, block, (now << _STAMP_SHIFT) | (mark & (_TAIL | 3)))
                 continue
             now += 1
-            main.push(key, block, _mark(now, _MAIN))
+            main.push(key, block, (now << _STAMP_SHIFT) | _MAIN)
             if where != _MAIN:
                 if where == _PROBATION:
                     probation.size -= 1
