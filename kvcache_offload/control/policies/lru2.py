@@ -155,7 +155,8 @@ class LRU2CachePolicy(QueuePolicy):
         # Each block's ``mark`` holds its last access: > 0, the time of its only access (its
         # store) while on probation; -1 - its last access once used (in main), and then its
         # ``second_mark`` its second-last access. No per-key dict of stamps.
-        # The blocks on probation, oldest first (their marks are their stamps).
+        # The blocks on probation, oldest first (their marks are their stamps, and their
+        # ``second_mark`` the queue's token of their entry).
         self._probation = MarkQueue()
         # The used blocks (main), by second-last access: one heap entry per used block.
         self._used = 0
