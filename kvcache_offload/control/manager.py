@@ -336,7 +336,7 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks = self._num_blocks
         free_list = self._free_list
         unused = len(recycled)
-        for _ in range(len(keys_to_store)):
+        for _slot in range(len(keys_to_store)):  # not ``_``: compiled, an int object per step
             if next_fresh < num_blocks:
                 block = BlockStatus(next_fresh)
                 next_fresh += 1

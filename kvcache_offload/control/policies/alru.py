@@ -543,7 +543,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # A demoted block's weighted age, once: its stamp is beyond a native int, so the
         # arithmetic would allocate on every comparison (the same float either way).
         demoted_age = (now - _DEMOTED) * weight
-        for _ in range(n):
+        for _victim in range(n):  # not ``_``: compiled, an int object per step
             if p >= 0:
                 p_age = (
                     demoted_age
