@@ -182,32 +182,44 @@ class _BlockLog:
         return self.size
 
 
+@final
 class _TailStats:
-    """Decaying counts of stored and later used blocks: store tails versus the rest."""
+    """Decaying counts of stored and later used blocks: store tails versus the rest.
 
-    __slots__ = ("_budget", "_period", "stored", "used")
+    Four float attributes, not two lists: compiled, each is a native double, where an item of
+    a list of floats is a float object allocated anew on every count."""
+
+    __slots__ = ("_budget", "_period", "stored_other", "stored_tails", "used_other", "used_tails")
 
     def __init__(self, period: int) -> None:
         self._period = period
         self._budget = period
-        self.stored = [1.0, 1.0]  # [tails, others], with a prior of one use in one store
-        self.used = [1.0, 1.0]
+        # A prior of one use in one store, for tails and for the others.
+        self.stored_tails = 1.0
+        self.stored_other = 1.0
+        self.used_tails = 1.0
+        self.used_other = 1.0
 
     def add_store(self, blocks: int) -> None:
-        self.stored[0] += 1
-        self.stored[1] += blocks - 1
+        self.stored_tails += 1
+        self.stored_other += blocks - 1
         self._budget -= blocks
         if self._budget <= 0:
             self._budget = self._period
-            self.stored = [x / 2 for x in self.stored]
-            self.used = [x / 2 for x in self.used]
+            self.stored_tails /= 2
+            self.stored_other /= 2
+            self.used_tails /= 2
+            self.used_other /= 2
 
     def add_use(self, tail: bool) -> None:
-        self.used[0 if tail else 1] += 1
+        if tail:
+            self.used_tails += 1
+        else:
+            self.used_other += 1
 
     def tails_are_dead(self, ratio: float) -> bool:
-        tail_rate = self.used[0] / self.stored[0]
-        other_rate = self.used[1] / self.stored[1]
+        tail_rate = self.used_tails / self.stored_tails
+        other_rate = self.used_other / self.stored_other
         return tail_rate < ratio * other_rate
 
 
