@@ -216,7 +216,9 @@ class CPUOffloadingManager(OffloadingManager):
         every one is present with ``ref_cnt >= min_ref_cnt`` (0: ready, 1: being read)."""
         table = self._blocks
         blocks = []
-        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        # Compiled: no cast to bytes before the check, and a list (the usual argument) is
+        # walked by index, not through a generic iterator step per key.
+        items: list[Any] = keys if isinstance(keys, list) else list(keys)
         for key in items:
             if type(key) is not bytes:
                 _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
@@ -275,7 +277,9 @@ class CPUOffloadingManager(OffloadingManager):
         # The keys are checked in this loop (``_check_keys`` per key, as it goes): a bytes key
         # found in the table equals a stored key, so only the absent ones need their length
         # checked. Nothing changes before the loop ends, and the first malformed key raises.
-        items: Sequence[Any] = keys  # compiled: no cast to bytes before the check
+        # Compiled: no cast to bytes before the check, and a list (the usual argument) is
+        # walked by index, not through a generic iterator step per key.
+        items: list[Any] = keys if isinstance(keys, list) else list(keys)
         for key in items:
             if type(key) is not bytes:
                 _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
@@ -332,7 +336,7 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks = self._num_blocks
         free_list = self._free_list
         unused = len(recycled)
-        for _ in range(len(keys_to_store)):
+        for _slot in range(len(keys_to_store)):  # not ``_``: compiled, an int object per step
             if next_fresh < num_blocks:
                 block = BlockStatus(next_fresh)
                 next_fresh += 1
@@ -366,7 +370,9 @@ class CPUOffloadingManager(OffloadingManager):
             events = self.events
             if events is None:
                 count = 0
-                for key in keys:
+                # A list is walked by index (compiled: no generic iterator step per key).
+                key_list = keys if isinstance(keys, list) else list(keys)
+                for key in key_list:
                     block = table.get(key)
                     if block is not None and block.ref_cnt == -1:
                         block.ref_cnt = 0

@@ -482,6 +482,45 @@ def test_ghost_list_forgets_like_an_ordered_dict_of_its_remembers(
         ]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2, 3, 6, 50]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["remember", "remember", "recall_stamp", "pop"]), st.integers(0, 9)
+        ),
+        max_size=600,
+    ),
+)
+def test_stamped_ghost_list_forgets_like_a_ghost_list(
+    limit: int, ops: list[tuple[str, int]]
+) -> None:
+    # Stamps unique per remember (as LRU-2's last accesses are), small ones included (int
+    # objects shared by value): the entry-by-stamp liveness must forget exactly as the
+    # dead-count one, through recalls, trims and compactions.
+    from kvcache_offload.control.policies._ghosts import GhostList, StampedGhostList
+
+    ghosts = StampedGhostList(limit)
+    reference = GhostList(limit)
+    for step, (op, i) in enumerate(ops):
+        k = key(i)
+        if op == "remember":
+            ghosts.remember(k, step)
+            reference.remember(k, step)
+        elif op == "recall_stamp":
+            assert ghosts.recall_stamp(k) == reference.recall_stamp(k)
+        else:
+            ghosts.pop(k)
+            reference.pop(k)
+        assert len(ghosts) == len(reference)
+        assert [i for i in range(10) if key(i) in ghosts] == [
+            i for i in range(10) if key(i) in reference
+        ]
+    assert [ghosts.recall_stamp(key(i)) for i in range(10)] == [
+        reference.recall_stamp(key(i)) for i in range(10)
+    ]
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.sampled_from([1, 5, 40, 1000]),

@@ -17,11 +17,11 @@ call), and a remember allocates nothing but the log slot (no int object per entr
 
 from __future__ import annotations
 
-from typing import final
+from typing import Any, final
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["GhostList", "GhostPair"]
+__all__ = ["GhostList", "GhostPair", "StampedGhostList"]
 
 
 @final
@@ -104,6 +104,101 @@ class GhostList:
         self._log.clear()
         self._head = 0
         self._dead.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+@final
+class StampedGhostList:
+    """A :class:`GhostList` whose owner never remembers a key twice with the same stamp (LRU-2:
+    a ghost's stamp is its last access, and every access has a time of its own).
+
+    Then a log entry is live exactly while the dict holds the entry's own stamp object for its
+    key, so a recall leaves nothing to count: no dead-entry dict to fill on a recall and to
+    drain on the walk (compiled, a probe of each per recalled key). The log keeps each
+    remember's key and stamp object (boxed once, for the dict and the log alike).
+    """
+
+    __slots__ = ("_head", "_keys", "_log", "_stamps", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: dict[OffloadKey, Any] = {}  # ghost -> its stamp (an int object)
+        self._log: list[OffloadKey] = []  # every remember, oldest first, from ``_head`` on
+        self._stamps: list[Any] = []  # the stamp object of each remember
+        self._head = 0
+
+    def remember(self, key: OffloadKey, stamp: int) -> None:
+        """Record an evicted key as the newest ghost, with ``stamp`` (>= 0; a key already
+        remembered keeps its place and stamp, as in an ordered dict)."""
+        keys = self._keys
+        size = len(keys)
+        boxed: Any = stamp  # one int object for the dict and the log
+        keys.setdefault(key, boxed)
+        if len(keys) == size:
+            return  # already a ghost
+        log = self._log
+        log.append(key)
+        self._stamps.append(boxed)
+        if size >= self.limit:
+            self._forget_oldest()
+        elif len(log) - self._head > 2 * size + 64:
+            self._compact()
+
+    def _forget_oldest(self) -> None:
+        keys, log, stamps = self._keys, self._log, self._stamps
+        head = self._head
+        while True:
+            key = log[head]
+            stamp = stamps[head]
+            head += 1
+            if keys.get(key) is stamp:  # else a recalled key's entry
+                del keys[key]
+                break
+        if head > 64 and 2 * head > len(log):
+            del log[:head]
+            del stamps[:head]
+            head = 0
+        self._head = head
+
+    def _compact(self) -> None:
+        """Drop the dead log entries (many recalled keys): same order, the dict untouched."""
+        keys, log, stamps = self._keys, self._log, self._stamps
+        live: list[OffloadKey] = []
+        live_stamps: list[Any] = []
+        for index in range(self._head, len(log)):
+            key = log[index]
+            stamp = stamps[index]
+            if keys.get(key) is stamp:
+                live.append(key)
+                live_stamps.append(stamp)
+        self._log = live
+        self._stamps = live_stamps
+        self._head = 0
+
+    def recall_stamp(self, key: OffloadKey) -> int:
+        """Forget ``key``; the stamp it was remembered with, or -1 if it was no ghost."""
+        keys = self._keys
+        stamp: int = keys.get(key, -1)  # not ``pop``: compiled, a generic method call
+        if stamp >= 0:
+            del keys[key]
+        return stamp
+
+    def pop(self, key: OffloadKey, default: None = None) -> None:
+        """Forget ``key`` if present (the removal a queue policy applies to every container)."""
+        keys = self._keys
+        if key in keys:
+            del keys[key]
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._log.clear()
+        self._stamps.clear()
+        self._head = 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys

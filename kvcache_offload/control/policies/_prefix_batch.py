@@ -17,7 +17,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._fifo_queue import FifoQueue
-from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._ghosts import GhostList, StampedGhostList
 from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
     BlockStatus,
@@ -27,7 +27,7 @@ from kvcache_offload.control.policies.base import (
 
 __all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
 
-Queue = dict[OffloadKey, Any] | FifoQueue | GhostList | StampQueue
+Queue = dict[OffloadKey, Any] | FifoQueue | GhostList | StampedGhostList | StampQueue
 """What a queue policy keeps keys in: ordered dicts, FIFO and stamp queues (queues, marks) and
 ghost lists."""
 

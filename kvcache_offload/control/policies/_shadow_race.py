@@ -78,7 +78,7 @@ class _Runner:
             if not policy.evict_blocks(need, (), gone, free):
                 return hits
         blocks: list[BlockStatus] = []  # the new keys' blocks: no pair per key
-        for _ in range(len(new)):
+        for _slot in range(len(new)):  # not ``_``: compiled, an int object per step
             block = free.pop() if free else BlockStatus(0)
             block.ref_cnt = -1
             blocks.append(block)

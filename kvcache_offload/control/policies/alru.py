@@ -182,32 +182,44 @@ class _BlockLog:
         return self.size
 
 
+@final
 class _TailStats:
-    """Decaying counts of stored and later used blocks: store tails versus the rest."""
+    """Decaying counts of stored and later used blocks: store tails versus the rest.
 
-    __slots__ = ("_budget", "_period", "stored", "used")
+    Four float attributes, not two lists: compiled, each is a native double, where an item of
+    a list of floats is a float object allocated anew on every count."""
+
+    __slots__ = ("_budget", "_period", "stored_other", "stored_tails", "used_other", "used_tails")
 
     def __init__(self, period: int) -> None:
         self._period = period
         self._budget = period
-        self.stored = [1.0, 1.0]  # [tails, others], with a prior of one use in one store
-        self.used = [1.0, 1.0]
+        # A prior of one use in one store, for tails and for the others.
+        self.stored_tails = 1.0
+        self.stored_other = 1.0
+        self.used_tails = 1.0
+        self.used_other = 1.0
 
     def add_store(self, blocks: int) -> None:
-        self.stored[0] += 1
-        self.stored[1] += blocks - 1
+        self.stored_tails += 1
+        self.stored_other += blocks - 1
         self._budget -= blocks
         if self._budget <= 0:
             self._budget = self._period
-            self.stored = [x / 2 for x in self.stored]
-            self.used = [x / 2 for x in self.used]
+            self.stored_tails /= 2
+            self.stored_other /= 2
+            self.used_tails /= 2
+            self.used_other /= 2
 
     def add_use(self, tail: bool) -> None:
-        self.used[0 if tail else 1] += 1
+        if tail:
+            self.used_tails += 1
+        else:
+            self.used_other += 1
 
     def tails_are_dead(self, ratio: float) -> bool:
-        tail_rate = self.used[0] / self.stored[0]
-        other_rate = self.used[1] / self.stored[1]
+        tail_rate = self.used_tails / self.stored_tails
+        other_rate = self.used_other / self.stored_other
         return tail_rate < ratio * other_rate
 
 
@@ -311,9 +323,10 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         if self._batch:
             self._flush_batch()  # one store per batch: its last key is its request's tail
         self._blocks.update(pairs)
-        batch = self._batch
-        for key, _ in pairs:
+        batch, batch_blocks = self._batch, self._batch_blocks
+        for key, block in pairs:
             batch.append(key)
+            batch_blocks.append(block)
 
     def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
         # :meth:`insert_many` of the pairs without building them (the manager's call).
@@ -333,6 +346,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         for index in range(len(keys)):
             table[keys[index]] = blocks[index]
         self._batch.extend(keys)
+        self._batch_blocks.extend(blocks)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         block.key_crc = -1  # a new key for this block (see ``touch``)
@@ -355,30 +369,32 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # request's last block.
         stats = self._tail_stats
         stats.add_store(len(batch))
-        blocks = self._blocks
+        # Each batched key's block as inserted: every call that could drop a key (``remove``,
+        # ``evict``) flushes first, so no table probe is needed to find it.
+        batch_blocks = self._batch_blocks
         probation, main = self._probation, self._main
         ghosts = self._ghosts
         now = self._now
-        for key in reversed(batch):
-            # :meth:`_enqueue`, inline.
-            block = blocks.get(key)
-            if block is None:
-                continue
+        for index in range(len(batch) - 1, -1, -1):
+            # :meth:`_enqueue`, inline (and :func:`_mark`: a call per key when compiled).
+            key = batch[index]
+            block = batch_blocks[index]
             block.key_crc = -1  # a new key for this block (see ``touch``)
             now += 1
             if ghosts.recall(key) >= 0:
                 main.size += 1
-                main.push(key, block, _mark(now, _MAIN))
+                main.push(key, block, (now << _STAMP_SHIFT) | _MAIN)
             else:
                 probation.size += 1
-                probation.push(key, block, _mark(now, _PROBATION))
+                probation.push(key, block, (now << _STAMP_SHIFT) | _PROBATION)
         self._now = now
         if now >= self._next_rebase:
             self._rebase()
         tail_key = batch[-1]
-        tail = blocks.get(tail_key)
+        tail = batch_blocks[-1]
         batch.clear()
-        if tail is not None and (tail.mark & 3) == _PROBATION:
+        batch_blocks.clear()
+        if (tail.mark & 3) == _PROBATION:
             self._tails += 1
             self._demote_tails = stats.tails_are_dead(self._dead_tail_ratio)
             if self._demote_tails:
@@ -415,6 +431,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
     def clear(self) -> None:
         self._blocks.clear()
         self._batch.clear()
+        self._batch_blocks.clear()
         self._probation.clear()
         self._demoted.clear()
         self._main.clear()
@@ -441,9 +458,8 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         blocks = self._blocks
         # The touch right after a store (its keys still being written), as vLLM and the
         # lab's driver make it.
-        batch = self._batch
-        last = blocks.get(batch[-1]) if batch else None
-        after_store = last is not None and last.ref_cnt == -1
+        batch_blocks = self._batch_blocks
+        after_store = len(batch_blocks) > 0 and batch_blocks[-1].ref_cnt == -1
         self._flush_batch()
         self.race_source = None
         # The miniature caches see the request's sampled keys, except stores just
@@ -493,7 +509,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
                     probation.push(key, block, (now << _STAMP_SHIFT) | (mark & (_TAIL | 3)))
                 continue
             now += 1
-            main.push(key, block, _mark(now, _MAIN))
+            main.push(key, block, (now << _STAMP_SHIFT) | _MAIN)
             if where != _MAIN:
                 if where == _PROBATION:
                     probation.size -= 1
@@ -548,7 +564,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         # A demoted block's weighted age, once: its stamp is beyond a native int, so the
         # arithmetic would allocate on every comparison (the same float either way).
         demoted_age = (now - _DEMOTED) * weight
-        for _ in range(n):
+        for _victim in range(n):  # not ``_``: compiled, an int object per step
             if p >= 0:
                 p_age = (
                     demoted_age

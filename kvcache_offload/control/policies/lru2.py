@@ -28,7 +28,7 @@ from typing import Any, ClassVar, final
 from mypy_extensions import i64, mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._ghosts import GhostList
+from kvcache_offload.control.policies._ghosts import StampedGhostList
 from kvcache_offload.control.policies._mark_queue import MarkQueue
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
@@ -155,13 +155,14 @@ class LRU2CachePolicy(QueuePolicy):
         # Each block's ``mark`` holds its last access: > 0, the time of its only access (its
         # store) while on probation; -1 - its last access once used (in main), and then its
         # ``second_mark`` its second-last access. No per-key dict of stamps.
-        # The blocks on probation, oldest first (their marks are their stamps).
+        # The blocks on probation, oldest first (their marks are their stamps, and their
+        # ``second_mark`` the queue's token of their entry).
         self._probation = MarkQueue()
         # The used blocks (main), by second-last access: one heap entry per used block.
         self._used = 0
         self._heap = _Heap()
         # Evicted key -> its last access, oldest first, ``history`` x capacity of them.
-        self._ghost = GhostList(max(1, int(self.history * cache_capacity)))
+        self._ghost = StampedGhostList(max(1, int(self.history * cache_capacity)))
         self._now = 0
         # Whether the flush may enqueue inline: not when a subclass changed ``_enqueue``.
         self._plain_enqueue = type(self)._enqueue is LRU2CachePolicy._enqueue
