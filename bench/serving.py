@@ -2,6 +2,7 @@
 
     python -m bench.serving [--device auto|cuda|cpu] [--layouts llama8b,tp4_70b,cross_layer]
                             [--mechanisms auto,kernel,dma,staged] [--reps 200] [--stream-s 3]
+                            [--sweep 2,8]
 
 Uses the public API the way a serving engine does: one ``OffloadEngine`` built from the
 default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-default rows),
@@ -16,7 +17,10 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
    job, so every store copies), half loading and half storing, and 1-block loads. GB/s against
    the bulk rate measured in the same run (one 1 GiB copy each way; both ways at once for the
    mixed row; CPU device: one thread copying the same jobs' bytes), job p50/p99 against
-   2 x (bytes in flight / bulk rate), and the host CPU the process used (cores).
+   2 x (bytes in flight / bulk rate), and the host CPU the process used (cores). ``--sweep``
+   adds one-way load and store streams of other job sizes (where the kernel and the copy
+   engines cross over).
+3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
 
 Prints one table per section and writes JSON under ``bench/out/``.
 """
@@ -39,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._common import OUT_DIR, machine_info
+from bench._serving_goals import check_goals
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
@@ -446,6 +451,17 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                     f"  {run['mechanism']}, {s.name}: {s.reloads} loads found a block evicted "
                     "and stored it again (not timed, not counted as moved bytes)"
                 )
+    goals = check_goals(rows_json, stream_json, device)
+    if goals:
+        gt = Table(
+            title=f"{layout.name} on {device}: issue 11's goals, default configuration (auto)"
+        )
+        gt.add_column("goal")
+        gt.add_column("measured")
+        gt.add_column("met")
+        for g in goals:
+            gt.add_row(g.goal, g.value, "yes" if g.met else "no")
+        console.print(gt)
     return {
         "layout": layout.name,
         "describe": layout.describe,
@@ -455,6 +471,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
         "single": rows_json,
         "streams": stream_json,
         "jobs_by_mechanism": {r["mechanism"]: r["jobs_by_mechanism"] for r in runs},
+        "goals": [{"goal": g.goal, "value": g.value, "met": g.met} for g in goals],
     }
 
 

@@ -1,0 +1,73 @@
+"""bench.serving computes issue 11's goals from its own rows, and runs end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench._serving_goals import check_goals
+
+
+def _single(direction: str, blocks: int, p50_us: float, floor_us: float, p99_us: float) -> dict:
+    return {"direction": direction, "blocks": blocks, "mechanism": "auto", "p50_s": p50_us * 1e-6,
+            "p99_s": p99_us * 1e-6, "floor_p50_s": floor_us * 1e-6,
+            "ratio_p50": p50_us / floor_us}  # fmt: skip
+
+
+def _stream(name: str, share: float, p99_ms: float, bound_ms: float, cores: float) -> dict:
+    return {"stream": name, "mechanism": "auto", "ratio_to_one_way_bulk": share,
+            "p99_s": p99_ms * 1e-3, "p99_bound_s": bound_ms * 1e-3, "cpu_cores": cores}  # fmt: skip
+
+
+def test_goals_follow_the_issue_thresholds_on_cuda() -> None:
+    single = [
+        _single("load", 1, 100, 61, 150),  # +39 us: met
+        _single("store", 1, 110, 60, 400),  # +50 us, and a tail over 1.5 x p50 + 100 us
+        _single("load", 8, 370, 330, 400),  # 1.12x: met
+        _single("load", 64, 2900, 2450, 3000),  # 1.18x: not met
+    ]
+    streams = [
+        _stream("loads 4-block", 0.98, 5.0, 9.7, 1.1),
+        _stream("stores 4-block", 0.89, 5.0, 9.7, 0.9),
+        _stream("mixed 4-block", 1.61, 6.0, 5.5, 1.0),
+        _stream("loads 1-block", 0.80, 1.0, 2.4, 1.0),
+    ]
+    other_column = [{**_stream("loads 4-block", 0.1, 1, 1, 1), "mechanism": "kernel"}]
+    goals = {g.goal: (g.value, g.met) for g in check_goals(single, streams + other_column, "cuda")}
+    assert goals["1-block load p50 <= floor + 40 us"] == ("+39 us", True)
+    assert goals["1-block store p50 <= floor + 40 us"] == ("+50 us", False)
+    assert goals["8-block load p50 <= 1.15x floor"] == ("1.12x", True)
+    assert goals["64-block load p50 <= 1.15x floor"] == ("1.18x", False)
+    assert goals["single-job p99 <= 1.5 x p50 + 100 us"] == ("store 1 over", False)
+    assert goals["loads 4-block stream >= 0.9 x one-way bulk"] == ("0.98", True)
+    assert goals["stores 4-block stream >= 0.9 x one-way bulk"] == ("0.89", False)
+    assert goals["mixed 4-block stream >= 1.6 x one-way bulk"] == ("1.61", True)
+    assert goals["loads 1-block stream >= 0.8 x one-way bulk"] == ("0.80", True)
+    assert goals["stream p99 <= 2 x bytes in flight / bulk"] == ("mixed 4-block over", False)
+    assert goals["a stream costs at most one core"] == ("up to 1.10", False)
+
+
+def test_goals_on_the_cpu_backend_ask_for_0_7_of_a_one_thread_copy() -> None:
+    streams = [
+        _stream("loads 4-block", 0.95, 1, 2, 0.5),
+        _stream("stores 4-block", 0.65, 1, 2, 0.5),
+    ]
+    (goal,) = check_goals([], streams, "cpu")
+    assert (goal.value, goal.met) == ("lowest 0.65 (stores 4-block)", False)
+    assert check_goals([], streams, "cpu", column="kernel") == []
+
+
+def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> None:
+    from bench.serving import main
+
+    out = tmp_path / "serving.json"
+    main(["--device", "cpu", "--reps", "3", "--stream-s", "0.05", "--passes", "1",
+          "--warmup-s", "0", "--sweep", "2", "--out", str(out)])  # fmt: skip
+    payload: dict[str, Any] = json.loads(out.read_text())
+    (layout,) = payload["layouts"]
+    names = {s["stream"] for s in layout["streams"]}
+    assert {"loads 4-block", "mixed 4-block", "loads 2-block", "stores 2-block"} <= names
+    assert all(s["reloads"] == 0 and s["jobs"] > 0 for s in layout["streams"])
+    (goal,) = layout["goals"]
+    assert goal["goal"] == "every stream at 0.7 of a one-thread copy"
