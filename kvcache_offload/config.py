@@ -82,8 +82,9 @@ class OffloadConfig(BaseSettings):
     the staged path (the copy engines, which overlap the other direction) instead of the
     kernel: "mixed" (the default: both directions, but only while the other direction is
     copying too, so traffic both ways overlaps on the copy engines and one-way traffic keeps
-    the batched kernel below ``staged_one_way_min_*_bytes``), "stores", "both" or "off". A lone job keeps the kernel either way
-    (loads of 32 MiB and more excepted: they take the staged path on an idle direction too).
+    the batched kernel below ``staged_one_way_min_*_bytes``), "stores", "both" or "off". A
+    lone job keeps the kernel either way (loads of 32 MiB and more excepted: they take the
+    staged path on an idle direction too).
     ``true`` / ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the
     measurements of each."""
     staged_one_way_min_load_bytes: ByteSize = Field(default=ByteSize(4 * 1024**2), ge=0)
