@@ -3,14 +3,14 @@
 The manager inserts one store's keys in prefix order (head first). In a FIFO that makes the
 head the oldest block, so it is evicted first and takes the value of every deeper block of
 the same prefix with it (the scheduler stops its lookup at the first miss). With
-``prefix_order`` on, the keys inserted back to back are held as a batch and enqueued in
-reverse when the next non-insert call arrives, so the tail of a prefix is evicted first.
+``prefix_order`` on, one store's keys are held as a batch and enqueued in reverse when the
+next call arrives (another store included), so the tail of a prefix is evicted first.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -60,7 +60,7 @@ class QueuePolicy(CachePolicy):
         # a block is inserted (its ``insert`` or ``insert_many`` must still see every one).
         cls = type(self)
         self._plain_insert = (
-            cls.insert is QueuePolicy.insert and cls.insert_many is CachePolicy.insert_many
+            cls.insert is QueuePolicy.insert and cls.insert_many is QueuePolicy.insert_many
         )
         # Likewise for eviction: a subclass overriding ``evict`` or one of the two selection
         # hooks over a class that implements the other is obeyed through ``evict``.
@@ -168,12 +168,25 @@ class QueuePolicy(CachePolicy):
         else:
             self._enqueue(key, block)
 
+    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
+        # One store per batch (see ``insert_blocks``).
+        if self._batch:
+            self._flush_batch()
+        for key, block in pairs:
+            self.insert(key, block)
+
     def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
         if not self._plain_insert:
             super().insert_blocks(keys, blocks)
             return
         table = self._blocks
         if self._prefix_order:
+            if self._batch:
+                # Stores that arrive back to back (no other call between them, as an engine
+                # under stores-only traffic issues them) stay separate batches: merged, the
+                # reversal would put the later store's blocks ahead of the earlier one's
+                # in the queue, as if they were older.
+                self._flush_batch()
             for index in range(len(keys)):
                 table[keys[index]] = blocks[index]
             self._batch.extend(keys)
