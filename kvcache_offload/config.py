@@ -96,6 +96,12 @@ class OffloadConfig(BaseSettings):
     staged_one_way_min_store_bytes: ByteSize = Field(default=ByteSize(8 * 1024**2), ge=0)
     """The same for stores queued behind stores ("8MiB"; 0: never). Stores gain from 8 MiB
     jobs on; below that the staged path's gains and losses were within the spread."""
+    dma_min_fragment_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
+    """Under "auto", copy jobs whose contiguous pieces average at least this many bytes (e.g.
+    "1MiB", as with a cross-layer layout's 2 MiB per block) by plain copy-engine DMA instead
+    of the rule the per-layer layouts follow; 0 (the default): never while the Triton kernel
+    works, so cross-layer jobs take the kernel when small or alone and the staged path when
+    large or queued, which moved them faster on an H200 (docs/transfers.md)."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None

@@ -145,6 +145,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                 staged_when_busy=self.config.staged_when_busy,
                 staged_one_way_min_load_bytes=int(self.config.staged_one_way_min_load_bytes),
                 staged_one_way_min_store_bytes=int(self.config.staged_one_way_min_store_bytes),
+                dma_min_fragment_bytes=int(self.config.dma_min_fragment_bytes),
             )
         else:
             from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers

@@ -105,7 +105,14 @@ def test_cuda_odd_page_sizes_copy_exactly(mechanism):
         h.shutdown()
 
 
-def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
+@pytest.mark.parametrize(
+    ("dma_min_fragment_bytes", "large_fragment_path"), [(256 * 1024, "dma"), (None, "kernel")]
+)
+def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
+    dma_min_fragment_bytes, large_fragment_path
+):
+    # The default (0) never picks the plain DMA while the kernel works: 1 MiB pieces take
+    # the kernel too. With a threshold, pieces at or above it take the DMA.
     from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 
     skip_unless_available("dma")
@@ -120,7 +127,10 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         gen=gen,
         device="cuda",
     )
-    h = _handlers(kv, 1, 16, "auto", dma_min_fragment_bytes=256 * 1024)
+    kw = (
+        {} if dma_min_fragment_bytes is None else {"dma_min_fragment_bytes": dma_min_fragment_bytes}
+    )
+    h = _handlers(kv, 1, 16, "auto", **kw)
     try:
         big = random_job(
             np.random.default_rng(0),
@@ -140,9 +150,10 @@ def test_cuda_auto_picks_dma_for_large_fragments_and_kernel_for_small():
         )
         round_trip(h, kv, big, job_ids=(1, 2))
         round_trip(h, kv, small, job_ids=(3, 4))
+        expected = {"kernel": 1, "dma": 0}
+        expected[large_fragment_path] += 1
         assert h.gpu_to_cpu_handler.jobs_by_mechanism == {
-            "kernel": 1,
-            "dma": 1,
+            **expected,
             "staged": 0,
             "hybrid": 0,
             "torch": 0,

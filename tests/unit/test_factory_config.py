@@ -167,3 +167,14 @@ def test_staged_one_way_sizes_take_sizes_per_direction_and_zero_turns_them_off(
         OffloadConfig.from_dict({"staged_one_way_min_load_bytes": "lots"})
     with pytest.raises(ConfigError, match="staged_one_way_min_store_bytes"):
         OffloadConfig.from_dict({"staged_one_way_min_store_bytes": -1})
+
+
+def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OffloadConfig().dma_min_fragment_bytes == 0
+    monkeypatch.setenv("KVCACHE_OFFLOAD_DMA_MIN_FRAGMENT_BYTES", "1MiB")
+    assert OffloadConfig().dma_min_fragment_bytes == 1024**2
+    monkeypatch.delenv("KVCACHE_OFFLOAD_DMA_MIN_FRAGMENT_BYTES")
+    with pytest.raises(ConfigError, match="dma_min_fragment_bytes"):
+        OffloadConfig.from_dict({"dma_min_fragment_bytes": -1})

@@ -106,6 +106,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.src_geom, self.dst_geom = sides.geometry()
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
         self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
+        if dma_min_fragment_bytes < 0:
+            raise ConfigError(
+                f"dma_min_fragment_bytes must be >= 0 (0: never), got {dma_min_fragment_bytes}"
+            )
         self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
         self.kernel_config = kernel_config
         if not 0.0 <= hybrid_dma_share < 1.0:
@@ -224,10 +228,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             return 1 << 62
         if self.mechanism != "auto" or self.hybrid_dma_share > 0:
             return 0
-        fragment = single.bytes_per_unit / len(single.tensors)
-        if self.dma_ok and fragment >= self.dma_min_fragment_bytes:
+        if self._dma_by_fragment(single.bytes_per_unit / len(single.tensors)):
             return 0
         return self.staged_auto_min_job_bytes if self._staged is not None else 1 << 62
+
+    def _dma_by_fragment(self, mean_fragment_bytes: float) -> bool:
+        """Whether ``auto`` copies pieces this large by plain DMA (``dma_min_fragment_bytes``;
+        0: never)."""
+        threshold = self.dma_min_fragment_bytes
+        return self.dma_ok and threshold > 0 and mean_fragment_bytes >= threshold
 
     def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
         """Issue a one-group kernel job on an idle direction without building a plan; False
@@ -275,7 +284,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         flight (the job queues behind them anyway) and ``staged_when_busy`` is on."""
         if self.mechanism != "auto":
             return self.mechanism
-        if self.dma_ok and plan.mean_fragment_bytes >= self.dma_min_fragment_bytes:
+        if self._dma_by_fragment(plan.mean_fragment_bytes):
             return "dma"
         staged = self._staged
         if (

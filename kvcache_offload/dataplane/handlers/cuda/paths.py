@@ -47,12 +47,14 @@ logger = logging.getLogger(__name__)
 
 Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
 
-DEFAULT_DMA_MIN_FRAGMENT_BYTES = 1024 * 1024
-"""``auto`` sends a job whose mean fragment is at least this large through the batched DMA,
-smaller ones through the kernel. From bench.serving on an H200 (bench/RESULTS.md): with 8 KiB
-fragments the DMA ran at 0.04-0.13 of the link against the kernel's 0.2-0.5; with 64 KiB
-fragments the kernel led every stream by 10-35% and tied single jobs within the run-to-run
-spread; with 2 MiB fragments the DMA led the streams (mixed: 0.60 against 0.44)."""
+DEFAULT_DMA_MIN_FRAGMENT_BYTES = 0
+"""``auto`` copies a job by plain DMA when its contiguous pieces average at least this many
+bytes (0: never while the kernel works). It was 1 MiB until the eleventh session, which sent
+every cross-layer job (2 MiB per block) to the DMA. On an H200 (bench.serving, tenth
+session, cross_layer) the kernel led the DMA on small jobs (1-block load streams 0.80
+against 0.60 of the link, 8-block loads 413 against 488 us) and the staged path led it on
+queued and mixed ones (mixed 4-block stream 1.16x against 0.97x one way), so cross-layer
+jobs now follow the per-layer layouts' rule (docs/transfers.md)."""
 DEFAULT_HYBRID_DMA_SHARE = 0.0
 """Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
 DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
