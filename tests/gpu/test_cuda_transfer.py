@@ -554,3 +554,109 @@ def test_staged_when_mixed_sends_only_large_one_way_jobs_to_the_copy_engines(
         assert_same(gpu_tensors, gpu_before)
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "auto"])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mechanism, factor):
+    # Jobs queued behind a copy in flight are held as kernel units (no plan objects) and
+    # issued as one copy at the flush. A later job writing a slot a held job writes flushes
+    # the batch first and lands after it; a batch that mixes a planned job with unit jobs
+    # goes through the general path. Bytes, results and order must be the general path's.
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.handlers.cuda.handler import SingleDirectionOffloadingHandler
+    from tests._roundtrip import Job
+
+    skip_unless_available("kernel")
+    gen = torch.Generator().manual_seed(31 + factor)
+    kv = make_caches(
+        num_tensors=3,
+        num_gpu_blocks=64,
+        page=4096,
+        group_layers=[[(0, 4096), (1, 4000), (2, 4096)]],  # small fragments: auto = kernel
+        gen=gen,
+        device="cuda",
+    )
+    h = _handlers(kv, factor, 32, mechanism)
+    calls: list[object] = []
+    for one in (h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher):
+        issue = one.lone_kernel
+
+        def counted(*args, _issue=issue, **kw):
+            calls.append(args[5] if len(args) > 5 else kw.get("prev"))
+            return _issue(*args, **kw)
+
+        one.lone_kernel = counted
+    planned = {"n": 0}
+    plan = SingleDirectionOffloadingHandler.plan
+
+    def counted_plan(self, spec):
+        planned["n"] += 1
+        return plan(self, spec)
+
+    try:
+        SingleDirectionOffloadingHandler.plan = counted_plan
+        rng = np.random.default_rng(factor)
+        store, load = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
+        store.set_batching(True)
+        load.set_batching(True)
+        gpu_free = [int(x) for x in rng.permutation(64)]
+        cpu_free = [int(x) for x in rng.permutation(32)]
+
+        def job(blocks: int, start: int = 0, slots: list[int] | None = None) -> Job:
+            skip = start % factor
+            gpu_ids = [gpu_free.pop() for _ in range(blocks)]
+            if slots is None:
+                slots = [cpu_free.pop() for _ in range(-(-(blocks + skip) // factor))]
+            fragments = [
+                (0, gpu_ids[i], slots[(skip + i) // factor], (skip + i) % factor)
+                for i in range(blocks)
+            ]
+            return Job(
+                GPULoadStoreSpec(np.array(gpu_ids), [blocks], [start]),
+                CPULoadStoreSpec(np.array(slots)),
+                fragments,
+            )
+
+        a, b, c, d = job(8, factor - 1), job(2), job(1), job(3)
+        e = job(2, slots=[int(x) for x in b.cpu_spec.block_ids])  # rewrites b's slots
+        g_job = job(1)
+        cpu_tensors = h.cpu_tensors
+        gpu_tensors = [t.tensor for t in kv.tensors]
+        poison(cpu_tensors)
+        expected = snapshot(cpu_tensors)
+        order = [a, b, c, d, e, g_job]
+        for i, j in enumerate(order):
+            assert store.transfer_async(100 + i, (j.gpu_spec, j.cpu_spec))
+        store.flush()
+        results = finish(store, [100 + i for i in range(len(order))])
+        assert [r.job_id for r in results] == [100 + i for i in range(len(order))]
+        for r, j in zip(results, order, strict=True):
+            assert r.success and r.transfer_size == job_bytes(kv, j)
+        for j in order:
+            expected = expected_after_store(kv, expected, j)
+        assert_same(cpu_tensors, expected)  # e landed after b: its bytes won
+        # a alone, then b, c and d as one kernel copy behind it; e and g, a batch with a
+        # planned job (e waited for b's batch), through the general path.
+        assert len(calls) == 2 and calls[0] is None and calls[1] is not None
+        assert planned["n"] == 2  # e when it could not be held, and g at the mixed flush
+        assert store.jobs_by_mechanism["kernel"] == len(order)
+
+        # Loads back into poisoned GPU blocks: a alone, the rest one held batch.
+        poison(gpu_tensors)
+        gpu_expected = snapshot(gpu_tensors)
+        cpu_now = snapshot(cpu_tensors)
+        loads = [a, c, d, g_job]
+        for i, j in enumerate(loads):
+            assert load.transfer_async(200 + i, (j.cpu_spec, j.gpu_spec))
+        load.flush()
+        results = finish(load, [200 + i for i in range(len(loads))])
+        assert all(r.success for r in results)
+        for j in loads:
+            gpu_expected = expected_after_load(kv, gpu_expected, cpu_now, j)
+        assert_same(gpu_tensors, gpu_expected)
+        assert len(calls) == 4 and calls[3] is not None
+        assert planned["n"] == 2
+    finally:
+        SingleDirectionOffloadingHandler.plan = plan
+        h.shutdown()

@@ -9,17 +9,29 @@ where one copy may write its blocks in any order, the destination blocks they wr
 from __future__ import annotations
 
 import threading
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvcache_offload.dataplane.copy.plan import TransferPlan
 
-__all__ = ["BatchingSwitch", "HeldJobs"]
+__all__ = ["BatchingSwitch", "HeldJobs", "SizedJob"]
 
 
-class HeldJobs:
+class SizedJob(Protocol):
+    """What a held job must say of itself: its bytes (a :class:`TransferPlan`, or a lighter
+    record of a handler's own)."""
+
+    @property
+    def num_bytes(self) -> int: ...
+
+
+J = TypeVar("J", bound=SizedJob)
+
+
+class HeldJobs(Generic[J]):
     """The jobs of the batch being gathered; not thread-safe (the handler's lock guards it)."""
 
     def __init__(self) -> None:
-        self.jobs: list[tuple[int, TransferPlan]] = []
+        self.jobs: list[tuple[int, J]] = []
         self.ids: set[int] = set()
         """The held jobs' ids (a handler checks a new job against them without a call)."""
         self._dst: set[int] = set()
@@ -31,10 +43,10 @@ class HeldJobs:
     def __contains__(self, job_id: object) -> bool:
         return job_id in self.ids
 
-    def add(self, job_id: int, plan: TransferPlan, dst_blocks: set[int] | None = None) -> None:
-        self.jobs.append((job_id, plan))
+    def add(self, job_id: int, job: J, dst_blocks: set[int] | None = None) -> None:
+        self.jobs.append((job_id, job))
         self.ids.add(job_id)
-        self.nbytes += plan.num_bytes
+        self.nbytes += job.num_bytes
         if dst_blocks:
             self._dst |= dst_blocks
 
@@ -42,7 +54,7 @@ class HeldJobs:
         """Whether a held job writes one of ``dst_blocks`` (then a later job must wait)."""
         return not self._dst.isdisjoint(dst_blocks)
 
-    def take(self) -> list[tuple[int, TransferPlan]]:
+    def take(self) -> list[tuple[int, J]]:
         """The held jobs, oldest first; the batch starts over empty."""
         jobs = self.jobs
         self.jobs, self.ids, self._dst, self.nbytes = [], set(), set(), 0
@@ -58,7 +70,7 @@ class BatchingSwitch:
     """``set_batching`` and ``flush`` (the ``BatchesJobs`` capability) over a handler's held
     jobs; the handler says whether it can batch at all and how it issues what it held."""
 
-    _held: HeldJobs
+    _held: HeldJobs[Any]
     _lock: threading.Lock
     _batching: bool
 
@@ -82,7 +94,7 @@ class BatchingSwitch:
         """Whether a job is held, i.e. whether :meth:`flush` would issue anything."""
         return bool(self._held.jobs)
 
-    def held_jobs(self) -> HeldJobs:
+    def held_jobs(self) -> HeldJobs[Any]:
         """The batch being gathered (the same object for the handler's lifetime), for a
         caller that asks :meth:`holds_jobs` per submission without a call per handler."""
         return self._held

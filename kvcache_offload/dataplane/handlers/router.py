@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvcache_offload.contracts.handler import (
     BatchesJobs,
@@ -45,7 +46,7 @@ class OffloadingWorker:
         self._by_classes: dict[tuple[type, type], OffloadingHandler] = {}
         """The handler of each (source, destination) spec class pair seen so far."""
         self._batching: list[BatchesJobs] = []
-        self._held: list[HeldJobs] = []
+        self._held: list[HeldJobs[Any]] = []
         """The held batches of the handlers that share ``BatchingSwitch``."""
         self._hold_probes: list[Callable[[], bool]] = []
         """``holds_jobs`` of the other batching handlers."""

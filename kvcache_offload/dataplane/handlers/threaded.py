@@ -125,7 +125,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._can_batch = can_batch and prepare is None
         self._inline_max_bytes = inline_max_bytes if prepare is None else 0
         self._batching = False
-        self._held = HeldJobs()
+        self._held: HeldJobs[TransferPlan] = HeldJobs()
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` (from the copy thread) each time a job finishes, so a poller

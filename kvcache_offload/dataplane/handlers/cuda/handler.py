@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcache_offload.contracts.handler import (
@@ -69,6 +70,20 @@ DEFAULT_BATCH_MAX_BYTES = 16 * 1024 * 1024
 """A batch is issued once it holds this many bytes, and larger jobs go alone: several
 batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
 everything would leave the link idle while the host completes it and submits the next)."""
+
+
+class _HeldUnits:
+    """A held one-group job whose kernel units are already written to the handler's unit
+    scratch (at ``offset``: ``size`` source then ``size`` destination units). Its spec is
+    kept in case the batch does not go out as one kernel copy (then it is planned)."""
+
+    __slots__ = ("num_bytes", "offset", "size", "spec")
+
+    def __init__(self, spec: TransferSpec, num_bytes: int, offset: int, size: int) -> None:
+        self.spec = spec
+        self.num_bytes = num_bytes
+        self.offset = offset
+        self.size = size
 
 
 class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
@@ -178,7 +193,13 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._watch = CopyWatch("kvoffload-done-" + ("store" if gpu_to_cpu else "load"))
         self._batching = False
         self.batch_max_bytes = int(batch_max_bytes)
-        self._held = HeldJobs()
+        self._held: HeldJobs[TransferPlan | _HeldUnits] = HeldJobs()
+        self._units = np.empty(0, dtype=np.int64)
+        """Kernel units of the held one-group jobs, each job's source then destination
+        units, in submission order (see :meth:`_hold_units`)."""
+        self._units_used = 0
+        self._held_units = 0
+        """How many of the held jobs are :class:`_HeldUnits`."""
         self.batches = 0
         self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
@@ -238,41 +259,130 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         threshold = self.dma_min_fragment_bytes
         return self.dma_ok and threshold > 0 and mean_fragment_bytes >= threshold
 
-    def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
-        """Issue a one-group kernel job on an idle direction without building a plan; False
-        when the job is not one (the general path then plans it, and names any error)."""
+    def _single_job(
+        self, spec: TransferSpec
+    ) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
+        """``(source ids, destination ids, size, first block index, bytes)`` of a job of the
+        engine's own spec classes over the one group; None for any other job (the general
+        path then plans it, and names any error). Only where ``_lone_limit`` is set."""
         try:
             src, dst = spec
         except (TypeError, ValueError):
-            return False
+            return None
         gpu_spec, cpu_spec = (src, dst) if self.gpu_to_cpu else (dst, src)
         if type(gpu_spec) is not GPULoadStoreSpec or type(cpu_spec) is not CPULoadStoreSpec:
-            return False
+            return None
         sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
         if len(sizes) != 1 or len(starts) != 1:
-            return False
+            return None
         size = int(sizes[0])
+        if size <= 0:
+            return None
         single = self._planner.single_group
         assert single is not None
-        nbytes = single.bytes_per_unit * size
-        if size <= 0 or nbytes >= self._lone_limit:
-            return False
         ids = gpu_spec.block_ids, cpu_spec.block_ids
         src_ids, dst_ids = ids if self.gpu_to_cpu else (ids[1], ids[0])
+        return src_ids, dst_ids, size, int(starts[0]), single.bytes_per_unit * size
+
+    def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
+        """Issue a one-group kernel job on an idle direction without building a plan; False
+        when the job is not one (the general path then plans it, and names any error)."""
+        job = self._single_job(spec)
+        if job is None:
+            return False
+        src_ids, dst_ids, size, start, nbytes = job
+        if nbytes >= self._lone_limit:
+            return False
         entries = GROUP_ROW + 2 * size
         slot = self._pools.slot()
         table = slot.ensure(entries, need_device=True)
         if not self._planner.write_single_units(
-            src_ids, dst_ids, size, int(starts[0]), table[GROUP_ROW:entries]
+            src_ids, dst_ids, size, start, table[GROUP_ROW:entries]
         ):
             self._pools.return_slot(slot)
             return False
         jobs = [(job_id, nbytes)]
+        single = self._planner.single_group
+        assert single is not None
         transfer = self._launcher.lone_kernel(
             jobs, slot, size, len(single.tensors) * size, single.max_size
         )
         self._track(transfer, jobs, "kernel")
         return True
+
+    def _hold_units(self, job_id: int, spec: TransferSpec) -> bool:
+        """Hold a one-group job for the batch as its kernel units, written to the unit
+        scratch now (which also checks its ids), without a plan: if the batch goes out as
+        one kernel copy (:meth:`_issue_units`), no plan object is built, merged or read for
+        any of its jobs; on the H200 host those cost the event-loop thread more than the
+        copy's CUDA calls in 1-block load streams. False when the job is not one, or when
+        it must wait for a held job writing the same block (the general path then holds
+        it, or names any error). Under the lock, with copies in flight or jobs held."""
+        job = self._single_job(spec)
+        if job is None:
+            return False
+        src_ids, dst_ids, size, start, nbytes = job
+        if nbytes >= self._lone_limit or nbytes >= self.batch_max_bytes:
+            return False
+        if self.staged_when_busy and self._staged is not None:
+            large = self.one_way_min_job_bytes
+            if self._other_direction is None or (large and nbytes >= large):
+                return False  # behind copies in flight it takes the staged path: plan it now
+        if job_id in self._in_flight_ids or job_id in self._held:
+            return False
+        used = self._units_used
+        end = used + 2 * size
+        units = self._units
+        if end > len(units):
+            grown = np.empty(max(2 * end, 4096), dtype=np.int64)
+            grown[:used] = units[:used]
+            self._units = units = grown
+        if not self._planner.write_single_units(src_ids, dst_ids, size, start, units[used:end]):
+            return False
+        dst_units = units[used + size : end]
+        factor = self.dst_geom.factor
+        dst_blocks = set((dst_units if factor == 1 else dst_units // factor).tolist())
+        if self._held.writes_any(dst_blocks):
+            return False  # the units written above are simply overwritten later
+        self._units_used = end
+        self._held_units += 1
+        self._held.add(job_id, _HeldUnits(spec, nbytes, used, size), dst_blocks)
+        if self._held.nbytes >= self.batch_max_bytes:
+            self._flush_locked()
+        return True
+
+    def _issue_units(
+        self,
+        jobs: list[tuple[int, int]],
+        held: list[tuple[int, TransferPlan | _HeldUnits]],
+        prev: InFlightCopy | None,
+    ) -> None:
+        """Issue held :class:`_HeldUnits` jobs as one kernel copy of the one group: their
+        units go from the scratch into a job table, sources then destinations."""
+        total = 0
+        for _, job in held:
+            assert isinstance(job, _HeldUnits)
+            total += job.size
+        slot = self._pools.slot()
+        table = slot.ensure(GROUP_ROW + 2 * total, need_device=True)
+        units = self._units
+        src_at, dst_at = GROUP_ROW, GROUP_ROW + total
+        for _, job in held:
+            assert isinstance(job, _HeldUnits)
+            offset, size = job.offset, job.size
+            table[src_at : src_at + size] = units[offset : offset + size]
+            table[dst_at : dst_at + size] = units[offset + size : offset + 2 * size]
+            src_at += size
+            dst_at += size
+        if prev is not None and not prev.issued():
+            assert prev.staged is not None
+            prev.staged.issued.wait()  # its end event must be recorded before we wait on it
+        single = self._planner.single_group
+        assert single is not None
+        transfer = self._launcher.lone_kernel(
+            jobs, slot, total, len(single.tensors) * total, single.max_size, prev
+        )
+        self._track(transfer, jobs, "kernel")
 
     # -- the handler contract ---------------------------------------------------------------
     def plan(self, spec: TransferSpec) -> TransferPlan:
@@ -318,6 +428,14 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                     and not self._transfers
                     and not self._held
                     and self._try_lone_kernel(job_id, spec)
+                ):
+                    return True
+        if self._batching and self._lone_limit and (self._transfers or self._held):
+            with self._lock:
+                if (
+                    not self._closed
+                    and (self._transfers or self._held)
+                    and self._hold_units(job_id, spec)
                 ):
                     return True
         plan = self.plan(spec)
@@ -382,12 +500,26 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return out
 
     def _flush_locked(self) -> None:
+        nbytes = self._held.nbytes
         held = self._held.take()
-        if held:
-            self._issue([(job_id, plan.num_bytes) for job_id, plan in held], HeldJobs.merged(held))
-
-    def _issue(self, jobs: list[tuple[int, int]], plan: TransferPlan) -> None:
+        if not held:
+            return
+        all_units = self._held_units == len(held)
+        self._held_units = 0
+        self._units_used = 0  # read below, before anything writes to the scratch again
+        jobs = [(job_id, job.num_bytes) for job_id, job in held]
         prev = self._transfers[-1] if self._transfers else None
+        busy = self._busy(prev, nbytes, len(jobs))
+        if all_units and (self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)):
+            # What choose_mechanism would pick for their plan: the kernel.
+            self._issue_units(jobs, held, prev)
+            return
+        plans = [job if isinstance(job, TransferPlan) else self.plan(job.spec) for _, job in held]
+        self._issue(jobs, plans[0] if len(plans) == 1 else TransferPlan.merge(plans), busy)
+
+    def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
+        """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
+        ``prev`` takes the staged path under ``staged_when_busy`` (see :meth:`pair_with`)."""
         # Asked only with the rule on: done() is an event query, not free on the hot path.
         busy = self.staged_when_busy and prev is not None and not prev.done()
         if busy and self._other_direction is not None:
@@ -395,9 +527,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             # it), or for jobs large enough that their copy outlasts the staged path's extra
             # host time (one way, the copy engines move more of the link than the kernel).
             large = self.one_way_min_job_bytes
-            busy = (
-                large > 0 and plan.num_bytes >= large * len(jobs)
-            ) or self._other_direction.copying()
+            busy = (large > 0 and nbytes >= large * num_jobs) or self._other_direction.copying()
+        return busy
+
+    def _issue(
+        self, jobs: list[tuple[int, int]], plan: TransferPlan, busy: bool | None = None
+    ) -> None:
+        prev = self._transfers[-1] if self._transfers else None
+        if busy is None:
+            busy = self._busy(prev, plan.num_bytes, len(jobs))
         mechanism = self.choose_mechanism(plan, busy=busy)
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:

@@ -204,12 +204,13 @@ class CopyLauncher:
         n_units: int,
         num_fragments: int,
         max_size: int,
+        prev: InFlightCopy | None = None,
     ) -> InFlightCopy:
-        """Issue a copy of the one group (group 0, no ref offset) on an idle direction,
-        its ``n_units`` source then destination units already written to ``slot`` after
-        the group row: a serving engine's lone request, without the plan objects and the
-        general path's checks (on the H200 host those cost about as much as the copy's CUDA
-        calls)."""
+        """Issue a copy of the one group (group 0, no ref offset) after ``prev`` (same
+        direction; None on an idle one), its ``n_units`` source then destination units
+        already written to ``slot`` after the group row: a serving engine's lone request or
+        a batch of one-group jobs, without the plan objects and the general path's checks
+        (on the H200 host those cost about as much as the copy's CUDA calls)."""
         assert slot.host_np is not None
         _write_group_row(slot.host_np, n_units, int(self.ref_start[0]))
         stream = self.pools.stream()
@@ -219,6 +220,8 @@ class CopyLauncher:
             self._upload_table(slot, GROUP_ROW + 2 * n_units, stream)
             if self.gpu_to_cpu:
                 self._after_current_stream(stream)
+            if prev is not None:
+                stream.wait_event(prev.end_event)
             start.record(stream)
             self._launch_kernel(slot, 1, n_units, num_fragments, max_size, handle)
             end.record(stream)
