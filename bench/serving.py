@@ -252,10 +252,38 @@ class StreamResult:
     reloads: int = 0
     """Loads that found a block of theirs evicted and stored it again first (the policy's
     choice: a scheduler would have seen the miss in its lookup)."""
+    host_probe_s: float = 0.0
+    """:func:`host_probe` around the stream (mean of before and after): how fast the host ran
+    the same fixed Python work at the time (see :func:`host_probe`)."""
+
+    @property
+    def cpu_s_per_job(self) -> float:
+        return self.cpu_cores * self.seconds / max(1, len(self.job_times))
 
     @property
     def rate(self) -> float:
         return self.bytes_moved / self.seconds
+
+
+def host_probe(reps: int = 5) -> float:
+    """Seconds the host takes for a fixed piece of Python and numpy work (the median of
+    ``reps``). On the lent H200 VMs the host's speed drifts over seconds: one engine's
+    1-block load stream cost 35 us of CPU per job in one phase and 57-72 us in the next, with
+    the code unchanged (docs/transfers.md, eleventh session), and these streams are bound by
+    the event-loop thread. A probe next to each stream says which phase the stream ran in."""
+    times = []
+    arr = np.arange(64)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        table: dict[int, int] = {}
+        acc = 0
+        for i in range(2000):
+            table[i & 63] = i
+            acc += len(table) + i % 7
+        for _ in range(50):
+            arr = arr + 1
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 async def stream(
@@ -298,6 +326,7 @@ async def stream(
             times.append(time.perf_counter() - t0)
             moved += job_bytes
 
+    probe_before = host_probe()
     cpu0, t0 = time.process_time(), time.perf_counter()
     deadline = t0 + seconds
     async with asyncio.TaskGroup() as tg:
@@ -305,7 +334,10 @@ async def stream(
             tg.create_task(loader(i) if i < loaders else storer(i))
     wall = time.perf_counter() - t0
     cores = (time.process_time() - cpu0) / wall
-    return StreamResult(name, moved, wall, times, cores, tasks * job_bytes, reloads=reloads)
+    probe = (probe_before + host_probe()) / 2
+    return StreamResult(
+        name, moved, wall, times, cores, tasks * job_bytes, reloads=reloads, host_probe_s=probe
+    )
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -372,6 +404,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 s.bytes_in_flight,
                 tuple(p.rate for p in parts),
                 sum(p.reloads for p in parts),
+                sum(p.host_probe_s * p.seconds for p in parts) / seconds,
             )
         )
     return {**first, "single": single, "streams": streams, "passes": len(runs)}
@@ -429,15 +462,25 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
             p50, p99 = pct(s.job_times, 50), pct(s.job_times, 99)
             worst = max(s.job_times, default=0.0)
             cells.append(f"{s.rate / 1e9:.1f} ({ratio:.2f}x) p50 {_us(p50)} p99 {_us(p99)} "
-                         f"[<= {_us(bound)}] max {_us(worst)} cpu {s.cpu_cores:.2f}")  # fmt: skip
+                         f"[<= {_us(bound)}] max {_us(worst)} cpu {s.cpu_cores:.2f} "
+                         f"({s.cpu_s_per_job * 1e6:.0f} us/job) host "
+                         f"{s.host_probe_s * 1e6:.0f} us")  # fmt: skip
             stream_json.append({"stream": name, "mechanism": run["mechanism"],
                                 "gb_s": s.rate / 1e9, "ratio_to_one_way_bulk": ratio,
                                 "pass_gb_s": [r / 1e9 for r in s.pass_rates],
                                 "p50_s": p50, "p99_s": p99, "max_s": worst,
                                 "p99_bound_s": bound, "cpu_cores": s.cpu_cores,
-                                "jobs": len(s.job_times), "reloads": s.reloads})  # fmt: skip
+                                "jobs": len(s.job_times), "reloads": s.reloads,
+                                "cpu_s_per_job": s.cpu_s_per_job,
+                                "host_probe_s": s.host_probe_s})  # fmt: skip
         st.add_row(name, *cells)
     console.print(st)
+    probes = [s.host_probe_s for run in runs for s in run["streams"]]
+    console.print(
+        f"host probe (the same fixed work before and after each stream): "
+        f"{min(probes) * 1e6:.0f}-{max(probes) * 1e6:.0f} us; streams bound by the event-loop "
+        "thread run slower where it is slower, whatever the code"
+    )
     floor_name = "one-way bulk copy" if device == "cuda" else "one thread copying the same jobs"
     console.print(
         f"floor: {floor_name} {one_way / 1e9:.1f} GB/s; "

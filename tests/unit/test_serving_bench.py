@@ -69,5 +69,7 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     names = {s["stream"] for s in layout["streams"]}
     assert {"loads 4-block", "mixed 4-block", "loads 2-block", "stores 2-block"} <= names
     assert all(s["reloads"] == 0 and s["jobs"] > 0 for s in layout["streams"])
+    # Each stream says how fast the host ran at the time, and what a job cost the process.
+    assert all(s["host_probe_s"] > 0 and s["cpu_s_per_job"] > 0 for s in layout["streams"])
     (goal,) = layout["goals"]
     assert goal["goal"] == "every stream at 0.7 of a one-thread copy"
