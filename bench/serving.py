@@ -22,6 +22,10 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
    engines cross over).
 3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
 
+The columns' engines are open together and take turns on every measurement, the order
+reversed every pass (``bench_layout``): the host's speed drifts over seconds on the machines
+this ran on, and each stream prints a host probe next to its rate.
+
 Prints one table per section and writes JSON under ``bench/out/``.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import itertools
 import json
@@ -189,6 +194,8 @@ class Rig:
     """One engine over one layout; keys and GPU blocks handed out so tasks never share."""
 
     def __init__(self, layout: Layout, device: str, mechanism: str, num_gpu_blocks: int) -> None:
+        self.mechanism = mechanism
+        """The column this engine measures (``auto``, ``kernel``, ``auto+off``, ...)."""
         self.kv = layout.build(num_gpu_blocks, device)
         self.block_bytes = layouts.block_nbytes(self.kv)
         # "auto+off" (a staged_when_busy value after a "+") or "auto+gc_freeze=0" (any
@@ -216,27 +223,25 @@ class Rig:
         return [make_offload_key(next(self._ids).to_bytes(8, "little"), 0) for _ in range(n)]
 
 
-async def single_jobs(rig: Rig, reps: int) -> dict[str, dict[int, list[float]]]:
+async def single_jobs(rig: Rig, n: int, reps: int) -> tuple[list[float], list[float]]:
+    """Wall times of ``reps`` single loads, then of ``reps`` single stores, of ``n`` blocks
+    (after five unmeasured ones each)."""
     engine = rig.engine
-    out: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
-    for n in SINGLE_SIZES:
-        keys = rig.fresh_keys(n)
-        blocks = list(range(n))
-        await engine.store(keys, blocks)
-        times = []
-        for _ in range(reps + 5):
-            t0 = time.perf_counter()
-            await engine.load(keys, blocks)
-            times.append(time.perf_counter() - t0)
-        out["load"][n] = times[5:]
-        times = []
-        for _ in range(reps + 5):
-            fresh = rig.fresh_keys(n)
-            t0 = time.perf_counter()
-            await engine.store(fresh, blocks)
-            times.append(time.perf_counter() - t0)
-        out["store"][n] = times[5:]
-    return out
+    keys = rig.fresh_keys(n)
+    blocks = list(range(n))
+    await engine.store(keys, blocks)
+    loads = []
+    for _ in range(reps + 5):
+        t0 = time.perf_counter()
+        await engine.load(keys, blocks)
+        loads.append(time.perf_counter() - t0)
+    stores = []
+    for _ in range(reps + 5):
+        fresh = rig.fresh_keys(n)
+        t0 = time.perf_counter()
+        await engine.store(fresh, blocks)
+        stores.append(time.perf_counter() - t0)
+    return loads[5:], stores[5:]
 
 
 @dataclass
@@ -343,41 +348,74 @@ async def stream(
 # -- driver -----------------------------------------------------------------------------------
 
 
-async def bench_engine(
-    layout: Layout, device: str, mechanism: str, args: argparse.Namespace, floors: Floors
-) -> dict[str, Any]:
+def stream_specs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(name, blocks per job, loading tasks) of every stream, in the order they run."""
     tasks = args.tasks
+    specs = [
+        ("loads 4-block", STREAM_JOB_BLOCKS, tasks),
+        ("stores 4-block", STREAM_JOB_BLOCKS, 0),
+        ("mixed 4-block", STREAM_JOB_BLOCKS, tasks // 2),
+        ("loads 1-block", 1, tasks),
+    ]
+    # One-way streams of other job sizes: where the kernel and the copy engines cross over
+    # is what sets staged_one_way_min_*_bytes (docs/transfers.md).
+    for n in args.sweep_blocks:
+        for name, loaders in ((f"loads {n}-block", tasks), (f"stores {n}-block", 0)):
+            if name not in {spec[0] for spec in specs}:
+                specs.append((name, n, loaders))
+    return specs
+
+
+def _jobs_by_mechanism(rig: Rig) -> dict[str, Any]:
+    handlers = rig.engine.worker.handlers if rig.engine.worker is not None else []
+    out = {}
+    for i, h in enumerate(handlers):
+        info = h.describe() if hasattr(h, "describe") else {}
+        out[info.get("direction", str(i))] = {
+            k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
+        }
+    return out
+
+
+async def bench_layout(
+    layout: Layout, device: str, mechanisms: list[str], args: argparse.Namespace
+) -> dict[str, list[dict[str, Any]]]:
+    """Every column's engine open at once; each measurement (one single-job size, one
+    stream) runs on every engine in turn, the order reversed every pass, so that the columns
+    meet the same host phases. On the lent H200 VMs the host's speed drifts up to 1.7x over
+    seconds, and the small-job streams follow it (docs/transfers.md, eleventh session): a
+    column measured a minute after another compared mostly the host. Returns each column's
+    passes, each shaped as one engine's run (see :func:`pooled`)."""
     widest = max([STREAM_JOB_BLOCKS, *args.sweep_blocks])
-    rig = Rig(layout, device, mechanism, max(tasks * widest, max(SINGLE_SIZES)))
-    async with rig.engine:
-        single = await single_jobs(rig, args.reps)
-        streams = [
-            await stream(rig, "loads 4-block", tasks, STREAM_JOB_BLOCKS, tasks, args.stream_s),
-            await stream(rig, "stores 4-block", tasks, STREAM_JOB_BLOCKS, 0, args.stream_s),
-            await stream(rig, "mixed 4-block", tasks, STREAM_JOB_BLOCKS, tasks // 2, args.stream_s),
-            await stream(rig, "loads 1-block", tasks, 1, tasks, args.stream_s),
+    rigs = [Rig(layout, device, m, max(args.tasks * widest, max(SINGLE_SIZES))) for m in mechanisms]
+    runs: dict[str, list[dict[str, Any]]] = {
+        rig.mechanism: [
+            {"mechanism": rig.mechanism, "block_bytes": rig.block_bytes,
+             "single": {"load": {}, "store": {}}, "streams": []}
+            for _ in range(args.passes)
         ]
-        # One-way streams of other job sizes: where the kernel and the copy engines cross
-        # over is what sets staged_one_way_min_job_bytes (docs/transfers.md).
-        done = {s.name for s in streams}
-        for n in args.sweep_blocks:
-            for name, loaders in ((f"loads {n}-block", tasks), (f"stores {n}-block", 0)):
-                if name not in done:
-                    streams.append(await stream(rig, name, tasks, n, loaders, args.stream_s))
-        describe = rig.engine.worker.handlers if rig.engine.worker is not None else []
-        jobs_by_mechanism = {}
-        for i, h in enumerate(describe):
-            info = h.describe() if hasattr(h, "describe") else {}
-            jobs_by_mechanism[info.get("direction", str(i))] = {
-                k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
-            }
-    return {
-        "mechanism": mechanism,
-        "block_bytes": rig.block_bytes,
-        "single": single,
-        "streams": streams,
-        "jobs_by_mechanism": jobs_by_mechanism,
-    }
+        for rig in rigs
+    }  # fmt: skip
+    orders = [(index, rigs if index % 2 == 0 else rigs[::-1]) for index in range(args.passes)]
+    async with contextlib.AsyncExitStack() as stack:
+        for rig in rigs:
+            await stack.enter_async_context(rig.engine)
+        for n in SINGLE_SIZES:
+            for index, order in orders:
+                for rig in order:
+                    loads, stores = await single_jobs(rig, n, args.reps)
+                    run = runs[rig.mechanism][index]
+                    run["single"]["load"][n] = loads
+                    run["single"]["store"][n] = stores
+        for name, blocks, loaders in stream_specs(args):
+            for index, order in orders:
+                for rig in order:
+                    result = await stream(rig, name, args.tasks, blocks, loaders, args.stream_s)
+                    runs[rig.mechanism][index]["streams"].append(result)
+        for rig in rigs:
+            for run in runs[rig.mechanism]:
+                run["jobs_by_mechanism"] = _jobs_by_mechanism(rig)
+    return runs
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -553,17 +591,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         layout = LAYOUTS[name]
         if args.warmup_s > 0:
             await warm_up(layout, device, args)
-        passes: dict[str, list[dict[str, Any]]] = {m: [] for m in mechanisms}
-        for index in range(args.passes):
-            # Every other pass runs the engines in the opposite order: on the H200 host an
-            # engine's streams depended on its place in the run by 10-15 % (the same path
-            # under two names differed that much), which otherwise favours a fixed column.
-            for mechanism in mechanisms if index % 2 == 0 else mechanisms[::-1]:
-                passes[mechanism].append(
-                    await bench_engine(layout, device, mechanism, args, floors)
-                )
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+        passes = await bench_layout(layout, device, mechanisms, args)
+        if device == "cuda":
+            torch.cuda.empty_cache()
         runs = [pooled(passes[m]) for m in mechanisms]
         results.append(report(layout, device, runs, floors, args))
     return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
@@ -594,7 +624,8 @@ def main(argv: list[str] | None = None) -> None:
         "--passes",
         type=int,
         default=2,
-        help="runs of every engine, in alternating order, pooled (see main_async)",
+        help="runs of every measurement on every engine, in alternating order, pooled "
+        "(see bench_layout)",
     )
     parser.add_argument(
         "--loop",

@@ -62,10 +62,18 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     from bench.serving import main
 
     out = tmp_path / "serving.json"
-    main(["--device", "cpu", "--reps", "3", "--stream-s", "0.05", "--passes", "1",
-          "--warmup-s", "0", "--sweep", "2", "--out", str(out)])  # fmt: skip
+    main(["--device", "cpu", "--reps", "3", "--stream-s", "0.05", "--passes", "2",
+          "--mechanisms", "auto,auto+gc_freeze=0", "--warmup-s", "0", "--sweep", "2",
+          "--out", str(out)])  # fmt: skip
     payload: dict[str, Any] = json.loads(out.read_text())
     (layout,) = payload["layouts"]
+    # Both columns' engines ran every measurement (interleaved), both passes pooled.
+    for column in ("auto", "auto+gc_freeze=0"):
+        streams = [s for s in layout["streams"] if s["mechanism"] == column]
+        assert len(streams) == 6 and all(len(s["pass_gb_s"]) == 2 for s in streams)
+        assert {
+            (r["direction"], r["blocks"]) for r in layout["single"] if r["mechanism"] == column
+        } == {(d, n) for d in ("load", "store") for n in (1, 8, 64)}
     names = {s["stream"] for s in layout["streams"]}
     assert {"loads 4-block", "mixed 4-block", "loads 2-block", "stores 2-block"} <= names
     assert all(s["reloads"] == 0 and s["jobs"] > 0 for s in layout["streams"])
