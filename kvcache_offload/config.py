@@ -87,12 +87,13 @@ class OffloadConfig(BaseSettings):
     staged path on an idle direction too).
     ``true`` / ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the
     measurements of each."""
-    staged_one_way_min_load_bytes: ByteSize = Field(default=ByteSize(4 * 1024**2), ge=0)
+    staged_one_way_min_load_bytes: ByteSize = Field(default=ByteSize(5 * 1024**2), ge=0)
     """Under ``staged_when_busy="mixed"``, loads queued behind loads take the staged path
-    even while no store is copying, once they average this many bytes each (e.g. "4MiB");
-    0: one-way loads always keep the kernel. One way, the copy engines moved 4- and 8-block
-    load streams at 0.93-1.02 of the link against the kernel's 0.85-0.91 on an H200, but
-    cost more host time per copy, which 1-block jobs cannot hide (docs/transfers.md)."""
+    even while no store is copying, once they average this many bytes each (e.g. "5MiB");
+    0: one-way loads always keep the kernel. One way, the copy engines moved load streams of
+    5-16 MiB jobs at 0.93-1.02 of the link against the kernel's 0.85-0.91 on an H200, but
+    cost more host time per copy, which smaller jobs cannot hide: 4 MiB jobs lost on one
+    layout (docs/transfers.md)."""
     staged_one_way_min_store_bytes: ByteSize = Field(default=ByteSize(8 * 1024**2), ge=0)
     """The same for stores queued behind stores ("8MiB"; 0: never). Stores gain from 8 MiB
     jobs on; below that the staged path's gains and losses were within the spread."""

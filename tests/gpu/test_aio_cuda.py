@@ -113,7 +113,7 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
         assert all(h.staged_when_busy for h in engine.worker.handlers)
         assert all(h._other_direction is not None for h in engine.worker.handlers)
         sizes = {h.gpu_to_cpu: h.one_way_min_job_bytes for h in engine.worker.handlers}
-        assert sizes == {True: 8 << 20, False: 4 << 20}  # stores, loads
+        assert sizes == {True: 8 << 20, False: 5 << 20}  # stores, loads
         lone = {h.gpu_to_cpu: h.staged_auto_min_job_bytes for h in engine.worker.handlers}
         assert lone == {True: 256 << 20, False: 32 << 20}
     engine, _ = build(staged_one_way_min_load_bytes="1MiB", staged_one_way_min_store_bytes=0)

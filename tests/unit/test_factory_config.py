@@ -154,7 +154,7 @@ def test_staged_one_way_sizes_take_sizes_per_direction_and_zero_turns_them_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = OffloadConfig()
-    assert config.staged_one_way_min_load_bytes == 4 * 1024**2
+    assert config.staged_one_way_min_load_bytes == 5 * 1024**2
     assert config.staged_one_way_min_store_bytes == 8 * 1024**2
     monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_LOAD_BYTES", "8MiB")
     monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_STORE_BYTES", "0")

@@ -68,12 +68,15 @@ thread) from this size on, also when it finds its direction idle. On an H200 (be
 four runs, two per-layer layouts) 64-block loads (80-128 MiB) took 2-13 % less time staged
 than through the kernel in 7 of 8 pairs (the eighth +3 %); 64-block stores were within -7 to
 +4 %, so a lone store keeps the kernel below ``DEFAULT_STAGED_MIN_JOB_BYTES``."""
-DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES = 4 * 1024 * 1024
+DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES = 5 * 1024 * 1024
 """Under ``staged_when_busy="mixed"``, a load queued behind loads also takes the staged path
 while no store is copying, once the jobs of its copy average this many bytes (0: never).
 H200, four runs: 4- and 8-block load streams (5-16 MiB jobs) at 0.93-1.02 of the link
 against the kernel's 0.85-0.91; 1-block (1.25-2 MiB) jobs gain nothing staged, since the
-staged path costs more host time per copy."""
+staged path costs more host time per copy. It was 4 MiB until the eleventh session, whose
+interleaved A/B (four passes) had llama8b's 4 MiB loads at 43.2 GB/s staged against 48.7
+with the kernel (every pass) and cross_layer's at 49.6 against 48.5: the crossover lies
+between 4 and 5 MiB."""
 DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES = 8 * 1024 * 1024
 """The same for stores queued behind stores. H200, four runs: 8-block store streams
 (10-16 MiB jobs) at 0.95-1.01 of the link staged against the kernel's 0.90-0.94; 4-block
