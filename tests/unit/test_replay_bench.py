@@ -11,10 +11,13 @@ def test_bench_manager_runs_on_the_sample_with_the_classic_baseline() -> None:
     from bench.manager import main
 
     payload = main(
-        ["--trace", str(sample_trace_path()), "--repeat", "1", "--capacities", "5%", "--no-json"]
+        ["--trace", str(sample_trace_path()), "--repeat", "2", "--capacities", "5%", "--no-json"]
     )
     rows = {r["policy"]: r for r in payload["results"]}
     assert set(rows) == {"lru", "arc"}
+    # Every repetition of each row ran (round-robin), and each rate is set against LRU's.
+    assert all(len(r["manager_time_s_all"]) == 2 for r in rows.values())
+    assert rows["lru"]["vs_lru"] == 1.0 and rows["arc"]["vs_lru"] > 0
     # Same semantics as the classic manager wherever ARC's #55461 fix does not apply.
     assert rows["lru"]["block_hits"] == rows["lru"]["classic"]["block_hits"]
     assert rows["lru"]["evictions"] == rows["lru"]["classic"]["evictions"]
