@@ -42,6 +42,34 @@ def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
     return CpuGpuOffloadingHandlers(kv, factor, num_cpu, region, mechanism=mechanism, **kw)
 
 
+def _one_group_caches(seed: int):
+    """Three tensors of 4 KiB pages in one KV-cache group (one ref padded): small fragments,
+    so ``auto`` takes the kernel."""
+    return make_caches(
+        num_tensors=3,
+        num_gpu_blocks=64,
+        page=4096,
+        group_layers=[[(0, 4096), (1, 4000), (2, 4096)]],
+        gen=torch.Generator().manual_seed(seed),
+        device="cuda",
+    )
+
+
+def _record_lone_kernel_calls(h) -> list[object]:
+    """The ``prev`` copy of every ``lone_kernel`` issue of both directions (None: issued on
+    an idle direction), in call order."""
+    calls: list[object] = []
+    for one in (h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher):
+        issue = one.lone_kernel
+
+        def recorded(*args, _issue=issue, **kw):
+            calls.append(args[5] if len(args) > 5 else kw.get("prev"))
+            return _issue(*args, **kw)
+
+        one.lone_kernel = recorded
+    return calls
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("factor", [1, 4])
 def test_cuda_round_trip_is_byte_exact_with_groups_skips_and_padding(mechanism, factor):
@@ -408,26 +436,9 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
     # A serving engine's lone request (one group, idle direction) skips the plan objects;
     # its bytes, results and a later bad job's error must be those of the general path.
     skip_unless_available("kernel")
-    gen = torch.Generator().manual_seed(21 + factor)
-    kv = make_caches(
-        num_tensors=3,
-        num_gpu_blocks=64,
-        page=4096,
-        group_layers=[[(0, 4096), (1, 4000), (2, 4096)]],  # small fragments: auto = kernel
-        gen=gen,
-        device="cuda",
-    )
+    kv = _one_group_caches(21 + factor)
     h = _handlers(kv, factor, 32, mechanism)
-    lone = {"n": 0}
-    launcher = h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher
-    for one in launcher:
-        issue = one.lone_kernel
-
-        def counted(*args, _issue=issue, **kw):
-            lone["n"] += 1
-            return _issue(*args, **kw)
-
-        one.lone_kernel = counted
+    calls = _record_lone_kernel_calls(h)
     try:
         rng = np.random.default_rng(factor)
         for i, blocks in enumerate((1, 8, 5)):
@@ -443,7 +454,7 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.success and load.success
             assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
             assert store.transfer_time > 0 and load.transfer_time > 0
-        assert lone["n"] == 6  # every job of this test went through the lane
+        assert len(calls) == 6  # every job of this test went through the lane
         bad = random_job(
             rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,
             num_cpu_blocks=32,
@@ -451,7 +462,7 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         bad.cpu_spec = CPULoadStoreSpec(np.array([31, 99] if factor == 1 else [99]))
         with pytest.raises(TransferError, match="99"):  # the slot does not exist
             h.gpu_to_cpu_handler.transfer_async(50, (bad.gpu_spec, bad.cpu_spec))
-        assert lone["n"] == 6
+        assert len(calls) == 6
     finally:
         h.shutdown()
 
@@ -568,25 +579,9 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
     from tests._roundtrip import Job
 
     skip_unless_available("kernel")
-    gen = torch.Generator().manual_seed(31 + factor)
-    kv = make_caches(
-        num_tensors=3,
-        num_gpu_blocks=64,
-        page=4096,
-        group_layers=[[(0, 4096), (1, 4000), (2, 4096)]],  # small fragments: auto = kernel
-        gen=gen,
-        device="cuda",
-    )
+    kv = _one_group_caches(31 + factor)
     h = _handlers(kv, factor, 32, mechanism)
-    calls: list[object] = []
-    for one in (h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher):
-        issue = one.lone_kernel
-
-        def counted(*args, _issue=issue, **kw):
-            calls.append(args[5] if len(args) > 5 else kw.get("prev"))
-            return _issue(*args, **kw)
-
-        one.lone_kernel = counted
+    calls = _record_lone_kernel_calls(h)
     planned = {"n": 0}
     plan = SingleDirectionOffloadingHandler.plan
 

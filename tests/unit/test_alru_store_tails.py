@@ -11,49 +11,30 @@ stream lost the blocks it was about to load (bench.serving under the default con
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from kvcache_offload import CPUOffloadingManager, OffloadKey
-from tests.unit._keys import key
-
-_ids = itertools.count()
-
-
-def _fresh(n: int) -> list[OffloadKey]:
-    return [key(next(_ids)) for _ in range(n)]
-
-
-def _store(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:
-    manager.prepare_store(keys)
-    manager.complete_store(keys)
-
-
-def _use(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:
-    manager.touch(keys)
-    manager.prepare_load(keys)
-    manager.complete_load(keys)
+from kvcache_offload import CPUOffloadingManager
+from tests.unit._manager_steps import fresh_keys, reuse, store
 
 
 @pytest.mark.parametrize("policy", ["alru", "adaptive"])
 def test_stores_back_to_back_do_not_teach_the_policy_that_tails_are_dead(policy: str) -> None:
     manager = CPUOffloadingManager(256, policy)
-    requests = [_fresh(4) for _ in range(32)]
+    requests = [fresh_keys(4) for _ in range(32)]
     for keys in requests:  # back to back into an empty tier: no call in between
-        _store(manager, keys)
+        store(manager, keys)
     for _ in range(3):  # every block of every request is reused alike, tails included
         for keys in requests:
-            _use(manager, keys)
+            reuse(manager, keys)
     for _ in range(1000):  # a stores-only period: nothing is reused
-        _store(manager, _fresh(4))
-    hot = [_fresh(4) for _ in range(16)]
+        store(manager, fresh_keys(4))
+    hot = [fresh_keys(4) for _ in range(16)]
     for keys in hot:
-        _store(manager, keys)
+        store(manager, keys)
     for keys in hot:
         manager.touch(keys)
     for _ in range(16):
-        _store(manager, _fresh(4))
+        store(manager, fresh_keys(4))
     # 64 blocks just stored and used, in a tier of 256 whose other blocks were never used:
     # every one of them is still there.
     missing = [k for keys in hot for k in keys if not manager.lookup(k)]

@@ -7,25 +7,12 @@ the later store's blocks were queued as older than the earlier store's and evict
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from kvcache_offload import CPUOffloadingManager, OffloadKey
 from kvcache_offload.control.policies.base import BlockStatus
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
-from tests.unit._keys import key
-
-_ids = itertools.count()
-
-
-def _fresh(n: int) -> list[OffloadKey]:
-    return [key(next(_ids)) for _ in range(n)]
-
-
-def _store(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> None:
-    manager.prepare_store(keys)
-    manager.complete_store(keys)
+from tests.unit._manager_steps import fresh_keys, store
 
 
 def _stored(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> list[bool]:
@@ -35,13 +22,13 @@ def _stored(manager: CPUOffloadingManager, keys: list[OffloadKey]) -> list[bool]
 @pytest.mark.parametrize("policy", ["lru2", "s3fifo-prefix"])
 def test_stores_back_to_back_are_evicted_oldest_store_first_tail_first(policy: str) -> None:
     manager = CPUOffloadingManager(16, policy)
-    first, second, third, fourth = (_fresh(4) for _ in range(4))
+    first, second, third, fourth = (fresh_keys(4) for _ in range(4))
     for keys in (first, second, third, fourth):  # back to back: nothing in between
-        _store(manager, keys)
-    _store(manager, _fresh(1))  # the tier is full: one block goes
+        store(manager, keys)
+    store(manager, fresh_keys(1))  # the tier is full: one block goes
     assert _stored(manager, first) == [True, True, True, False]  # the oldest store's tail
     assert all(_stored(manager, second + third + fourth))
-    _store(manager, _fresh(3))
+    store(manager, fresh_keys(3))
     assert _stored(manager, first) == [False] * 4
     assert all(_stored(manager, second + third + fourth))
 
@@ -59,12 +46,12 @@ def test_a_policy_overriding_insert_still_batches_one_store_at_a_time(policy: st
             super().insert(key, block)
 
     manager = CPUOffloadingManager(16, Counting)
-    first, second = _fresh(4), _fresh(4)
-    _store(manager, first)
-    _store(manager, second)
+    first, second = fresh_keys(4), fresh_keys(4)
+    store(manager, first)
+    store(manager, second)
     assert Counting.inserted == 8
-    _store(manager, _fresh(12))  # four blocks go
+    store(manager, fresh_keys(12))  # four blocks go
     assert _stored(manager, first) == [False] * 4  # the older store went first, all of it
     assert all(_stored(manager, second))
-    _store(manager, _fresh(1))
+    store(manager, fresh_keys(1))
     assert _stored(manager, second) == [True, True, True, False]
