@@ -22,9 +22,10 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
    engines cross over).
 3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
 
-The columns' engines are open together and take turns on every measurement, the order
-reversed every pass (``bench_layout``): the host's speed drifts over seconds on the machines
-this ran on, and each stream prints a host probe next to its rate.
+The columns' engines are open together and take turns on every measurement, the single-job
+floor with them, the order reversed every pass (``bench_layout``): the host's speed drifts
+over seconds on the machines this ran on, and each stream prints a host probe next to its
+rate.
 
 Prints one table per section and writes JSON under ``bench/out/``.
 """
@@ -378,14 +379,15 @@ def _jobs_by_mechanism(rig: Rig) -> dict[str, Any]:
 
 
 async def bench_layout(
-    layout: Layout, device: str, mechanisms: list[str], args: argparse.Namespace
-) -> dict[str, list[dict[str, Any]]]:
+    layout: Layout, device: str, mechanisms: list[str], args: argparse.Namespace, floors: Floors
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[int, list[float]]]]:
     """Every column's engine open at once; each measurement (one single-job size, one
     stream) runs on every engine in turn, the order reversed every pass, so that the columns
     meet the same host phases. On the lent H200 VMs the host's speed drifts up to 1.7x over
     seconds, and the small-job streams follow it (docs/transfers.md, eleventh session): a
-    column measured a minute after another compared mostly the host. Returns each column's
-    passes, each shaped as one engine's run (see :func:`pooled`)."""
+    column measured a minute after another compared mostly the host. The single-job floor
+    takes its turn with the engines for the same reason. Returns each column's passes, each
+    shaped as one engine's run (see :func:`pooled`), and the floor's single-job times."""
     widest = max([STREAM_JOB_BLOCKS, *args.sweep_blocks])
     rigs = [Rig(layout, device, m, max(args.tasks * widest, max(SINGLE_SIZES))) for m in mechanisms]
     runs: dict[str, list[dict[str, Any]]] = {
@@ -397,16 +399,22 @@ async def bench_layout(
         for rig in rigs
     }  # fmt: skip
     orders = [(index, rigs if index % 2 == 0 else rigs[::-1]) for index in range(args.passes)]
+    block_bytes = rigs[0].block_bytes
+    floor: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
     async with contextlib.AsyncExitStack() as stack:
         for rig in rigs:
             await stack.enter_async_context(rig.engine)
         for n in SINGLE_SIZES:
             for index, order in orders:
+                if index % 2 == 0:  # the floor first in even passes, last in odd ones
+                    _floor_turn(floors, floor, n, block_bytes, args.reps)
                 for rig in order:
                     loads, stores = await single_jobs(rig, n, args.reps)
                     run = runs[rig.mechanism][index]
                     run["single"]["load"][n] = loads
                     run["single"]["store"][n] = stores
+                if index % 2 == 1:
+                    _floor_turn(floors, floor, n, block_bytes, args.reps)
         for name, blocks, loaders in stream_specs(args):
             for index, order in orders:
                 for rig in order:
@@ -415,7 +423,16 @@ async def bench_layout(
         for rig in rigs:
             for run in runs[rig.mechanism]:
                 run["jobs_by_mechanism"] = _jobs_by_mechanism(rig)
-    return runs
+    return runs, floor
+
+
+def _floor_turn(
+    floors: Floors, out: dict[str, dict[int, list[float]]], n: int, block_bytes: int, reps: int
+) -> None:
+    """One pass of the floor's single jobs of ``n`` blocks, both ways, added to ``out``."""
+    for direction in ("load", "store"):
+        times = floors.job(n * block_bytes, direction == "load", reps)
+        out[direction].setdefault(n, []).extend(times)
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -453,12 +470,9 @@ def _us(x: float) -> str:
 
 
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
-           args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+           args: argparse.Namespace,
+           floor_single: dict[str, dict[int, list[float]]]) -> dict[str, Any]:  # fmt: skip
     block_bytes = runs[0]["block_bytes"]
-    floor_single = {
-        d: {n: floors.job(n * block_bytes, d == "load", args.reps) for n in SINGLE_SIZES}
-        for d in ("load", "store")
-    }
     one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
         floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
     )  # fmt: skip
@@ -591,11 +605,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         layout = LAYOUTS[name]
         if args.warmup_s > 0:
             await warm_up(layout, device, args)
-        passes = await bench_layout(layout, device, mechanisms, args)
+        passes, floor_single = await bench_layout(layout, device, mechanisms, args, floors)
         if device == "cuda":
             torch.cuda.empty_cache()
         runs = [pooled(passes[m]) for m in mechanisms]
-        results.append(report(layout, device, runs, floors, args))
+        results.append(report(layout, device, runs, floors, args, floor_single))
     return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
 
 
