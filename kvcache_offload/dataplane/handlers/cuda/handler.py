@@ -198,8 +198,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         """Kernel units of the held one-group jobs, each job's source then destination
         units, in submission order (see :meth:`_hold_units`)."""
         self._units_used = 0
-        self._held_units = 0
-        """How many of the held jobs are :class:`_HeldUnits`."""
         self.batches = 0
         self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
@@ -339,36 +337,26 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._units = units = grown
         if not self._planner.write_single_units(src_ids, dst_ids, size, start, units[used:end]):
             return False
-        dst_units = units[used + size : end]
-        factor = self.dst_geom.factor
-        dst_blocks = set((dst_units if factor == 1 else dst_units // factor).tolist())
+        dst_blocks = set(self._dst_block_ids(units[used + size : end]))
         if self._held.writes_any(dst_blocks):
             return False  # the units written above are simply overwritten later
         self._units_used = end
-        self._held_units += 1
         self._held.add(job_id, _HeldUnits(spec, nbytes, used, size), dst_blocks)
         if self._held.nbytes >= self.batch_max_bytes:
             self._flush_locked()
         return True
 
     def _issue_units(
-        self,
-        jobs: list[tuple[int, int]],
-        held: list[tuple[int, TransferPlan | _HeldUnits]],
-        prev: InFlightCopy | None,
+        self, jobs: list[tuple[int, int]], held: list[_HeldUnits], prev: InFlightCopy | None
     ) -> None:
         """Issue held :class:`_HeldUnits` jobs as one kernel copy of the one group: their
         units go from the scratch into a job table, sources then destinations."""
-        total = 0
-        for _, job in held:
-            assert isinstance(job, _HeldUnits)
-            total += job.size
+        total = sum(job.size for job in held)
         slot = self._pools.slot()
         table = slot.ensure(GROUP_ROW + 2 * total, need_device=True)
         units = self._units
         src_at, dst_at = GROUP_ROW, GROUP_ROW + total
-        for _, job in held:
-            assert isinstance(job, _HeldUnits)
+        for job in held:
             offset, size = job.offset, job.size
             table[src_at : src_at + size] = units[offset : offset + size]
             table[dst_at : dst_at + size] = units[offset + size : offset + 2 * size]
@@ -492,30 +480,37 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return mechanism in ("kernel", "dma", "staged") and plan.num_bytes < self.batch_max_bytes
 
     def _dst_blocks(self, plan: TransferPlan) -> set[int]:
-        factor = self.dst_geom.factor
         out: set[int] = set()
         for g in plan.groups:
-            units = g.dst_units if factor == 1 else g.dst_units // factor
-            out.update(units.tolist())
+            out.update(self._dst_block_ids(g.dst_units))
         return out
+
+    def _dst_block_ids(self, dst_units: np.ndarray) -> list[int]:
+        """The destination blocks that ``dst_units`` write (a batch's write-conflict check)."""
+        factor = self.dst_geom.factor
+        return (dst_units if factor == 1 else dst_units // factor).tolist()
 
     def _flush_locked(self) -> None:
         nbytes = self._held.nbytes
         held = self._held.take()
         if not held:
             return
-        all_units = self._held_units == len(held)
-        self._held_units = 0
         self._units_used = 0  # read below, before anything writes to the scratch again
         jobs = [(job_id, job.num_bytes) for job_id, job in held]
+        units = [job for _, job in held if isinstance(job, _HeldUnits)]
         prev = self._transfers[-1] if self._transfers else None
         busy = self._busy(prev, nbytes, len(jobs))
-        if all_units and (self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)):
+        if len(units) == len(held) and (
+            self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)
+        ):
             # What choose_mechanism would pick for their plan: the kernel.
-            self._issue_units(jobs, held, prev)
+            self._issue_units(jobs, units, prev)
             return
-        plans = [job if isinstance(job, TransferPlan) else self.plan(job.spec) for _, job in held]
-        self._issue(jobs, plans[0] if len(plans) == 1 else TransferPlan.merge(plans), busy)
+        planned = [
+            (job_id, job if isinstance(job, TransferPlan) else self.plan(job.spec))
+            for job_id, job in held
+        ]
+        self._issue(jobs, HeldJobs.merged(planned), busy)
 
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
         """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
