@@ -32,6 +32,7 @@ completion watcher), :mod:`.paths` (probing the paths, the kernel's tables, the 
 from kvcache_offload.dataplane.copy.staged import StagingConfig
 from kvcache_offload.dataplane.handlers.cuda.handler import (
     DEFAULT_BATCH_MAX_BYTES,
+    DEFAULT_BATCH_MIN_BYTES,
     SingleDirectionOffloadingHandler,
 )
 from kvcache_offload.dataplane.handlers.cuda.pair import CpuGpuOffloadingHandlers
@@ -46,6 +47,7 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
 
 __all__ = [
     "DEFAULT_BATCH_MAX_BYTES",
+    "DEFAULT_BATCH_MIN_BYTES",
     "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
     "DEFAULT_HYBRID_DMA_SHARE",
     "DEFAULT_STAGED_MIN_JOB_BYTES",

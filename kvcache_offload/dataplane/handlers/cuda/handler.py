@@ -62,11 +62,15 @@ from kvcache_offload.dataplane.handlers.threaded import (
 )
 from kvcache_offload.errors import ConfigError, TransferError
 
-__all__ = ["DEFAULT_BATCH_MAX_BYTES", "SingleDirectionOffloadingHandler"]
+__all__ = ["DEFAULT_BATCH_MAX_BYTES", "DEFAULT_BATCH_MIN_BYTES", "SingleDirectionOffloadingHandler"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_MAX_BYTES = 16 * 1024 * 1024
+DEFAULT_BATCH_MAX_BYTES = 64 * 1024 * 1024
+"""A held batch goes out once it holds this many bytes, whatever is in flight."""
+DEFAULT_BATCH_MIN_BYTES = 16 * 1024 * 1024
+"""A held batch goes out early from this many bytes on, once it holds at least as many bytes
+as its direction has in flight (see ``SingleDirectionOffloadingHandler._batch_full``)."""
 """A batch is issued once it holds this many bytes, and larger jobs go alone: several
 batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
 everything would leave the link idle while the host completes it and submits the next)."""
@@ -107,6 +111,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         staged_auto_min_job_bytes: int | None = None,
         completion_wait: CompletionWait = "blocking",
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+        batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
         staged_when_busy: bool = False,
         staged_one_way_min_job_bytes: int = 0,
     ) -> None:
@@ -192,7 +197,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._closed = False
         self._watch = CopyWatch("kvoffload-done-" + ("store" if gpu_to_cpu else "load"))
         self._batching = False
+        if not 0 < batch_min_bytes <= batch_max_bytes:
+            raise ConfigError(
+                f"need 0 < batch_min_bytes <= batch_max_bytes, got {batch_min_bytes} and "
+                f"{batch_max_bytes}"
+            )
         self.batch_max_bytes = int(batch_max_bytes)
+        self.batch_min_bytes = int(batch_min_bytes)
+        self._in_flight_bytes = 0
+        """Bytes of the copies issued and not yet seen finished (the batch rule's yardstick)."""
         self._held: HeldJobs[TransferPlan | _HeldUnits] = HeldJobs()
         self._units = np.empty(0, dtype=np.int64)
         """Kernel units of the held one-group jobs, each job's source then destination
@@ -342,7 +355,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             return False  # the units written above are simply overwritten later
         self._units_used = end
         self._held.add(job_id, _HeldUnits(spec, nbytes, used, size), dst_blocks)
-        if self._held.nbytes >= self.batch_max_bytes:
+        if self._batch_full():
             self._flush_locked()
         return True
 
@@ -439,7 +452,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 if self._held.writes_any(dst):
                     self._flush_locked()  # the later job must land after the earlier one
                 self._held.add(job_id, plan, dst)
-                if self._held.nbytes >= self.batch_max_bytes:
+                if self._batch_full():
                     self._flush_locked()
                 return True
             self._flush_locked()
@@ -478,6 +491,22 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _can_batch(self, plan: TransferPlan) -> bool:
         mechanism = self.choose_mechanism(plan)
         return mechanism in ("kernel", "dma", "staged") and plan.num_bytes < self.batch_max_bytes
+
+    def _batch_full(self) -> bool:
+        """Whether the held batch goes out now rather than at the end of the loop tick.
+
+        Once it holds ``batch_min_bytes`` and at least as many bytes as this direction has in
+        flight: the copy queued behind the one running is then never smaller than what is
+        left to run, so the link does not run dry while the loop thread handles completions,
+        and in a steady stream the batches grow to about half of the direction's traffic
+        (fewer copies, so less host time per job). ``batch_max_bytes`` bounds it. A fixed
+        16 MiB split four 8 MiB jobs' worth of traffic into eight copies per direction; one
+        fixed 64 MiB held a 2-block stream's whole traffic in one batch, which left the link
+        idle between batches (docs/transfers.md, twelfth session)."""
+        held = self._held.nbytes
+        return held >= self.batch_min_bytes and (
+            held >= self._in_flight_bytes or held >= self.batch_max_bytes
+        )
 
     def _dst_blocks(self, plan: TransferPlan) -> set[int]:
         out: set[int] = set()
@@ -551,6 +580,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         """Keep an issued copy until it ends, and count its jobs."""
         self._transfers.append(transfer)
         self._in_flight_ids.update(job_id for job_id, _ in jobs)
+        self._in_flight_bytes += sum(nbytes for _, nbytes in jobs)
         self._watch.issued(transfer)
         self.jobs_by_mechanism[mechanism] += len(jobs)
         if len(jobs) > 1:
@@ -578,8 +608,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def _recycle(self, t: InFlightCopy) -> None:
         self._pools.recycle(t)
-        for job_id, _ in t.jobs:
+        for job_id, nbytes in t.jobs:
             self._in_flight_ids.discard(job_id)
+            self._in_flight_bytes -= nbytes
 
     def wait(self, job_ids: set[int]) -> None:
         if self._fallback is not None:
@@ -642,6 +673,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 self._staged.release()
             self._transfers.clear()
             self._in_flight_ids.clear()
+            self._in_flight_bytes = 0
             self._pools.clear()
             self._launcher.close()
             self.gpu_tensors = []
@@ -664,4 +696,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "batching": self._batching,
             "batches": self.batches,
             "batched_jobs": self.batched_jobs,
+            "batch_min_bytes": self.batch_min_bytes,
+            "batch_max_bytes": self.batch_max_bytes,
         }
