@@ -655,3 +655,62 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
     finally:
         SingleDirectionOffloadingHandler.plan = plan
         h.shutdown()
+
+
+def test_a_held_batch_goes_out_once_it_matches_the_bytes_in_flight(monkeypatch):
+    # Behind copies in flight, jobs are held for the end of the loop tick, but a batch goes
+    # out early once it holds batch_min_bytes and at least as many bytes as its direction has
+    # in flight (the copy queued behind never runs dry), and always at batch_max_bytes.
+    # Every job still lands exactly, in order.
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.handlers.cuda.inflight import InFlightCopy
+    from tests._roundtrip import Job
+
+    skip_unless_available("kernel")
+    kv = _one_group_caches(41)
+    h = _handlers(kv, 1, 32, "kernel")
+
+    def store_job(gpu_ids: list[int], slots: list[int]) -> Job:
+        return Job(
+            GPULoadStoreSpec(np.array(gpu_ids), [len(gpu_ids)], [0]),
+            CPULoadStoreSpec(np.array(slots)),
+            [(0, g, s, 0) for g, s in zip(gpu_ids, slots, strict=True)],
+        )
+
+    try:
+        store = h.gpu_to_cpu_handler
+        store.set_batching(True)
+        block = job_bytes(kv, store_job([0], [0]))
+        # Half a block off each bound, so the test does not hang on how a padded page counts.
+        store.batch_min_bytes, store.batch_max_bytes = 3 * block // 2, 11 * block // 2
+        cpu_tensors = h.cpu_tensors
+        poison(cpu_tensors)
+        expected = snapshot(cpu_tensors)
+        jobs: list[Job] = []
+
+        def submit(gpu_ids: list[int]) -> bool:
+            """Submit a store of ``gpu_ids`` into the same slots; whether jobs are held."""
+            j = store_job(gpu_ids, gpu_ids)
+            assert store.transfer_async(300 + len(jobs), (j.gpu_spec, j.cpu_spec))
+            jobs.append(j)
+            return store.holds_jobs()
+
+        monkeypatch.setattr(InFlightCopy, "done", lambda self: False)  # nothing ends meanwhile
+        assert not submit([0, 1, 2, 3])  # an idle direction: out at once, 4 blocks in flight
+        # 1 block held, 2 (over the minimum, less than in flight), 3, then 4: out.
+        assert [submit([10 + i]) for i in range(4)] == [True, True, True, False]
+        assert store.describe()["batches"] == 1
+        # 8 blocks in flight now: held up to the maximum (5.5 blocks).
+        assert [submit([20 + i]) for i in range(6)] == [True] * 5 + [False]
+        assert store.describe()["batches"] == 2
+        assert submit([30])  # held until the flush
+        monkeypatch.undo()
+        store.flush()
+        ids = [300 + i for i in range(len(jobs))]
+        results = finish(store, ids)
+        assert [r.job_id for r in results] == ids and all(r.success for r in results)
+        for j in jobs:
+            expected = expected_after_store(kv, expected, j)
+        assert_same(cpu_tensors, expected)
+    finally:
+        h.shutdown()
