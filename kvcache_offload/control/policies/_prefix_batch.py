@@ -62,6 +62,9 @@ class QueuePolicy(CachePolicy):
         self._plain_insert = (
             cls.insert is QueuePolicy.insert and cls.insert_many is QueuePolicy.insert_many
         )
+        # Whether ``insert_many`` may batch the pairs itself (a subclass's ``insert`` must
+        # still see every one).
+        self._batch_many = self._prefix_order and cls.insert is QueuePolicy.insert
         # Likewise for eviction: a subclass overriding ``evict`` or one of the two selection
         # hooks over a class that implements the other is obeyed through ``evict``.
         self._plain_evict = cls.evict is QueuePolicy.evict and (
@@ -172,6 +175,13 @@ class QueuePolicy(CachePolicy):
         # One store per batch (see ``insert_blocks``).
         if self._batch:
             self._flush_batch()
+        if self._batch_many:  # ``insert`` of each pair, in one dict update
+            self._blocks.update(pairs)
+            batch, batch_blocks = self._batch, self._batch_blocks
+            for key, block in pairs:
+                batch.append(key)
+                batch_blocks.append(block)
+            return
         for key, block in pairs:
             self.insert(key, block)
 
@@ -179,13 +189,16 @@ class QueuePolicy(CachePolicy):
         if not self._plain_insert:
             super().insert_blocks(keys, blocks)
             return
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
         table = self._blocks
         if self._prefix_order:
             if self._batch:
                 # Stores that arrive back to back (no other call between them, as an engine
                 # under stores-only traffic issues them) stay separate batches: merged, the
                 # reversal would put the later store's blocks ahead of the earlier one's
-                # in the queue, as if they were older.
+                # in the queue, as if they were older, and a policy that learns from each
+                # store's last block (``alru``'s tails) would see only the last store's.
                 self._flush_batch()
             for index in range(len(keys)):
                 table[keys[index]] = blocks[index]

@@ -267,9 +267,6 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._feeds_duel = True
         # The adaptive policy's race sample, drawn with the duel's (:meth:`share_hash`).
         self._race_threshold = -1
-        # Whether ``insert_blocks`` may do the inserts itself: not when a subclass changed
-        # ``insert_many`` (it must still see every store).
-        self._own_insert = type(self).insert_many is AdaptiveLRUCachePolicy.insert_many
         self.race_keys: list[OffloadKey] = []
         self.race_source: Sequence[OffloadKey] | None = None
         self._reset_learning()
@@ -317,36 +314,6 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         self._blocks = table
 
     # -- storage -------------------------------------------------------------------------
-
-    def insert_many(self, pairs: Sequence[tuple[OffloadKey, BlockStatus]]) -> None:
-        # The batch of :meth:`insert`, in one call (the manager stores a request at once).
-        if self._batch:
-            self._flush_batch()  # one store per batch: its last key is its request's tail
-        self._blocks.update(pairs)
-        batch, batch_blocks = self._batch, self._batch_blocks
-        for key, block in pairs:
-            batch.append(key)
-            batch_blocks.append(block)
-
-    def insert_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
-        # :meth:`insert_many` of the pairs without building them (the manager's call).
-        if not self._own_insert:
-            super().insert_blocks(keys, blocks)
-            return
-        if len(keys) != len(blocks):
-            raise ValueError(f"{len(keys)} keys for {len(blocks)} blocks")
-        if self._batch:
-            # Stores that follow one another with no other call between them (an engine
-            # storing for several requests, or into a tier with room to spare) are
-            # flushed one by one: merged, only the last one's tail was seen as a tail and
-            # the others' counted as used blocks, which taught the policy that tails are
-            # dead, and it then evicted every store's last block before the next store.
-            self._flush_batch()
-        table = self._blocks
-        for index in range(len(keys)):
-            table[keys[index]] = blocks[index]
-        self._batch.extend(keys)
-        self._batch_blocks.extend(blocks)
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         block.key_crc = -1  # a new key for this block (see ``touch``)
