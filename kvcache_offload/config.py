@@ -12,7 +12,15 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvcache_offload.errors import ConfigError
@@ -103,6 +111,17 @@ class OffloadConfig(BaseSettings):
     of the rule the per-layer layouts follow; 0 (the default): never while the Triton kernel
     works, so cross-layer jobs take the kernel when small or alone and the staged path when
     large or queued, which moved them faster on an H200 (docs/transfers.md)."""
+    batch_min_bytes: ByteSize = Field(default=ByteSize(16 * 1024**2), gt=0)
+    """CUDA handlers: behind copies in flight, the jobs submitted in one event-loop tick are
+    held and issued as one copy at the end of the tick; the held batch goes out early once it
+    holds this many bytes *and* at least as many bytes as its direction has in flight, so the
+    copy queued behind the running one never runs dry and a steady stream settles at about
+    two copies per direction (docs/transfers.md, twelfth session). Ignored by the CPU
+    backend."""
+    batch_max_bytes: ByteSize = Field(default=ByteSize(64 * 1024**2), gt=0)
+    """CUDA handlers: a held batch goes out once it holds this many bytes, whatever is in
+    flight; a job this large or larger is never held. Setting it to ``batch_min_bytes``
+    gives a fixed split (before the twelfth session: 16 MiB)."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None
@@ -221,6 +240,15 @@ class OffloadConfig(BaseSettings):
         if value <= 0:
             raise ValueError("must be > 0 (e.g. '4GiB')")
         return value
+
+    @model_validator(mode="after")
+    def _batch_bounds(self) -> OffloadConfig:
+        if self.batch_min_bytes > self.batch_max_bytes:
+            raise ValueError(
+                f"batch_min_bytes ({int(self.batch_min_bytes)}) must not exceed "
+                f"batch_max_bytes ({int(self.batch_max_bytes)})"
+            )
+        return self
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OffloadConfig:

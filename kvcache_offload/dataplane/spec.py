@@ -40,11 +40,24 @@ if TYPE_CHECKING:
     from kvcache_offload.contracts.handler import OffloadingHandler
     from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
 
-__all__ = ["DEFAULT_REGION_NAME", "CPUOffloadingSpec"]
+__all__ = ["DEFAULT_REGION_NAME", "CPUOffloadingSpec", "cuda_handler_options"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REGION_NAME = "default"
+
+
+def cuda_handler_options(config: OffloadConfig) -> dict[str, Any]:
+    """The keyword arguments of ``CpuGpuOffloadingHandlers`` that come from ``config``."""
+    return {
+        "mechanism": config.transfer_mechanism,
+        "staged_when_busy": config.staged_when_busy,
+        "staged_one_way_min_load_bytes": int(config.staged_one_way_min_load_bytes),
+        "staged_one_way_min_store_bytes": int(config.staged_one_way_min_store_bytes),
+        "dma_min_fragment_bytes": int(config.dma_min_fragment_bytes),
+        "batch_min_bytes": int(config.batch_min_bytes),
+        "batch_max_bytes": int(config.batch_max_bytes),
+    }
 
 
 class CPUOffloadingSpec(OffloadingSpec):
@@ -141,11 +154,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                 self.block_size_factor,
                 self.num_blocks,
                 region,
-                mechanism=self.config.transfer_mechanism,
-                staged_when_busy=self.config.staged_when_busy,
-                staged_one_way_min_load_bytes=int(self.config.staged_one_way_min_load_bytes),
-                staged_one_way_min_store_bytes=int(self.config.staged_one_way_min_store_bytes),
-                dma_min_fragment_bytes=int(self.config.dma_min_fragment_bytes),
+                **cuda_handler_options(self.config),
             )
         else:
             from kvcache_offload.dataplane.handlers.cpu_backend import CpuBackendOffloadingHandlers

@@ -178,3 +178,47 @@ def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
     monkeypatch.delenv("KVCACHE_OFFLOAD_DMA_MIN_FRAGMENT_BYTES")
     with pytest.raises(ConfigError, match="dma_min_fragment_bytes"):
         OffloadConfig.from_dict({"dma_min_fragment_bytes": -1})
+
+
+def test_batch_bounds_default_to_the_handlers_and_take_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torch")
+    from kvcache_offload.dataplane.handlers.cuda import (
+        DEFAULT_BATCH_MAX_BYTES,
+        DEFAULT_BATCH_MIN_BYTES,
+    )
+
+    config = OffloadConfig()
+    assert (config.batch_min_bytes, config.batch_max_bytes) == (
+        DEFAULT_BATCH_MIN_BYTES,
+        DEFAULT_BATCH_MAX_BYTES,
+    )
+    monkeypatch.setenv("KVCACHE_OFFLOAD_BATCH_MAX_BYTES", "16MiB")
+    assert OffloadConfig().batch_max_bytes == 16 * 1024**2
+    monkeypatch.delenv("KVCACHE_OFFLOAD_BATCH_MAX_BYTES")
+    with pytest.raises(ConfigError, match="batch_min_bytes"):
+        OffloadConfig.from_dict({"batch_min_bytes": "32MiB", "batch_max_bytes": "16MiB"})
+    with pytest.raises(ConfigError, match="batch_max_bytes"):
+        OffloadConfig.from_dict({"batch_max_bytes": 0})
+
+
+def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> None:
+    # The CUDA handlers are built only on a GPU; this checks, without one, that every option
+    # the spec passes them is a parameter of theirs, with the config's value.
+    pytest.importorskip("torch")
+    import inspect
+
+    from kvcache_offload.dataplane.handlers.cuda import CpuGpuOffloadingHandlers
+    from kvcache_offload.dataplane.spec import cuda_handler_options
+
+    config = OffloadConfig.from_dict(
+        {"batch_min_bytes": "8MiB", "batch_max_bytes": "32MiB", "dma_min_fragment_bytes": "1MiB"}
+    )
+    options = cuda_handler_options(config)
+    parameters = inspect.signature(CpuGpuOffloadingHandlers).parameters
+    assert set(options) <= set(parameters)
+    assert options["batch_min_bytes"] == 8 * 1024**2
+    assert options["batch_max_bytes"] == 32 * 1024**2
+    assert options["dma_min_fragment_bytes"] == 1024**2
+    assert options["staged_when_busy"] == "mixed"

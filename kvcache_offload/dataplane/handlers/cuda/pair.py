@@ -11,7 +11,11 @@ from kvcache_offload.dataplane.handlers.cpu_backend import (
     allocate_cpu_tensors,
     canonical_views_on,
 )
-from kvcache_offload.dataplane.handlers.cuda.handler import SingleDirectionOffloadingHandler
+from kvcache_offload.dataplane.handlers.cuda.handler import (
+    DEFAULT_BATCH_MAX_BYTES,
+    DEFAULT_BATCH_MIN_BYTES,
+    SingleDirectionOffloadingHandler,
+)
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
     DEFAULT_HYBRID_DMA_SHARE,
@@ -59,6 +63,8 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staged_when_busy: StagedWhenBusy = "mixed",
         staged_one_way_min_load_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES,
         staged_one_way_min_store_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES,
+        batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
     ) -> None:
         self.gpu_tensors = canonical_views_on(
             kv_caches,
@@ -78,6 +84,8 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             "staging": staging,
             "staged_min_job_bytes": staged_min_job_bytes,
             "completion_wait": completion_wait,
+            "batch_min_bytes": batch_min_bytes,
+            "batch_max_bytes": batch_max_bytes,
         }
         busy_stores, busy_loads = staged_when_busy_per_direction(staged_when_busy)
         refs = kv_caches.group_data_refs
