@@ -123,6 +123,19 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
         assert sizes == {True: 0, False: 1 << 20}
 
 
+async def test_the_config_sets_the_batch_bounds_of_both_directions() -> None:
+    engine, _ = build()
+    async with engine:
+        assert engine.worker is not None
+        bounds = {(h.batch_min_bytes, h.batch_max_bytes) for h in engine.worker.handlers}
+        assert bounds == {(16 << 20, 64 << 20)}
+    engine, _ = build(batch_min_bytes="8MiB", batch_max_bytes="8MiB")  # a fixed split
+    async with engine:
+        assert engine.worker is not None
+        bounds = {(h.batch_min_bytes, h.batch_max_bytes) for h in engine.worker.handlers}
+        assert bounds == {(8 << 20, 8 << 20)}
+
+
 async def test_aclose_unpins_the_cpu_tier_at_once() -> None:
     """The pinned tier goes with aclose(), not with a later garbage collection: unpinning
     it synchronizes the device, and a collection that did so stalled other engines' copies."""
