@@ -209,7 +209,10 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     pytest.importorskip("torch")
     import inspect
 
-    from kvcache_offload.dataplane.handlers.cuda import CpuGpuOffloadingHandlers
+    from kvcache_offload.dataplane.handlers.cuda import (
+        CpuGpuOffloadingHandlers,
+        SingleDirectionOffloadingHandler,
+    )
     from kvcache_offload.dataplane.spec import cuda_handler_options
 
     config = OffloadConfig.from_dict(
@@ -218,6 +221,8 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     options = cuda_handler_options(config)
     parameters = inspect.signature(CpuGpuOffloadingHandlers).parameters
     assert set(options) <= set(parameters)
+    one_direction = inspect.signature(SingleDirectionOffloadingHandler).parameters
+    assert {"batch_min_bytes", "batch_max_bytes"} <= set(one_direction)  # the pair passes them
     assert options["batch_min_bytes"] == 8 * 1024**2
     assert options["batch_max_bytes"] == 32 * 1024**2
     assert options["dma_min_fragment_bytes"] == 1024**2
