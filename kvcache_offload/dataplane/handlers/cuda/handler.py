@@ -67,11 +67,11 @@ __all__ = ["DEFAULT_BATCH_MAX_BYTES", "DEFAULT_BATCH_MIN_BYTES", "SingleDirectio
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_MAX_BYTES = 64 * 1024 * 1024
-"""A held batch goes out once it holds this many bytes, whatever is in flight."""
+"""A held batch goes out once it holds this many bytes, whatever is in flight, and jobs this
+large go alone."""
 DEFAULT_BATCH_MIN_BYTES = 16 * 1024 * 1024
 """A held batch goes out early from this many bytes on, once it holds at least as many bytes
-as its direction has in flight (see ``SingleDirectionOffloadingHandler._batch_full``)."""
-"""A batch is issued once it holds this many bytes, and larger jobs go alone: several
+as its direction has in flight (see ``SingleDirectionOffloadingHandler._batch_full``): several
 batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
 everything would leave the link idle while the host completes it and submits the next)."""
 
