@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         median_time = statistics.median(c.manager_time_s for c in runs)
         goal = GOALS.get(policy, OTHER_POLICY_GOAL)
         met = best.blocks_per_s >= goal
+        lru_best = lru_rate.get(capacity.label())
+        vs_lru = best.blocks_per_s / lru_best if lru_best else None
         results.append(
             {
                 "policy": policy,
@@ -183,11 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "goal_met": met,
                 "classic": None if classic is None else classic.to_dict(),
                 "speedup_vs_classic": speedup,
-                "vs_lru": (
-                    best.blocks_per_s / lru_rate[capacity.label()]
-                    if capacity.label() in lru_rate
-                    else None
-                ),
+                "vs_lru": vs_lru,
             }
         )
         table.add_row(
@@ -199,11 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{best.evictions:,}",
             f"{best.ops_per_s / 1e6:.2f}",
             f"{best.blocks_per_s / 1e6:.2f}",
-            (
-                f"{best.blocks_per_s / lru_rate[capacity.label()]:.2f}"
-                if capacity.label() in lru_rate
-                else "-"
-            ),
+            "-" if vs_lru is None else f"{vs_lru:.2f}",
             f"{best.blocks / min(cpu_times) / 1e6:.2f}",
             f"{best.us_per_request:.1f}",
             "-" if classic is None else f"{classic.blocks_per_s / 1e6:.2f}",
