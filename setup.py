@@ -30,6 +30,10 @@ def _compiled_sources() -> list[str]:
 
 
 HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
+NATIVE_DUEL = "kvcache_offload.control.policies._native_duel"
+STANDALONE = (HOSTCOPY, NATIVE_DUEL)
+"""C extensions of their own: each one that fails to build is simply missing (its module's
+Python code is the fallback), unlike mypyc's, which all need mypyc's shared runtime."""
 
 SERVICE = "kvcache_offload_service"
 """The import name of the HTTP service, whose sources stay in the api/ folder: a top-level
@@ -57,11 +61,23 @@ def _hostcopy_extension() -> Any:
     )
 
 
+def _native_duel_extension() -> Any:
+    """The adaptive LRU's weight miniatures in C (optional: the compiled ``_mini_sim`` code
+    is the fallback)."""
+    from setuptools import Extension
+
+    return Extension(
+        NATIVE_DUEL,
+        ["kvcache_offload/control/policies/_native_duel.c"],
+        extra_compile_args=["-O3"],
+    )
+
+
 def _ext_modules() -> list[Any]:
     if os.environ.get("KVCACHE_OFFLOAD_COMPILE", "1").strip().lower() in ("0", "false", "no"):
         _warn("KVCACHE_OFFLOAD_COMPILE=0")
         return []
-    return [*_mypyc_modules(), _hostcopy_extension()]
+    return [*_mypyc_modules(), _hostcopy_extension(), _native_duel_extension()]
 
 
 def _mypyc_modules() -> list[Any]:
@@ -91,8 +107,9 @@ class OptionalBuildExt(build_ext):
     """Installs without the extensions if the C compiler is missing or fails.
 
     All or nothing for mypyc: its per-module extensions need its shared runtime extension, so
-    one failure removes every mypyc extension built here. The host-copy extension stands alone:
-    if it fails, only it is missing (the CPU backend then copies through ctypes).
+    one failure removes every mypyc extension built here. The host-copy and duel extensions
+    stand alone: if one fails, only it is missing (the CPU backend then copies through ctypes;
+    the weight miniatures run the compiled Python).
     """
 
     def run(self) -> None:
@@ -104,16 +121,16 @@ class OptionalBuildExt(build_ext):
             _warn(f"building the C extensions failed ({exc})")
         if self._failed:
             for ext in self.extensions:
-                if ext.name != HOSTCOPY:
+                if ext.name not in STANDALONE:
                     Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
 
     def build_extension(self, ext: Any) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
-            if ext.name == HOSTCOPY:
+            if ext.name in STANDALONE:
                 print(
-                    f"kvcache-offload: {ext.name} not built ({exc}); ctypes instead",
+                    f"kvcache-offload: {ext.name} not built ({exc}); its Python fallback instead",
                     file=sys.stderr,
                 )
                 return

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache_offload import CPUOffloadingManager, OffloadKey
-from kvcache_offload.control.policies import AdaptiveLRUCachePolicy, BlockStatus
+from kvcache_offload.control.policies import AdaptiveLRUCachePolicy, BlockStatus, _mini_sim
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.adaptive import AdaptiveCachePolicy
@@ -26,6 +26,17 @@ from kvcache_offload.errors import ConfigError
 from tests.unit._keys import key
 
 _DEMOTED = -(1 << 62)
+
+_NATIVE_BUILT = _mini_sim._NativeDuel is not None
+DUEL_KINDS = [
+    pytest.param(False, id="python"),
+    # Built wherever the compiled build is (test_compiled.py checks that in CI).
+    pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built"),
+    ),
+]
 
 
 class _OrderedDictALRU:
@@ -287,14 +298,15 @@ class _ModelCopy:
         return False
 
 
+@pytest.mark.parametrize("native", DUEL_KINDS)
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=8), min_size=50, max_size=400))
 def test_weight_miniatures_sharing_one_clock_score_as_separate_copies(
-    requests: list[list[int]],
+    native: bool, requests: list[list[int]]
 ) -> None:
     # Repeated keys within a request included: each access is its own time step.
     weights = (1.0, 4.0, 64.0)
-    duel = WeightDuel(16, weights, shadow_blocks=16, decay_every=10**9)  # rate 1: every key
+    duel = WeightDuel(16, weights, shadow_blocks=16, decay_every=10**9, native=native)
     copies = [_ModelCopy(w, 16) for w in weights]
     for ids in requests:
         ks = [key(i) for i in ids]
@@ -306,6 +318,72 @@ def test_weight_miniatures_sharing_one_clock_score_as_separate_copies(
             copy.hits += score
     assert duel.hit_counts() == {c.weight: c.hits for c in copies}
     assert duel.sizes() == [len(c.probation) + len(c.main) for c in copies]
+
+
+@pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 40),
+    weights=st.lists(
+        st.sampled_from([1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 64.0]), min_size=1, max_size=6
+    ),
+    decay_every=st.integers(1, 50),
+    requests=st.lists(
+        st.lists(st.integers(0, 120), min_size=1, max_size=12), min_size=1, max_size=600
+    ),
+)
+def test_the_native_weight_miniatures_choose_as_the_compiled_ones(
+    capacity: int, weights: list[float], decay_every: int, requests: list[list[int]]
+) -> None:
+    # The C copies must be the same simulation: the same weight after every request (ties
+    # included: the first best copy wins), the same decayed hit counts and sizes.
+    duels = [
+        WeightDuel(capacity, weights, shadow_blocks=capacity, decay_every=decay_every, native=n)
+        for n in (False, True)
+    ]
+    assert [d.native for d in duels] == [False, True]
+    for ids in requests:
+        ks = [key(i) for i in ids]
+        for duel in duels:
+            duel.access(ks)
+        python, native = duels
+        assert native.weight == python.weight
+        assert native.sizes() == python.sizes()
+        assert native.hit_counts() == python.hit_counts()
+
+
+@pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built")
+def test_the_native_miniatures_match_over_a_long_skewed_stream() -> None:
+    # Long enough for the logs to grow, compact and wrap many times, and for ids to be
+    # freed and reused: a hot set, one-off keys and recurring prefixes, as in the traces.
+    rng = random.Random(7)
+    duels = [
+        WeightDuel(2000, (1.0, 2.0, 4.0, 8.0, 16.0, 64.0), shadow_blocks=200, native=n)
+        for n in (False, True)
+    ]
+    weights_seen = set()
+    for step in range(6000):
+        doc = rng.randrange(400) if rng.random() < 0.7 else 400 + step
+        ks = [key(1000 * doc + i) for i in range(rng.randrange(1, 20))]
+        for duel in duels:
+            duel.access(ks)
+        python, native = duels
+        assert native.weight == python.weight, step
+        weights_seen.add(native.weight)
+    assert native.hit_counts() == python.hit_counts()
+    assert native.sizes() == python.sizes()
+    assert native.id_slots() <= 6 * 3 * 200 + 20
+    assert len(weights_seen) > 1  # the stream moves the choice: the test compares decisions
+
+
+def test_asking_for_missing_native_miniatures_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_mini_sim, "_NativeDuel", None)
+    assert not _mini_sim.native_duel_available()
+    assert not WeightDuel(100, (1.0, 4.0)).native  # the default falls back
+    with pytest.raises(RuntimeError, match="not built"):
+        WeightDuel(100, (1.0, 4.0), native=True)
 
 
 def test_one_crc_draws_both_the_duel_and_the_race_sample() -> None:

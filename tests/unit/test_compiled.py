@@ -29,6 +29,10 @@ def test_the_build_is_compiled_where_the_test_command_expects_it() -> None:
     states = compiled_modules()
     if expected == "1":
         assert all(states.values()), f"the install fell back to pure Python: {states}"
+        # The C extensions beside them, built by the same step.
+        from kvcache_offload.control.policies import _mini_sim
+
+        assert _mini_sim.native_duel_available(), "the _native_duel extension is not built"
     elif expected == "0":
         assert not any(states.values()), states
     else:

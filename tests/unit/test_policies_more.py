@@ -19,6 +19,7 @@ from kvcache_offload.control.policies import (
     S3FIFOCachePolicy,
     SIEVECachePolicy,
     SLRUCachePolicy,
+    _mini_sim,
     get_cache_policy_cls,
 )
 from kvcache_offload.control.policies._mini_sim import WeightDuel
@@ -638,15 +639,28 @@ def test_fifo_queue_keeps_arrival_order_through_removals_anywhere(
         assert all((key(j) in queue) == (key(j) in model) for j in range(31))
 
 
-def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds() -> None:
+@pytest.mark.parametrize(
+    "native",
+    [
+        pytest.param(False, id="python"),
+        pytest.param(
+            True,
+            id="native",
+            marks=pytest.mark.skipif(
+                _mini_sim._NativeDuel is None, reason="_native_duel is not built"
+            ),
+        ),
+    ],
+)
+def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds(native: bool) -> None:
     # The miniatures index their state by small ids shared by all copies; a key that every
     # copy has forgotten (not cached, not a ghost) gives its id back, so a stream of new
     # keys does not grow the tables.
-    duel = WeightDuel(64, (1.0, 4.0, 64.0), shadow_blocks=64)
+    duel = WeightDuel(64, (1.0, 4.0, 64.0), shadow_blocks=64, native=native)
     for start in range(0, 20_000, 4):
         duel.access([key(i) for i in range(start, start + 4)])
     held = 3 * 3 * 64  # per copy: the cache plus a ghost list per queue, each <= capacity
-    assert len(duel._ids.refs) <= held + 4  # type: ignore[attr-defined]
+    assert duel.id_slots() <= held + 4
     assert max(duel.sizes()) == 64
 
 

@@ -7,16 +7,29 @@ by side, one per candidate weight, on the same sample; the policy uses the weigh
 hits most, with exponentially decaying hit counts so it follows shifts in the workload.
 Memory is bounded: each copy holds at most ``rate x capacity`` keys (a few hundred) plus
 as many ghost keys per queue, like the policy it models.
+
+Where the C extension ``_native_duel`` is built, :class:`WeightDuel` runs the copies there
+(the same simulation, decision for decision; ``tests/unit/test_alru_structures.py`` checks
+both against a model): compiled with mypyc, a copy's step cost about 1,800 instructions per
+sampled key, a fifth of the adaptive LRU's manager time at 1 % of the conversation trace
+(``docs/policy-lab.md``, fifteenth round). The classes below are the fallback, and what
+``KVCACHE_OFFLOAD_PURE_PYTHON=1`` runs.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Final, cast, final
+from typing import Any, Final, cast, final
 
+from kvcache_offload._compiled import pure_python_requested
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import BlockStatus
+
+try:
+    from kvcache_offload.control.policies._native_duel import NativeDuel as _NativeDuel
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _NativeDuel = None
 
 __all__ = ["WeightDuel"]
 
@@ -254,6 +267,12 @@ class _MiniCache:
         return self.probation.size + self.main.size
 
 
+def native_duel_available() -> bool:
+    """Whether the weight miniatures can run in C (the extension is built and the pure-Python
+    switch is off)."""
+    return _NativeDuel is not None and not pure_python_requested()
+
+
 class WeightDuel:
     """Runs one miniature cache per candidate weight on a hashed sample of the accesses."""
 
@@ -266,18 +285,36 @@ class WeightDuel:
         min_rate: float = 0.001,
         decay_every: int = 1024,
         initial_weight: float = 1.0,
+        native: bool | None = None,
     ) -> None:
+        """``native``: run the copies in C (None: wherever :func:`native_duel_available`;
+        True where it is not raises ``RuntimeError``)."""
         rate = min(1.0, max(shadow_blocks / max(cache_capacity, 1), min_rate))
         self.rate = rate
         self._threshold = max(1, round(rate * _HASH_SPACE))
         capacity = max(1, round(rate * cache_capacity))
+        self._weights = [float(w) for w in weights]
         self._ids = _KeyIds()
-        self._caches = [_MiniCache(w, capacity, self._ids) for w in weights]
-        self._ids.caches = self._caches
+        self._caches: list[_MiniCache] = []
+        self._native: Any = None
+        if native is None:
+            native = native_duel_available()
+        if native:
+            if _NativeDuel is None:
+                raise RuntimeError("the _native_duel extension is not built")
+            self._native = _NativeDuel(capacity, self._weights, decay_every, initial_weight)
+        else:
+            self._caches = [_MiniCache(w, capacity, self._ids) for w in self._weights]
+            self._ids.caches = self._caches
         self._decay_every = decay_every
         self._steps = 0
         self._now = 0  # accesses so far: the clock of every copy
         self.weight = initial_weight
+
+    @property
+    def native(self) -> bool:
+        """Whether the copies run in C."""
+        return self._native is not None
 
     @property
     def threshold(self) -> int:
@@ -342,6 +379,10 @@ class WeightDuel:
         first miss in prefix order: past a miss the real lookup would stop too. Every
         ``decay_every`` sampled keys the weight is re-chosen.
         """
+        native = self._native
+        if native is not None:
+            self.weight = native.access(keys)
+            return
         table = self._ids
         boxed, last, caches = table.boxed, table.last, self._caches
         held: list[object] = [boxed[table.pin(key)] for key in keys]
@@ -377,7 +418,21 @@ class WeightDuel:
                 cache.hits *= 0.5
 
     def sizes(self) -> list[int]:
+        native = self._native
+        if native is not None:
+            return cast(list[int], native.sizes())
         return [len(c) for c in self._caches]
 
     def hit_counts(self) -> dict[float, float]:
+        native = self._native
+        if native is not None:
+            return dict(zip(self._weights, cast(list[float], native.hits()), strict=True))
         return {c.weight: c.hits for c in self._caches}
+
+    def id_slots(self) -> int:
+        """Ids ever allocated to sampled keys (they are reused: bounded by what the copies
+        hold)."""
+        native = self._native
+        if native is not None:
+            return cast(int, native.id_slots())
+        return len(self._ids.refs)
