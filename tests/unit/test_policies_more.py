@@ -290,6 +290,133 @@ def test_sieve_new_blocks_join_behind_the_hand() -> None:
     assert _evicted_ids(policy, 1) == [4]
 
 
+class _ModelSieve:
+    """SIEVE as two ordered dicts split at the hand (the policy before the fourteenth
+    session), planned then applied: the model the log-based policy must match."""
+
+    def __init__(self) -> None:
+        self.ahead: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.behind: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.visited: dict[OffloadKey, bool] = {}
+        self.blocks: dict[OffloadKey, BlockStatus] = {}
+
+    def insert(self, k: OffloadKey, block: BlockStatus) -> None:
+        self.blocks[k] = block
+        self.ahead[k] = None
+        self.visited[k] = False
+
+    def touch(self, ks: list[OffloadKey]) -> None:
+        for k in ks:
+            if k in self.blocks and self.blocks[k].ref_cnt != -1:
+                self.visited[k] = True
+
+    def remove(self, k: OffloadKey) -> None:
+        del self.blocks[k], self.visited[k]
+        self.ahead.pop(k, None)
+        self.behind.pop(k, None)
+
+    def evict(self, n: int, protected: frozenset[OffloadKey]) -> list[OffloadKey] | None:
+        walk = list(self.ahead) + list(self.behind)
+        plan: list[tuple[str, OffloadKey]] = []
+        cleared: set[OffloadKey] = set()
+        victims = idle = 0
+        while victims < n:
+            if not walk or idle > len(self.blocks):
+                return None
+            k = walk.pop(0)
+            if self.blocks[k].ref_cnt != 0 or k in protected:
+                plan.append(("keep", k))
+                walk.append(k)
+                idle += 1
+            elif self.visited[k] and k not in cleared:
+                cleared.add(k)
+                plan.append(("clear", k))
+                walk.append(k)
+                idle = 0
+            else:
+                plan.append(("evict", k))
+                victims += 1
+                idle = 0
+        out = []
+        for move, k in plan:
+            if not self.ahead:
+                self.ahead, self.behind = self.behind, self.ahead
+            del self.ahead[k]
+            if move == "evict":
+                del self.blocks[k], self.visited[k]
+                out.append(k)
+            else:
+                self.behind[k] = None
+                if move == "clear":
+                    self.visited[k] = False
+        return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["store", "store", "touch", "pin", "pin", "unpin", "evict", "remove"]),
+            st.lists(st.integers(0, 15), min_size=1, max_size=5),
+        ),
+        min_size=20,
+        max_size=300,
+    )
+)
+def test_sieve_log_decides_as_the_ordered_dict_model(
+    ops: list[tuple[str, list[int]]],
+) -> None:
+    # Pinned and protected blocks, failed evictions (which must change nothing, visited
+    # bits included), removals, laps and the log's compactions.
+    policy = SIEVECachePolicy(1000)
+    model = _ModelSieve()
+    for op, ids in ops:
+        present = [key(i) for i in ids if key(i) in model.blocks]
+        if op == "store":
+            for i in dict.fromkeys(ids):
+                if key(i) not in model.blocks:
+                    block = BlockStatus(i)
+                    policy.insert(key(i), block)
+                    model.insert(key(i), block)
+                    block.ref_cnt = 0
+        elif op == "touch":
+            ks = [key(i) for i in ids]
+            policy.touch(ks)
+            model.touch(ks)
+        elif op in ("pin", "unpin") and present:
+            block = model.blocks[present[0]]
+            block.ref_cnt = max(0, block.ref_cnt + (1 if op == "pin" else -1))
+        elif op == "remove" and present:
+            policy.remove(present[0])
+            model.remove(present[0])
+        elif op == "evict":
+            protected = frozenset(present[1:])
+            got = policy.evict(len(ids), protected)
+            want = model.evict(len(ids), protected)
+            assert (None if got is None else [k for k, _ in got]) == want
+        assert len(policy) == len(model.blocks)
+    state = policy.debug_state()
+    assert state["visited"] == sum(model.visited.values())
+    assert state["queue"] == len(model.blocks)
+    # The rest of the queue, in the hand's order, as the model has it.
+    for block in model.blocks.values():
+        block.ref_cnt = 0
+    order = policy.evict(len(model.blocks), frozenset()) if model.blocks else []
+    assert order is not None
+    assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
+
+
+def test_sieve_eviction_that_fails_leaves_the_visited_bits_it_cleared() -> None:
+    policy = SIEVECachePolicy(10)
+    blocks = _store(policy, 1, 2, 3)
+    policy.touch(keys(1))
+    blocks[2].ref_cnt = blocks[3].ref_cnt = 1  # being read: only 1 can go
+    assert policy.evict(2, frozenset()) is None
+    assert policy.debug_state()["visited"] == 1
+    blocks[2].ref_cnt = blocks[3].ref_cnt = 0
+    assert _evicted_ids(policy, 1) == [2], "1 is still visited: the hand clears it, takes 2"
+
+
 def test_slru_evicts_probation_before_protected() -> None:
     policy = SLRUCachePolicy(10)
     _store(policy, 1, 2, 3, 4)
