@@ -29,8 +29,6 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies.base",
     "kvcache_offload.control.policies.lru",
     "kvcache_offload.control.policies.arc",
-    "kvcache_offload.control.policies._virtual_fifo",
-    "kvcache_offload.control.policies._fifo_queue",
     "kvcache_offload.control.policies._ghosts",
     "kvcache_offload.control.policies._prefix_batch",
     "kvcache_offload.control.policies._stamp_queue",

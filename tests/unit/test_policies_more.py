@@ -406,6 +406,194 @@ def test_sieve_log_decides_as_the_ordered_dict_model(
     assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
 
 
+class _ModelS3FIFO:
+    """S3-FIFO as it was before the fourteenth session (ordered dicts, victims planned then
+    applied), with the policy's class settings: the model the log-based one must match."""
+
+    def __init__(self, cls: type[S3FIFOCachePolicy], capacity: int) -> None:
+        self.cls, self.capacity = cls, capacity
+        self.small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.main: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.count: dict[OffloadKey, int] = {}
+        self.blocks: dict[OffloadKey, BlockStatus] = {}
+        self.target = float(max(1, round(capacity * cls.small_ratio)))
+        limit = capacity if cls.adaptive else max(1, capacity - int(self.target))
+        self.ghosts: list[OrderedDict[OffloadKey, None]] = [OrderedDict(), OrderedDict()]
+        self.limit = limit
+
+    def store(self, ks: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        pairs = list(zip(ks, blocks, strict=True))
+        for k, block in reversed(pairs) if self.cls.prefix_order else pairs:
+            self.blocks[k] = block
+            self.count[k] = 0
+            ghost, main_ghost = self.ghosts
+            gain = self.cls.adapt_gain
+            if k in ghost:
+                if self.cls.adaptive:
+                    step = gain * max(1.0, len(main_ghost) / len(ghost))
+                    self.target = min(self.target + step, float(self.capacity))
+                del ghost[k]
+                self.main[k] = None
+            elif k in main_ghost:
+                self.target = max(self.target - gain * max(1.0, len(ghost) / len(main_ghost)), 1.0)
+                del main_ghost[k]
+                self.main[k] = None
+            else:
+                self.small[k] = None
+
+    def touch(self, ks: list[OffloadKey]) -> None:
+        for k in reversed(ks):
+            if k not in self.blocks or self.blocks[k].ref_cnt == -1:
+                continue
+            if self.cls.main_lru and k in self.main:
+                self.main.move_to_end(k)
+            elif self.count[k] < 3:
+                self.count[k] += 1
+
+    def remove(self, k: OffloadKey) -> None:
+        del self.blocks[k], self.count[k]
+        self.small.pop(k, None)
+        self.main.pop(k, None)
+
+    def _remember(self, which: int, k: OffloadKey) -> None:
+        ghosts = self.ghosts[which]
+        ghosts[k] = None
+        if len(ghosts) > self.limit:
+            ghosts.popitem(last=False)
+
+    def evict(self, n: int, protected: frozenset[OffloadKey]) -> list[OffloadKey] | None:
+        def idle(k: OffloadKey) -> bool:
+            return self.blocks[k].ref_cnt == 0 and k not in protected
+
+        small_walk = list(self.small)
+        main_walk = list(self.main)
+        plan: list[tuple[str, OffloadKey]] = []
+        freq: dict[OffloadKey, int] = {}
+        small_len, victims = len(self.small), 0
+        small_done = main_done = False
+        while victims < n:
+            if not small_done and (small_len >= self.target or main_done):
+                k = next((k for k in small_walk if idle(k)), None)
+                if k is not None:
+                    small_walk = small_walk[small_walk.index(k) + 1 :]
+                    small_len -= 1
+                    if self.count[k] > 0:
+                        plan.append(("promote", k))
+                        freq[k] = 0
+                        main_walk.append(k)
+                        main_done = False
+                    else:
+                        plan.append(("small", k))
+                        victims += 1
+                    continue
+                small_walk = []
+                small_done = True
+            if main_done:
+                return None
+            while main_walk and not idle(main_walk[0]):
+                main_walk.pop(0)
+            if not main_walk:
+                main_done = True
+                if small_done:
+                    return None
+                continue
+            k = main_walk.pop(0)
+            count = freq.get(k, self.count[k])
+            if not self.cls.main_lru and count > 0:
+                freq[k] = count - 1
+                plan.append(("reinsert", k))
+                main_walk.append(k)
+                continue
+            plan.append(("main", k))
+            victims += 1
+        out = []
+        for move, k in plan:
+            if move == "promote":
+                del self.small[k]
+                self.main[k] = None
+                self.count[k] = 0
+            elif move == "reinsert":
+                self.main.move_to_end(k)
+                self.count[k] -= 1
+            else:
+                if move == "small":
+                    del self.small[k]
+                    self._remember(0, k)
+                else:
+                    del self.main[k]
+                    if self.cls.adaptive:
+                        self._remember(1, k)
+                del self.blocks[k], self.count[k]
+                out.append(k)
+        return out
+
+
+@pytest.mark.parametrize("cls", [S3FIFOCachePolicy, PrefixS3FIFOCachePolicy])
+@settings(max_examples=120, deadline=None)
+@given(
+    capacity=st.integers(2, 24),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "store", "touch", "pin", "unpin", "evict", "remove"]),
+            st.lists(st.integers(0, 30), min_size=1, max_size=5),
+        ),
+        min_size=20,
+        max_size=300,
+    ),
+)
+def test_s3fifo_logs_decide_as_the_ordered_dict_model(
+    cls: type[S3FIFOCachePolicy], capacity: int, ops: list[tuple[str, list[int]]]
+) -> None:
+    # Promotions, reinsertions, ghost hits (and the adaptive target), pinned and protected
+    # blocks, failed evictions (which must change nothing), removals, log compactions.
+    policy = cls(capacity)
+    model = _ModelS3FIFO(cls, capacity)
+    for op, ids in ops:
+        present = [key(i) for i in ids if key(i) in model.blocks]
+        if op == "store":
+            new = [i for i in dict.fromkeys(ids) if key(i) not in model.blocks]
+            blocks = [BlockStatus(i) for i in new]
+            policy.insert_many([(key(i), b) for i, b in zip(new, blocks, strict=True)])
+            model.store([key(i) for i in new], blocks)
+            for block in blocks:
+                block.ref_cnt = 0
+        elif op == "touch":
+            ks = [key(i) for i in ids]
+            policy.touch(ks)
+            model.touch(ks)
+        elif op in ("pin", "unpin") and present:
+            block = model.blocks[present[0]]
+            block.ref_cnt = max(0, block.ref_cnt + (1 if op == "pin" else -1))
+        elif op == "remove" and present:
+            policy.remove(present[0])
+            model.remove(present[0])
+        elif op == "evict":
+            protected = frozenset(present[1:])
+            got = policy.evict(len(ids), protected)
+            want = model.evict(len(ids), protected)
+            assert (None if got is None else [k for k, _ in got]) == want
+        state = policy.debug_state()
+        assert (state["small"], state["main"]) == (len(model.small), len(model.main))
+        assert (state["ghost"], state["main_ghost"]) == tuple(len(g) for g in model.ghosts)
+        assert state["small_target"] == model.target
+    for block in model.blocks.values():
+        block.ref_cnt = 0
+    order = policy.evict(len(model.blocks), frozenset()) if model.blocks else []
+    assert order is not None
+    assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
+
+
+def test_s3fifo_eviction_that_fails_changes_nothing() -> None:
+    policy = S3FIFOCachePolicy(10)
+    blocks = _store(policy, 1, 2, 3, 4)
+    policy.touch(keys(1, 3))  # used on probation: promoted by the walk
+    blocks[4].ref_cnt = 1
+    before = policy.debug_state()
+    assert policy.evict(4, frozenset()) is None  # 1 and 3 promoted, 2 evicted, 4 pinned
+    assert policy.debug_state() == before
+    assert _evicted_ids(policy, 3) == [2, 1, 3]
+
+
 def test_sieve_eviction_that_fails_leaves_the_visited_bits_it_cleared() -> None:
     policy = SIEVECachePolicy(10)
     blocks = _store(policy, 1, 2, 3)
@@ -724,46 +912,6 @@ def test_ghost_pair_forgets_like_two_ghost_lists(
         ]
     pair.clear()
     assert (len(pair), pair.size(0), pair.size(1)) == (0, 0, 0)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["append", "append", "remove", "pop"]), st.integers(0, 30)),
-        min_size=300,
-        max_size=600,
-    )
-)
-def test_fifo_queue_keeps_arrival_order_through_removals_anywhere(
-    ops: list[tuple[str, int]],
-) -> None:
-    # Removals at the head, in walk order and out of it leave holes, trim and compact the log.
-    from kvcache_offload.control.policies._fifo_queue import FifoQueue
-
-    queue = FifoQueue()
-    model: list[OffloadKey] = []
-    for op, i in ops:
-        if op == "append":
-            if key(i) not in model:
-                queue.append(key(i))
-                model.append(key(i))
-        elif op == "remove":
-            if model:  # the i-th oldest, or the oldest few in walk order
-                for k in model[i % len(model) :: 1 + i % 3][: 1 + i % 4]:
-                    queue.remove(k)
-                    model.remove(k)
-        elif op == "pop":
-            queue.pop(key(i))
-            if key(i) in model:
-                model.remove(key(i))
-        walked = []
-        index = queue.first()
-        while index >= 0:
-            walked.append(queue.key_at(index))
-            index = queue.after(index)
-        assert walked == model
-        assert len(queue) == len(model)
-        assert all((key(j) in queue) == (key(j) in model) for j in range(31))
 
 
 @pytest.mark.parametrize(

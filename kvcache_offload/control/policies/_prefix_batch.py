@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList, StampedGhostList
 from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
@@ -25,10 +24,10 @@ from kvcache_offload.control.policies.base import (
     append_victims,
 )
 
-__all__ = ["PlannedQueuePolicy", "Queue", "QueuePolicy"]
+__all__ = ["Queue", "QueuePolicy"]
 
-Queue = dict[OffloadKey, Any] | FifoQueue | GhostList | StampedGhostList | StampQueue
-"""What a queue policy keeps keys in: ordered dicts, FIFO and stamp queues (queues, marks) and
+Queue = dict[OffloadKey, Any] | GhostList | StampedGhostList | StampQueue
+"""What a queue policy keeps keys in: ordered dicts, stamp queues (queues, marks) and
 ghost lists."""
 
 
@@ -222,49 +221,3 @@ class QueuePolicy(CachePolicy):
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
-class PlannedQueuePolicy(QueuePolicy):
-    """A queue policy that first plans its victims, changing nothing, then applies the plan:
-    a store that cannot get ``n`` victims leaves the queues exactly as they were."""
-
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
-        # The plan as two lists, not (move, key) pairs: compiled, a tuple per step costs.
-        moves: list[int] = []
-        planned: list[OffloadKey] = []
-        planned_blocks: list[BlockStatus] = []  # each step's block: no second table lookup
-        if not self._plan(n, protected, moves, planned, planned_blocks):
-            return False
-        self._apply(moves, planned, planned_blocks, keys, blocks)
-        return True
-
-    @abstractmethod
-    def _plan(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        moves: list[int],
-        keys: list[OffloadKey],
-        found: list[BlockStatus],
-    ) -> bool:
-        """Append the moves that yield ``n`` victims and the key and block of each to
-        ``moves``, ``keys`` and ``found``; False when there are not enough."""
-
-    @abstractmethod
-    def _apply(
-        self,
-        moves: list[int],
-        keys: list[OffloadKey],
-        found: list[BlockStatus],
-        victim_keys: list[OffloadKey],
-        victim_blocks: list[BlockStatus],
-    ) -> None:
-        """Carry out planned moves, given the blocks the plan found (no second table lookup);
-        append the victims' keys and blocks in eviction order."""

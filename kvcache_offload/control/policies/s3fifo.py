@@ -8,43 +8,114 @@ reinsertion while a small use counter lasts.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import ClassVar, Final
+from typing import ClassVar, Final, final
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies._fifo_queue import FifoQueue
 from kvcache_offload.control.policies._ghosts import GhostList
-from kvcache_offload.control.policies._prefix_batch import PlannedQueuePolicy
-from kvcache_offload.control.policies._virtual_fifo import VirtualFifo
+from kvcache_offload.control.policies._prefix_batch import QueuePolicy
 from kvcache_offload.control.policies.base import BlockStatus
 
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
 _MAX_FREQ: Final = 3
 
+# A block's mark: its use count (bits 0-1), its queue (bit 2: main) and the token of its
+# live log entry (the entry's position plus one, from bit 3; 0: in no queue). Final:
+# compiled, a plain module constant is a dict lookup per read.
+_COUNT: Final = 3
+_MAIN: Final = 4
+_TOKEN_SHIFT: Final = 3
 
-# The moves of a plan. Final: compiled, a plain module constant is a dict lookup per read.
-_SMALL_TO_MAIN: Final = 0
-_SMALL_EVICT: Final = 1
-_MAIN_REINSERT: Final = 2
-_MAIN_EVICT: Final = 3
+
+@final
+class _QueueLog:
+    """One queue oldest first, as (key, block) entries from ``head`` on. An entry is live
+    while its block's mark names this queue and the entry's token (``base`` plus its index,
+    plus one); a block that moved or left leaves a dead entry, skipped by walks, dropped
+    when the head passes it or when dead entries outnumber live ones two to one."""
+
+    __slots__ = ("base", "blocks", "head", "keys", "size", "where")
+
+    def __init__(self, where: int) -> None:
+        self.where = where  # 0 (small) or _MAIN
+        self.keys: list[OffloadKey] = []
+        self.blocks: list[BlockStatus] = []
+        self.head = 0
+        self.base = 0
+        self.size = 0  # live entries
+
+    def push(self, key: OffloadKey, block: BlockStatus, count: int) -> None:
+        """Append ``block`` as the newest, with use count ``count`` (a block already in this
+        queue moves: its old entry goes dead; the caller counts it once)."""
+        keys = self.keys
+        block.mark = ((self.base + len(keys) + 1) << _TOKEN_SHIFT) | self.where | count
+        keys.append(key)
+        self.blocks.append(block)
+
+    def live(self, index: int, mark: int) -> bool:
+        """Whether the entry at ``index``, whose block's mark is ``mark``, is live."""
+        return (mark & _MAIN) == self.where and (mark >> _TOKEN_SHIFT) == self.base + index + 1
+
+    def tidy(self) -> None:
+        """Move the head past the dead entries there; compact when dead entries outnumber
+        live ones two to one. Never during a walk (it moves indices)."""
+        keys, blocks = self.keys, self.blocks
+        head, end = self.head, len(keys)
+        while head < end and not self.live(head, blocks[head].mark):
+            head += 1
+        if end - head > 2 * self.size + 64:
+            live_keys: list[OffloadKey] = []
+            live_blocks: list[BlockStatus] = []
+            for index in range(head, end):
+                block = blocks[index]
+                mark = block.mark
+                if self.live(index, mark):
+                    block.mark = ((len(live_keys) + 1) << _TOKEN_SHIFT) | (mark & (_MAIN | _COUNT))
+                    live_keys.append(keys[index])
+                    live_blocks.append(block)
+            self.keys, self.blocks = live_keys, live_blocks
+            self.base = 0
+            head = 0
+        elif head > 64 and 2 * head > end:
+            del keys[:head]
+            del blocks[:head]
+            self.base += head
+            head = 0
+        self.head = head
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.blocks.clear()
+        self.head = self.base = self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
-class S3FIFOCachePolicy(PlannedQueuePolicy):
+class S3FIFOCachePolicy(QueuePolicy):
     """S3-FIFO driven by the manager: ``touch`` is the access, a store is not.
 
     The small queue targets ``small_ratio`` of the capacity; a block leaving it moves to the
     main queue if it was used while there, else its key becomes a ghost (the ghost queue
     keeps at most as many keys as the main queue may hold). A store of a ghost key goes
     straight to the main queue.
+
+    Both queues are logs (:class:`_QueueLog`) and each block's use count, queue and log
+    token sit in its ``mark``. An eviction walks the logs and makes its moves in place
+    (promotions and reinsertions append to the main log, which its walk then reaches, as a
+    FIFO with reinsertion does); only when it has all its victims does it drop them from the
+    table and remember their keys. A walk that cannot find enough puts every mark back and
+    cuts the main log back to its length, so the queues are exactly as they were. Until the
+    fourteenth session the main queue was an ordered dict and the victims were planned and
+    then applied: the same decisions (``docs/policy-lab.md``, fifteenth round).
     """
 
     name = "s3fifo"
-    queue_attributes = ("_small", "_main", "_ghost", "_main_ghost")
+    queue_attributes = ()  # its own ``remove``, ``clear`` and ``debug_state`` name them
     small_ratio: ClassVar[float] = 0.1
     adaptive: ClassVar[bool] = False
     """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
@@ -54,18 +125,13 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._small = FifoQueue()
-        self._main: OrderedDict[OffloadKey, None] = OrderedDict()
-        # Each block's use count (0 to _MAX_FREQ) is its ``mark``: no per-key dict to probe.
+        self._small = _QueueLog(0)
+        self._main = _QueueLog(_MAIN)
         self._small_target = 0.0
         # The tunables, read once: compiled, a class attribute costs a lookup on every read.
         self._adaptive = self.adaptive
         self._adapt_gain = self.adapt_gain
         self._main_lru = self.main_lru
-        # The mark of a block entering the main queue: its use count (0), or, when the main
-        # queue is an LRU (which reads no count), -1, so ``touch`` tells a main-queue block by
-        # its mark instead of looking its key up in the queue.
-        self._main_mark = -1 if self.main_lru else 0
         self._reset_learning()
         # The ghosts of the small queue: as many keys as the main queue may hold.
         ghost_limit = (
@@ -82,28 +148,29 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
         return {"freq": len(self._blocks), "small_target": self._small_target}
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
-        block.mark = 0
         ghost, main_ghost = self._ghost, self._main_ghost
         if key in ghost:
             if self._adaptive:
                 step = self._adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
             ghost.recall(key)
-            block.mark = self._main_mark
-            self._main[key] = None
+            self._main.size += 1
+            self._main.push(key, block, 0)
         elif key in main_ghost:
             step = self._adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
             main_ghost.recall(key)
-            block.mark = self._main_mark
-            self._main[key] = None
+            self._main.size += 1
+            self._main.push(key, block, 0)
         else:
-            self._small.append(key)
+            self._small.size += 1
+            self._small.push(key, block, 0)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
         blocks = self._blocks
-        move = self._main.move_to_end  # bound once: compiled, a call by name looks it up each time
+        main = self._main
+        lru = self._main_lru
         # A list (the manager's argument) is walked by index: ``reversed`` of a sequence
         # costs a builtins lookup and call per touch and a generic iterator step per key.
         key_list = keys if isinstance(keys, list) else list(keys)
@@ -113,125 +180,177 @@ class S3FIFOCachePolicy(PlannedQueuePolicy):
             # A store just prepared is not an access.
             if block is None or block.ref_cnt == -1:
                 continue
-            count = block.mark
-            if count < 0:  # in the main queue, an LRU
-                move(key)
+            mark = block.mark
+            if lru and (mark & _MAIN):  # in the main queue, an LRU: to its newest end
+                main.push(key, block, 0)
                 continue
-            if count < _MAX_FREQ:
-                block.mark = count + 1
+            if (mark & _COUNT) < _MAX_FREQ:
+                block.mark = mark + 1
+        if lru:
+            main.tidy()
 
-    def _plan(
+    def remove(self, key: OffloadKey) -> None:
+        # A store failed: the key is live, so it sits in none of the ghost lists.
+        self._flush_batch()
+        block = self._blocks[key]
+        del self._blocks[key]
+        if block.mark & _MAIN:
+            self._main.size -= 1
+        else:
+            self._small.size -= 1
+        block.mark = 0
+
+    def clear(self) -> None:
+        for block in self._blocks.values():
+            block.mark = 0
+        self._blocks.clear()
+        self._batch.clear()
+        self._batch_blocks.clear()
+        self._small.clear()
+        self._main.clear()
+        self._ghost.clear()
+        self._main_ghost.clear()
+        self._reset_learning()
+
+    def debug_state(self) -> dict[str, object]:
+        self._flush_batch()
+        state: dict[str, object] = {
+            "size": len(self),
+            "small": len(self._small),
+            "main": len(self._main),
+            "ghost": len(self._ghost),
+            "main_ghost": len(self._main_ghost),
+        }
+        state.update(self._learned_state())
+        return state
+
+    def _select_blocks(
         self,
         n: int,
         protected: Collection[OffloadKey],
-        moves: list[int],
         keys: list[OffloadKey],
-        found: list[BlockStatus],
+        blocks: list[BlockStatus],
     ) -> bool:
-        """Choose the victims without changing anything: the steps to apply, or False.
-
-        Skipped (pinned or protected) blocks keep their place; the walk over the main queue
-        sees the keys it re-appends (promotions, reinsertions) after the original ones.
-        """
-        blocks = self._blocks
+        """The victims, in the order the walk takes them. Pinned and protected blocks keep
+        their place; the walk over the main queue reaches the blocks it appends
+        (promotions, reinsertions) after the ones it started with."""
         guarded = len(protected) > 0  # the manager passes none: skip the membership tests
-        small = self._small
-        index = small.first()  # the small queue's walk: its next key to look at
-        main = VirtualFifo(self._main)
-        new_freq: dict[OffloadKey, int] = {}
-        small_len = len(small)
+        small, main = self._small, self._main
+        small_keys, small_blocks = small.keys, small.blocks
+        main_keys, main_blocks = main.keys, main.blocks
+        small_base, main_base = small.base, main.base
+        main_len = len(main_keys)  # to cut the main log back to if the walk fails
+        start = len(keys)
+        start_blocks = len(blocks)
+        changed: list[BlockStatus] = []  # every block whose mark the walk changed, ...
+        old_marks: list[int] = []  # ... with its mark before (first change only matters)
+        from_small: list[bool] = []
+        si = small.head  # the small queue's walk: its next entry to look at
+        mi = main.head
+        small_len = small.size
         reinsert = not self._main_lru
+        target = self._small_target
         victims = 0
+        promoted = 0
         small_done = main_done = False
+        ok = True
         while victims < n:
-            if not small_done and (small_len >= self._small_target or main_done):
-                key: OffloadKey | None = None
-                chosen: BlockStatus | None = None
-                while index >= 0:  # the next evictable key of the small queue
-                    candidate = small.key_at(index)
-                    index = small.after(index)
-                    block = blocks[candidate]
-                    if block.ref_cnt == 0 and not (guarded and candidate in protected):
-                        key = candidate
-                        chosen = block
+            if not small_done and (small_len >= target or main_done):
+                chosen_index = -1
+                while si < len(small_keys):  # the next evictable block of the small queue
+                    block = small_blocks[si]
+                    mark = block.mark
+                    index = si
+                    si += 1
+                    if (
+                        (mark & _MAIN) == 0
+                        and (mark >> _TOKEN_SHIFT) == small_base + index + 1
+                        and block.ref_cnt == 0
+                        and not (guarded and small_keys[index] in protected)
+                    ):
+                        chosen_index = index
                         break
-                if key is not None and chosen is not None:
+                if chosen_index >= 0:
                     small_len -= 1
-                    keys.append(key)
-                    found.append(chosen)
-                    if chosen.mark > 0:
-                        moves.append(_SMALL_TO_MAIN)
-                        new_freq[key] = 0
-                        main.append(key)
+                    key = small_keys[chosen_index]
+                    block = small_blocks[chosen_index]
+                    changed.append(block)
+                    old_marks.append(block.mark)
+                    if block.mark & _COUNT:
+                        # Used while on probation: to the main queue (its walk reaches it).
+                        main.push(key, block, 0)
+                        promoted += 1
                         main_done = False
                     else:
-                        moves.append(_SMALL_EVICT)
+                        keys.append(key)
+                        blocks.append(block)
+                        from_small.append(True)
+                        block.mark = 0
                         victims += 1
                     continue
                 small_done = True
             if main_done:
-                return False
-            key = main.pop()
-            mark = 0
-            while key is not None:  # the next evictable key of the main queue
-                block = blocks[key]
-                if block.ref_cnt == 0 and not (guarded and key in protected):
-                    mark = block.mark
+                ok = False
+                break
+            chosen_index = -1
+            while mi < len(main_keys):  # the next evictable block of the main queue
+                block = main_blocks[mi]
+                mark = block.mark
+                index = mi
+                mi += 1
+                if (
+                    (mark & _MAIN) != 0
+                    and (mark >> _TOKEN_SHIFT) == main_base + index + 1
+                    and block.ref_cnt == 0
+                    and not (guarded and main_keys[index] in protected)
+                ):
+                    chosen_index = index
                     break
-                key = main.pop()
-            if key is None:
+            if chosen_index < 0:
                 main_done = True
                 if small_done:
-                    return False
+                    ok = False
+                    break
+                continue
+            key = main_keys[chosen_index]
+            block = main_blocks[chosen_index]
+            changed.append(block)
+            old_marks.append(block.mark)
+            count = block.mark & _COUNT
+            if reinsert and count > 0:
+                main.push(key, block, count - 1)  # reinserted with one use fewer
                 continue
             keys.append(key)
-            found.append(block)
-            if reinsert:
-                count = new_freq.get(key)
-                if count is None:
-                    count = mark
-                if count > 0:
-                    new_freq[key] = count - 1
-                    moves.append(_MAIN_REINSERT)
-                    main.append(key)
-                    continue
-            moves.append(_MAIN_EVICT)
+            blocks.append(block)
+            from_small.append(False)
+            block.mark = 0
             victims += 1
-        return True
-
-    def _apply(
-        self,
-        moves: list[int],
-        keys: list[OffloadKey],
-        found: list[BlockStatus],
-        victim_keys: list[OffloadKey],
-        victim_blocks: list[BlockStatus],
-    ) -> None:
-        blocks = self._blocks
-        small, main, ghost = self._small, self._main, self._ghost
-        main_mark = self._main_mark
+        if not ok:
+            # Back as it was: marks last changed first, so each ends at its first old mark.
+            for i in range(len(changed) - 1, -1, -1):
+                changed[i].mark = old_marks[i]
+            del main_keys[main_len:]
+            del main_blocks[main_len:]
+            del keys[start:]
+            del blocks[start_blocks:]
+            return False
+        table = self._blocks
+        ghost = self._ghost
         main_ghost = self._main_ghost if self._adaptive else None
-        for index in range(len(keys)):
-            step = moves[index]
-            key = keys[index]
-            if step == _SMALL_TO_MAIN:
-                small.remove(key)
-                main[key] = None
-                found[index].mark = main_mark
-            elif step == _MAIN_REINSERT:
-                main.move_to_end(key)
-                found[index].mark -= 1
-            else:
-                if step == _SMALL_EVICT:
-                    small.remove(key)
-                    ghost.remember(key)
-                else:
-                    del main[key]
-                    if main_ghost is not None:
-                        main_ghost.remember(key)
-                del blocks[key]  # the plan's block: no second lookup (nor a generic ``pop``)
-                victim_keys.append(key)
-                victim_blocks.append(found[index])
+        taken_small = 0
+        for i in range(n):
+            key = keys[start + i]
+            if from_small[i]:
+                ghost.remember(key)
+                taken_small += 1
+            elif main_ghost is not None:
+                main_ghost.remember(key)
+            del table[key]
+        small.size -= taken_small + promoted
+        main.size += promoted - (n - taken_small)
+        small.tidy()
+        main.tidy()
+        return True
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
