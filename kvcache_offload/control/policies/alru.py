@@ -400,15 +400,12 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
         block.mark = _NOWHERE
 
     def clear(self) -> None:
-        self._blocks.clear()
-        self._batch.clear()
-        self._batch_blocks.clear()
         self._probation.clear()
         self._demoted.clear()
         self._main.clear()
         self._ghosts.clear()
         self._tails = 0
-        self._reset_learning()
+        super().clear()
 
     def debug_state(self) -> dict[str, object]:
         self._flush_batch()

@@ -59,6 +59,25 @@ class _QueueLog:
         """Whether the entry at ``index``, whose block's mark is ``mark``, is live."""
         return (mark & _MAIN) == self.where and (mark >> _TOKEN_SHIFT) == self.base + index + 1
 
+    def next_idle(self, index: int, protected: Collection[OffloadKey], guarded: bool) -> int:
+        """The index of the first live, evictable entry from ``index`` on, or -1 (entries
+        appended meanwhile included: the log is read as it is now)."""
+        keys, blocks = self.keys, self.blocks
+        where, token = self.where, self.base + index + 1
+        while index < len(keys):
+            block = blocks[index]
+            mark = block.mark
+            if (
+                (mark & _MAIN) == where
+                and (mark >> _TOKEN_SHIFT) == token
+                and block.ref_cnt == 0
+                and not (guarded and keys[index] in protected)
+            ):
+                return index
+            index += 1
+            token += 1
+        return -1
+
     def tidy(self) -> None:
         """Move the head past the dead entries there; compact when dead entries outnumber
         live ones two to one. Never during a walk (it moves indices)."""
@@ -115,7 +134,7 @@ class S3FIFOCachePolicy(QueuePolicy):
     """
 
     name = "s3fifo"
-    queue_attributes = ()  # its own ``remove``, ``clear`` and ``debug_state`` name them
+    queue_attributes = ("_ghost", "_main_ghost")  # the two logs: own ``remove``, ``clear``
     small_ratio: ClassVar[float] = 0.1
     adaptive: ClassVar[bool] = False
     """Move the small-queue target on ghost hits, as ARC moves its T1 target."""
@@ -145,7 +164,12 @@ class S3FIFOCachePolicy(QueuePolicy):
 
     def _learned_state(self) -> dict[str, object]:
         # "freq": the keys with a use count, which is every block (it is kept in the block).
-        return {"freq": len(self._blocks), "small_target": self._small_target}
+        return {
+            "small": len(self._small),
+            "main": len(self._main),
+            "freq": len(self._blocks),
+            "small_target": self._small_target,
+        }
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         ghost, main_ghost = self._ghost, self._main_ghost
@@ -154,17 +178,16 @@ class S3FIFOCachePolicy(QueuePolicy):
                 step = self._adapt_gain * max(1.0, len(main_ghost) / len(ghost))
                 self._small_target = min(self._small_target + step, float(self.cache_capacity))
             ghost.recall(key)
-            self._main.size += 1
-            self._main.push(key, block, 0)
+            log = self._main
         elif key in main_ghost:
             step = self._adapt_gain * max(1.0, len(ghost) / len(main_ghost))
             self._small_target = max(self._small_target - step, 1.0)
             main_ghost.recall(key)
-            self._main.size += 1
-            self._main.push(key, block, 0)
+            log = self._main
         else:
-            self._small.size += 1
-            self._small.push(key, block, 0)
+            log = self._small
+        log.size += 1
+        log.push(key, block, 0)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self._flush_batch()
@@ -201,28 +224,9 @@ class S3FIFOCachePolicy(QueuePolicy):
         block.mark = 0
 
     def clear(self) -> None:
-        for block in self._blocks.values():
-            block.mark = 0
-        self._blocks.clear()
-        self._batch.clear()
-        self._batch_blocks.clear()
         self._small.clear()
         self._main.clear()
-        self._ghost.clear()
-        self._main_ghost.clear()
-        self._reset_learning()
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        state: dict[str, object] = {
-            "size": len(self),
-            "small": len(self._small),
-            "main": len(self._main),
-            "ghost": len(self._ghost),
-            "main_ghost": len(self._main_ghost),
-        }
-        state.update(self._learned_state())
-        return state
+        super().clear()
 
     def _select_blocks(
         self,
@@ -238,7 +242,6 @@ class S3FIFOCachePolicy(QueuePolicy):
         small, main = self._small, self._main
         small_keys, small_blocks = small.keys, small.blocks
         main_keys, main_blocks = main.keys, main.blocks
-        small_base, main_base = small.base, main.base
         main_len = len(main_keys)  # to cut the main log back to if the walk fails
         start = len(keys)
         start_blocks = len(blocks)
@@ -256,20 +259,8 @@ class S3FIFOCachePolicy(QueuePolicy):
         ok = True
         while victims < n:
             if not small_done and (small_len >= target or main_done):
-                chosen_index = -1
-                while si < len(small_keys):  # the next evictable block of the small queue
-                    block = small_blocks[si]
-                    mark = block.mark
-                    index = si
-                    si += 1
-                    if (
-                        (mark & _MAIN) == 0
-                        and (mark >> _TOKEN_SHIFT) == small_base + index + 1
-                        and block.ref_cnt == 0
-                        and not (guarded and small_keys[index] in protected)
-                    ):
-                        chosen_index = index
-                        break
+                chosen_index = small.next_idle(si, protected, guarded)
+                si = chosen_index + 1 if chosen_index >= 0 else len(small_keys)
                 if chosen_index >= 0:
                     small_len -= 1
                     key = small_keys[chosen_index]
@@ -292,20 +283,8 @@ class S3FIFOCachePolicy(QueuePolicy):
             if main_done:
                 ok = False
                 break
-            chosen_index = -1
-            while mi < len(main_keys):  # the next evictable block of the main queue
-                block = main_blocks[mi]
-                mark = block.mark
-                index = mi
-                mi += 1
-                if (
-                    (mark & _MAIN) != 0
-                    and (mark >> _TOKEN_SHIFT) == main_base + index + 1
-                    and block.ref_cnt == 0
-                    and not (guarded and main_keys[index] in protected)
-                ):
-                    chosen_index = index
-                    break
+            chosen_index = main.next_idle(mi, protected, guarded)
+            mi = chosen_index + 1 if chosen_index >= 0 else len(main_keys)
             if chosen_index < 0:
                 main_done = True
                 if small_done:

@@ -99,14 +99,17 @@ class SIEVECachePolicy(QueuePolicy):
     """
 
     name = "sieve"
-    queue_attributes = ()  # its own ``remove``, ``clear`` and ``debug_state`` name the log
+    queue_attributes = ()  # the log: its own ``remove`` and ``clear``
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._log = _SieveLog()
 
     def _learned_state(self) -> dict[str, object]:
-        return {"visited": sum(1 for block in self._blocks.values() if block.mark & _VISITED)}
+        return {
+            "queue": len(self._log),
+            "visited": sum(1 for block in self._blocks.values() if block.mark & _VISITED),
+        }
 
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         self._log.push(key, block)
@@ -127,20 +130,8 @@ class SIEVECachePolicy(QueuePolicy):
         self._log.size -= 1
 
     def clear(self) -> None:
-        for block in self._blocks.values():
-            block.mark = 0
-        self._blocks.clear()
-        self._batch.clear()
-        self._batch_blocks.clear()
         self._log.clear()
-        self._reset_learning()
-
-    def debug_state(self) -> dict[str, object]:
-        self._flush_batch()
-        log = self._log
-        state: dict[str, object] = {"size": len(self), "queue": log.size}
-        state.update(self._learned_state())
-        return state
+        super().clear()
 
     def _select_blocks(
         self,
