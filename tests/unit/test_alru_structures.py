@@ -23,20 +23,10 @@ from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.adaptive import AdaptiveCachePolicy
 from kvcache_offload.errors import ConfigError
+from tests.unit._duel_kinds import DUEL_KINDS, needs_native_duel
 from tests.unit._keys import key
 
 _DEMOTED = -(1 << 62)
-
-_NATIVE_BUILT = _mini_sim._NativeDuel is not None
-DUEL_KINDS = [
-    pytest.param(False, id="python"),
-    # Built wherever the compiled build is (test_compiled.py checks that in CI).
-    pytest.param(
-        True,
-        id="native",
-        marks=pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built"),
-    ),
-]
 
 
 class _OrderedDictALRU:
@@ -320,7 +310,7 @@ def test_weight_miniatures_sharing_one_clock_score_as_separate_copies(
     assert duel.sizes() == [len(c.probation) + len(c.main) for c in copies]
 
 
-@pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built")
+@needs_native_duel
 @settings(max_examples=60, deadline=None)
 @given(
     capacity=st.integers(1, 40),
@@ -352,7 +342,7 @@ def test_the_native_weight_miniatures_choose_as_the_compiled_ones(
         assert native.hit_counts() == python.hit_counts()
 
 
-@pytest.mark.skipif(not _NATIVE_BUILT, reason="_native_duel is not built")
+@needs_native_duel
 def test_the_native_miniatures_match_over_a_long_skewed_stream() -> None:
     # Long enough for the logs to grow, compact and wrap many times, and for ids to be
     # freed and reused: a hot set, one-off keys and recurring prefixes, as in the traces.

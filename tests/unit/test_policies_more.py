@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Protocol
 
 import pytest
 from hypothesis import given, settings
@@ -19,10 +20,10 @@ from kvcache_offload.control.policies import (
     S3FIFOCachePolicy,
     SIEVECachePolicy,
     SLRUCachePolicy,
-    _mini_sim,
     get_cache_policy_cls,
 )
 from kvcache_offload.control.policies._mini_sim import WeightDuel
+from tests.unit._duel_kinds import DUEL_KINDS
 from tests.unit._keys import key, key_ids, keys
 
 NEW_POLICIES = ["alru", "s3fifo", "s3fifo-prefix", "sieve", "slru", "lru2", "adaptive"]
@@ -290,6 +291,56 @@ def test_sieve_new_blocks_join_behind_the_hand() -> None:
     assert _evicted_ids(policy, 1) == [4]
 
 
+class _QueueModel(Protocol):
+    """What the queue-policy models below offer the shared driver."""
+
+    blocks: dict[OffloadKey, BlockStatus]
+
+    def store(self, ks: list[OffloadKey], blocks: list[BlockStatus]) -> None: ...
+    def touch(self, ks: list[OffloadKey]) -> None: ...
+    def remove(self, k: OffloadKey) -> None: ...
+    def evict(self, n: int, protected: frozenset[OffloadKey]) -> list[OffloadKey] | None: ...
+
+
+def _step_against_model(policy: CachePolicy, model: _QueueModel, op: str, ids: list[int]) -> None:
+    """One random operation on both: a store of the new ``ids`` (as one store), a touch, a
+    pin or unpin of the first present one, its removal, or an eviction of ``len(ids)``
+    blocks protecting the other present ones (which must pick the same victims, or fail
+    alike)."""
+    present = [key(i) for i in ids if key(i) in model.blocks]
+    if op == "store":
+        new = [i for i in dict.fromkeys(ids) if key(i) not in model.blocks]
+        blocks = [BlockStatus(i) for i in new]
+        policy.insert_many([(key(i), b) for i, b in zip(new, blocks, strict=True)])
+        model.store([key(i) for i in new], blocks)
+        for block in blocks:
+            block.ref_cnt = 0
+    elif op == "touch":
+        ks = [key(i) for i in ids]
+        policy.touch(ks)
+        model.touch(ks)
+    elif op in ("pin", "unpin") and present:
+        block = model.blocks[present[0]]
+        block.ref_cnt = max(0, block.ref_cnt + (1 if op == "pin" else -1))
+    elif op == "remove" and present:
+        policy.remove(present[0])
+        model.remove(present[0])
+    elif op == "evict":
+        protected = frozenset(present[1:])
+        got = policy.evict(len(ids), protected)
+        want = model.evict(len(ids), protected)
+        assert (None if got is None else [k for k, _ in got]) == want
+
+
+def _drain_against_model(policy: CachePolicy, model: _QueueModel) -> None:
+    """Unpin everything and evict it all: the whole queue order must be the model's."""
+    for block in model.blocks.values():
+        block.ref_cnt = 0
+    order = policy.evict(len(model.blocks), frozenset()) if model.blocks else []
+    assert order is not None
+    assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
+
+
 class _ModelSieve:
     """SIEVE as two ordered dicts split at the hand (the policy before the fourteenth
     session), planned then applied: the model the log-based policy must match."""
@@ -300,10 +351,11 @@ class _ModelSieve:
         self.visited: dict[OffloadKey, bool] = {}
         self.blocks: dict[OffloadKey, BlockStatus] = {}
 
-    def insert(self, k: OffloadKey, block: BlockStatus) -> None:
-        self.blocks[k] = block
-        self.ahead[k] = None
-        self.visited[k] = False
+    def store(self, ks: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        for k, block in zip(ks, blocks, strict=True):
+            self.blocks[k] = block
+            self.ahead[k] = None
+            self.visited[k] = False
 
     def touch(self, ks: list[OffloadKey]) -> None:
         for k in ks:
@@ -371,39 +423,12 @@ def test_sieve_log_decides_as_the_ordered_dict_model(
     policy = SIEVECachePolicy(1000)
     model = _ModelSieve()
     for op, ids in ops:
-        present = [key(i) for i in ids if key(i) in model.blocks]
-        if op == "store":
-            for i in dict.fromkeys(ids):
-                if key(i) not in model.blocks:
-                    block = BlockStatus(i)
-                    policy.insert(key(i), block)
-                    model.insert(key(i), block)
-                    block.ref_cnt = 0
-        elif op == "touch":
-            ks = [key(i) for i in ids]
-            policy.touch(ks)
-            model.touch(ks)
-        elif op in ("pin", "unpin") and present:
-            block = model.blocks[present[0]]
-            block.ref_cnt = max(0, block.ref_cnt + (1 if op == "pin" else -1))
-        elif op == "remove" and present:
-            policy.remove(present[0])
-            model.remove(present[0])
-        elif op == "evict":
-            protected = frozenset(present[1:])
-            got = policy.evict(len(ids), protected)
-            want = model.evict(len(ids), protected)
-            assert (None if got is None else [k for k, _ in got]) == want
+        _step_against_model(policy, model, op, ids)
         assert len(policy) == len(model.blocks)
     state = policy.debug_state()
     assert state["visited"] == sum(model.visited.values())
     assert state["queue"] == len(model.blocks)
-    # The rest of the queue, in the hand's order, as the model has it.
-    for block in model.blocks.values():
-        block.ref_cnt = 0
-    order = policy.evict(len(model.blocks), frozenset()) if model.blocks else []
-    assert order is not None
-    assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
+    _drain_against_model(policy, model)  # the rest of the queue, in the hand's order
 
 
 class _ModelS3FIFO:
@@ -549,38 +574,12 @@ def test_s3fifo_logs_decide_as_the_ordered_dict_model(
     policy = cls(capacity)
     model = _ModelS3FIFO(cls, capacity)
     for op, ids in ops:
-        present = [key(i) for i in ids if key(i) in model.blocks]
-        if op == "store":
-            new = [i for i in dict.fromkeys(ids) if key(i) not in model.blocks]
-            blocks = [BlockStatus(i) for i in new]
-            policy.insert_many([(key(i), b) for i, b in zip(new, blocks, strict=True)])
-            model.store([key(i) for i in new], blocks)
-            for block in blocks:
-                block.ref_cnt = 0
-        elif op == "touch":
-            ks = [key(i) for i in ids]
-            policy.touch(ks)
-            model.touch(ks)
-        elif op in ("pin", "unpin") and present:
-            block = model.blocks[present[0]]
-            block.ref_cnt = max(0, block.ref_cnt + (1 if op == "pin" else -1))
-        elif op == "remove" and present:
-            policy.remove(present[0])
-            model.remove(present[0])
-        elif op == "evict":
-            protected = frozenset(present[1:])
-            got = policy.evict(len(ids), protected)
-            want = model.evict(len(ids), protected)
-            assert (None if got is None else [k for k, _ in got]) == want
+        _step_against_model(policy, model, op, ids)
         state = policy.debug_state()
         assert (state["small"], state["main"]) == (len(model.small), len(model.main))
         assert (state["ghost"], state["main_ghost"]) == tuple(len(g) for g in model.ghosts)
         assert state["small_target"] == model.target
-    for block in model.blocks.values():
-        block.ref_cnt = 0
-    order = policy.evict(len(model.blocks), frozenset()) if model.blocks else []
-    assert order is not None
-    assert [k for k, _ in order] == model.evict(len(model.blocks), frozenset())
+    _drain_against_model(policy, model)
 
 
 def test_s3fifo_eviction_that_fails_changes_nothing() -> None:
@@ -914,19 +913,7 @@ def test_ghost_pair_forgets_like_two_ghost_lists(
     assert (len(pair), pair.size(0), pair.size(1)) == (0, 0, 0)
 
 
-@pytest.mark.parametrize(
-    "native",
-    [
-        pytest.param(False, id="python"),
-        pytest.param(
-            True,
-            id="native",
-            marks=pytest.mark.skipif(
-                _mini_sim._NativeDuel is None, reason="_native_duel is not built"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("native", DUEL_KINDS)
 def test_alru_weight_miniatures_forget_the_ids_of_keys_no_copy_holds(native: bool) -> None:
     # The miniatures index their state by small ids shared by all copies; a key that every
     # copy has forgotten (not cached, not a ghost) gives its id back, so a stream of new
