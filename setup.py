@@ -31,7 +31,8 @@ def _compiled_sources() -> list[str]:
 
 HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
 NATIVE_DUEL = "kvcache_offload.control.policies._native_duel"
-STANDALONE = (HOSTCOPY, NATIVE_DUEL)
+KERNEL_ISSUE = "kvcache_offload.dataplane.copy._kernel_issue"
+STANDALONE = (HOSTCOPY, NATIVE_DUEL, KERNEL_ISSUE)
 """C extensions of their own: each one that fails to build is simply missing (its module's
 Python code is the fallback), unlike mypyc's, which all need mypyc's shared runtime."""
 
@@ -73,11 +74,28 @@ def _native_duel_extension() -> Any:
     )
 
 
+def _kernel_issue_extension() -> Any:
+    """A lone kernel copy's CUDA calls in one C call (optional: Python issues them otherwise;
+    no CUDA headers needed, the functions come as addresses at run time)."""
+    from setuptools import Extension
+
+    return Extension(
+        KERNEL_ISSUE,
+        ["kvcache_offload/dataplane/copy/_kernel_issue.c"],
+        extra_compile_args=["-O3"],
+    )
+
+
 def _ext_modules() -> list[Any]:
     if os.environ.get("KVCACHE_OFFLOAD_COMPILE", "1").strip().lower() in ("0", "false", "no"):
         _warn("KVCACHE_OFFLOAD_COMPILE=0")
         return []
-    return [*_mypyc_modules(), _hostcopy_extension(), _native_duel_extension()]
+    return [
+        *_mypyc_modules(),
+        _hostcopy_extension(),
+        _native_duel_extension(),
+        _kernel_issue_extension(),
+    ]
 
 
 def _mypyc_modules() -> list[Any]:
@@ -107,9 +125,10 @@ class OptionalBuildExt(build_ext):
     """Installs without the extensions if the C compiler is missing or fails.
 
     All or nothing for mypyc: its per-module extensions need its shared runtime extension, so
-    one failure removes every mypyc extension built here. The host-copy and duel extensions
-    stand alone: if one fails, only it is missing (the CPU backend then copies through ctypes;
-    the weight miniatures run the compiled Python).
+    one failure removes every mypyc extension built here. The host-copy, duel and
+    kernel-issue extensions stand alone: if one fails, only it is missing (the CPU backend
+    then copies through ctypes; the weight miniatures run the compiled Python; the CUDA
+    handlers issue their copies from Python).
     """
 
     def run(self) -> None:

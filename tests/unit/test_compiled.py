@@ -33,6 +33,9 @@ def test_the_build_is_compiled_where_the_test_command_expects_it() -> None:
         from kvcache_offload.control.policies import _mini_sim
 
         assert _mini_sim.native_duel_available(), "the _native_duel extension is not built"
+        from kvcache_offload.dataplane.copy.kernel_issue import kernel_issue_available
+
+        assert kernel_issue_available(), "the _kernel_issue extension is not built"
     elif expected == "0":
         assert not any(states.values()), states
     else:

@@ -142,6 +142,11 @@ class CudaRuntime:
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
 
+    @property
+    def memcpy_address(self) -> int:
+        """``cudaMemcpyAsync``'s address in the runtime torch loaded, for C callers."""
+        return self._memcpy_addr
+
     def error_string(self, code: int) -> str:
         msg = self.lib.cudaGetErrorString(int(code))
         return msg.decode() if msg else f"cudaError {code}"

@@ -35,6 +35,7 @@ __all__ = [
     "BoundCopyKernel",
     "KernelConfig",
     "launch_copy_kernel",
+    "launch_hooks_installed",
     "on_device",
     "triton_available",
 ]
@@ -190,6 +191,18 @@ def _installed(hook: Any) -> Any:
     return None if isinstance(calls, list) and not calls else hook
 
 
+def launch_hooks_installed() -> bool:
+    """Whether Triton launch hooks are installed (a profiler that wants to see each launch:
+    copies are then launched through Triton, which calls them)."""
+    if triton is None or not hasattr(triton, "knobs"):
+        return False
+    hooks = triton.knobs.runtime
+    return (
+        _installed(hooks.launch_enter_hook) is not None
+        or _installed(hooks.launch_exit_hook) is not None
+    )
+
+
 def _launch_direct(
     key: tuple[int, int, int, int],
     programs: int,
@@ -303,6 +316,27 @@ class BoundCopyKernel:
         self._device_index = device.index or 0
         self._grid = config.ctas_per_sm * _num_sms(device) if config.ctas_per_sm > 0 else 0
         self._key = (self._device_index, config.block_bytes, alignment, config.num_warps)
+
+    @property
+    def grid(self) -> int:
+        """Persistent programs at most (0: one per work item)."""
+        return self._grid
+
+    @property
+    def factors(self) -> tuple[int, int]:
+        """Source and destination units per row."""
+        return self._src_factor, self._dst_factor
+
+    @property
+    def direct(self) -> bool:
+        """Whether launches skip the JIT (see :meth:`compiled`)."""
+        return _DIRECT
+
+    def compiled(self) -> Any:
+        """The kernel the JIT compiled for this direction, once a launch compiled it and only
+        where the direct launch is on (a Triton release whose launcher we checked); else
+        None."""
+        return _COMPILED.get(self._key) if _DIRECT else None
 
     def launch(
         self,

@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 from kvcache_offload.dataplane.copy.dma import CudaRuntime, coalesce_pieces
+from kvcache_offload.dataplane.copy.kernel_issue import (
+    KernelIssue,
+    bind_kernel_issue,
+    kernel_issue_available,
+)
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged import (
     ISSUED_NOW,
@@ -32,6 +37,21 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlightCopy, TableSlot
 
 __all__ = ["CopyLauncher"]
+
+
+def _raw_event(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
+    """``event``'s raw handle; torch creates an event at its first record, so a new one is
+    recorded once on ``stream`` (before the copy's own record, which supersedes it)."""
+    handle = event.cuda_event
+    if not handle:
+        event.record(stream)
+        handle = event.cuda_event
+    return int(handle)
+
+
+def _event_handle(prev: InFlightCopy | None, stream: torch.cuda.Stream) -> int:
+    """The raw end event of ``prev`` (0: none to wait for)."""
+    return 0 if prev is None else _raw_event(prev.end_event, stream)
 
 
 def _current_raw_stream_getter() -> Callable[[int], int] | None:
@@ -75,6 +95,11 @@ class CopyLauncher:
         self._current_raw_stream = _current_raw_stream_getter()
         if runtime is not None and self._current_raw_stream is not None:
             self._raw_mark = runtime.event_create()
+        self._issue: KernelIssue | None = None
+        """The kernel bound to the C issuer, once a launch compiled it (see ``_bind``)."""
+        self._issue_unbound = kernel_issue_available() and runtime is not None
+        """Whether to try binding it at the next lone copy."""
+        self._ref_row = 0
 
     def close(self) -> None:
         """Release the raw event and the tables (the handler's shutdown, after its copies
@@ -87,6 +112,9 @@ class CopyLauncher:
 
     def set_ref_table(self, table: torch.Tensor, ref_start: np.ndarray, align: int) -> None:
         self.ref_table, self.ref_start, self.kernel_align = table, ref_start, align
+        self._ref_row = int(ref_start[0])
+        self._issue = None
+        self._issue_unbound = kernel_issue_available() and self.runtime is not None
         self._kernel = BoundCopyKernel(
             table,
             src_factor=self.src_geom.factor,
@@ -210,12 +238,22 @@ class CopyLauncher:
         direction; None on an idle one), its ``n_units`` source then destination units
         already written to ``slot`` after the group row: a serving engine's lone request or
         a batch of one-group jobs, without the plan objects and the general path's checks
-        (on the H200 host those cost about as much as the copy's CUDA calls)."""
+        (on the H200 host those cost about as much as the copy's CUDA calls). Issued from C
+        in one call where the kernel is bound to the issuer (:mod:`..copy.kernel_issue`)."""
         assert slot.host_np is not None
-        _write_group_row(slot.host_np, n_units, int(self.ref_start[0]))
         stream = self.pools.stream()
         start, end = self.pools.timing_pair()
         handle = stream.cuda_stream
+        issue = self._issue if self._issue is not None or not self._issue_unbound else self._bind()
+        if issue is not None:
+            with on_device(self.device):
+                if issue.issue(
+                    slot.host_ptr, slot.dev_ptr, n_units, self._ref_row, num_fragments,
+                    max_size, handle, *self._store_order(), _event_handle(prev, stream),
+                    _raw_event(start, stream), _raw_event(end, stream),
+                ):  # fmt: skip
+                    return InFlightCopy(jobs, stream, start, end, slot, "kernel")
+        _write_group_row(slot.host_np, n_units, self._ref_row)
         with on_device(self.device):
             self._upload_table(slot, GROUP_ROW + 2 * n_units, stream)
             if self.gpu_to_cpu:
@@ -226,6 +264,39 @@ class CopyLauncher:
             self._launch_kernel(slot, 1, n_units, num_fragments, max_size, handle)
             end.record(stream)
         return InFlightCopy(jobs, stream, start, end, slot, "kernel")
+
+    def _bind(self) -> KernelIssue | None:
+        """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
+        launches through Triton); a store also needs the raw ordering event."""
+        kernel, runtime = self._kernel, self.runtime
+        compiled = kernel.compiled() if kernel is not None else None
+        if compiled is None or kernel is None or runtime is None:
+            if kernel is None or not kernel.direct:
+                self._issue_unbound = False  # nothing to bind: Triton's JIT launches
+            return None
+        self._issue_unbound = False
+        if self.gpu_to_cpu and (not self._raw_mark or self._current_raw_stream is None):
+            return None
+        src_factor, dst_factor = kernel.factors
+        self._issue = bind_kernel_issue(
+            compiled,
+            runtime,
+            ref_ptr=kernel.ref_table.data_ptr(),
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            config=kernel.config,
+            grid=kernel.grid,
+        )
+        return self._issue
+
+    def _store_order(self) -> tuple[int, int]:
+        """(the current stream, the raw mark) for a store, which must copy what the model
+        enqueued there; (0, 0) for a load."""
+        current = self._current_raw_stream
+        if not self.gpu_to_cpu or current is None:
+            return 0, 0
+        index = self.device.index
+        return current(index if index is not None else torch.cuda.current_device()), self._raw_mark
 
     def _launch_kernel(
         self,

@@ -1,0 +1,279 @@
+/* One kernel copy enqueued in one call: the job table's upload, the waits that order it, its
+ * start event, the copy kernel's launch and its end event.
+ *
+ * A serving engine's lone 1- or 8-block job spends as much host time issuing its copy as the
+ * copy itself takes on the link. Issued from Python, each of those steps is a ctypes or torch
+ * call (2-3 us each on the H200 host) and the launch goes through Triton's Python launcher
+ * (about 10 us with our binding around it). Here they are five to seven driver calls from C,
+ * with the GIL released once around them.
+ *
+ * The CUDA functions come as addresses from the libraries torch and Triton already loaded
+ * (launch_kernel.py takes them from ctypes), so this file needs no CUDA headers and builds
+ * wherever the host-copy extension builds; nothing here runs unless a GPU handler binds it.
+ *
+ * Kernel parameters: the driver reads each parameter's own size from the address in the
+ * parameter array, so every value is kept as a little-endian int64 and a 4-byte parameter
+ * reads its low half. The sizes (from cuFuncGetParamInfo at bind time) are only used to
+ * refuse a value that a 4-byte parameter cannot hold: the caller then launches through
+ * Triton, which compiles a kernel for it. Parameters past the copy kernel's own arguments
+ * (Triton's scratch pointers) are passed as null.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef int (*memcpy_fn)(void *, const void *, size_t, int, void *);
+typedef int (*record_fn)(void *, void *);
+typedef int (*wait_fn)(void *, void *, unsigned int);
+typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsigned int,
+                         unsigned int, unsigned int, unsigned int, void *, void **, void **);
+
+enum { MAX_PARAMS = 16, KERNEL_ARGS = 9, GROUP_ROW = 4, MEMCPY_DEFAULT = 4 };
+
+/* Where a failed job stopped: issue() returns (stage << 16) | code. */
+enum {
+    STAGE_UPLOAD = 1,
+    STAGE_ORDER = 2,
+    STAGE_PREV = 3,
+    STAGE_START = 4,
+    STAGE_LAUNCH = 5,
+    STAGE_END = 6,
+    STAGE_RANGE = 7, /* nothing was issued: a value does not fit its parameter */
+};
+
+typedef struct {
+    PyObject_HEAD
+    memcpy_fn memcpy_async;
+    record_fn event_record;
+    wait_fn stream_wait;
+    launch_fn launch;
+    void *function;
+    unsigned int shared;
+    unsigned int threads;
+    int64_t grid;
+    int64_t block_bytes;
+    int64_t ref_ptr;
+    int64_t src_factor;
+    int64_t dst_factor;
+    int n_params;
+    int param_size[MAX_PARAMS];
+} KernelIssuer;
+
+static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"memcpy_async", "event_record", "stream_wait", "launch",
+                             "function", "shared", "threads", "grid", "block_bytes",
+                             "ref_ptr", "src_factor", "dst_factor", "param_sizes", NULL};
+    unsigned long long fns[5];
+    unsigned int shared, threads;
+    long long grid, block_bytes, ref_ptr, src_factor, dst_factor;
+    PyObject *sizes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKKKIILLLLLO", kwlist, &fns[0], &fns[1],
+                                     &fns[2], &fns[3], &fns[4], &shared, &threads, &grid,
+                                     &block_bytes, &ref_ptr, &src_factor, &dst_factor, &sizes)) {
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++) {
+        if (fns[i] == 0) {
+            PyErr_SetString(PyExc_ValueError, "KernelIssuer needs every function address");
+            return NULL;
+        }
+    }
+    if (threads == 0 || grid < 0 || block_bytes <= 0 || src_factor < 1 || dst_factor < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "KernelIssuer needs threads > 0, grid >= 0, block_bytes > 0 and factors "
+                        ">= 1");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(sizes, "param_sizes must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < KERNEL_ARGS || n > MAX_PARAMS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError,
+                     "the copy kernel has %d arguments; got %zd parameter sizes (at most %d)",
+                     KERNEL_ARGS, n, MAX_PARAMS);
+        return NULL;
+    }
+    KernelIssuer *self = (KernelIssuer *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long size = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (size == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            Py_DECREF(self);
+            return NULL;
+        }
+        if (size != 4 && size != 8) {
+            Py_DECREF(seq);
+            Py_DECREF(self);
+            PyErr_Format(PyExc_ValueError, "parameter %zd has %ld bytes; only 4 and 8 are known",
+                         i, size);
+            return NULL;
+        }
+        self->param_size[i] = (int)size;
+    }
+    Py_DECREF(seq);
+    self->n_params = (int)n;
+    self->memcpy_async = (memcpy_fn)(uintptr_t)fns[0];
+    self->event_record = (record_fn)(uintptr_t)fns[1];
+    self->stream_wait = (wait_fn)(uintptr_t)fns[2];
+    self->launch = (launch_fn)(uintptr_t)fns[3];
+    self->function = (void *)(uintptr_t)fns[4];
+    self->shared = shared;
+    self->threads = threads;
+    self->grid = grid;
+    self->block_bytes = block_bytes;
+    self->ref_ptr = ref_ptr;
+    self->src_factor = src_factor;
+    self->dst_factor = dst_factor;
+    return (PyObject *)self;
+}
+
+static int as_u64(PyObject *obj, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *out = v;
+    return 1;
+}
+
+static int as_i64(PyObject *obj, int64_t *out) {
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return 0;
+    *out = v;
+    return 1;
+}
+
+/* issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, start,
+ *       end) -> 0, or (stage << 16) | the failing call's code
+ *
+ * host/dev: the job table (pinned host and its device copy); its units (n_units sources then
+ * n_units destinations after the group row) are already written at host. Writes the one
+ * group row (0, n_units, ref_row, 0), then on stream: uploads the 4 + 2 * n_units entries;
+ * if before: records mark on before and waits for it (a store copies what the model wrote);
+ * if prev_end: waits for it (the previous copy of this direction); records start; launches
+ * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
+ * records end. Stops at the first call that fails. */
+static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "issue() takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t host, dev, stream, before, mark, prev_end, start, end;
+    int64_t n_units, ref_row, pairs, max_size;
+    if (!as_u64(args[0], &host) || !as_u64(args[1], &dev) || !as_i64(args[2], &n_units) ||
+        !as_i64(args[3], &ref_row) || !as_i64(args[4], &pairs) || !as_i64(args[5], &max_size) ||
+        !as_u64(args[6], &stream) || !as_u64(args[7], &before) || !as_u64(args[8], &mark) ||
+        !as_u64(args[9], &prev_end) || !as_u64(args[10], &start) || !as_u64(args[11], &end)) {
+        return NULL;
+    }
+    if (host == 0 || dev == 0 || n_units < 0 || pairs < 0 || max_size < 0 ||
+        (pairs > 0 && max_size == 0) || (before != 0 && mark == 0) || start == 0 || end == 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "issue() needs both tables, events, counts >= 0 and a mark with before");
+        return NULL;
+    }
+    int64_t chunks = (max_size + self->block_bytes - 1) / self->block_bytes;
+    int64_t total_work = pairs * chunks;
+    int64_t programs = self->grid > 0 && total_work > self->grid ? self->grid : total_work;
+    int64_t iters = programs > 0 ? (total_work + programs - 1) / programs : 0;
+    int64_t values[MAX_PARAMS] = {0};
+    void *params[MAX_PARAMS];
+    values[0] = (int64_t)self->ref_ptr;
+    values[1] = (int64_t)dev;
+    values[2] = 1; /* one group */
+    values[3] = n_units;
+    values[4] = total_work;
+    values[5] = iters;
+    values[6] = chunks;
+    values[7] = self->src_factor;
+    values[8] = self->dst_factor;
+    for (int i = 0; i < self->n_params; i++) {
+        if (self->param_size[i] == 4 && (values[i] < INT32_MIN || values[i] > INT32_MAX)) {
+            return PyLong_FromLong((long)STAGE_RANGE << 16);
+        }
+        params[i] = &values[i];
+    }
+    if (programs > UINT32_MAX) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    int64_t *row = (int64_t *)(uintptr_t)host;
+    row[0] = 0;
+    row[1] = n_units;
+    row[2] = ref_row;
+    row[3] = 0;
+    size_t table_bytes = (size_t)(GROUP_ROW + 2 * n_units) * 8;
+    void *s = (void *)(uintptr_t)stream;
+    int code = 0, stage = 0;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        stage = STAGE_UPLOAD;
+        code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
+                                  table_bytes, MEMCPY_DEFAULT, s);
+        if (code) break;
+        if (before != 0) {
+            stage = STAGE_ORDER;
+            code = self->event_record((void *)(uintptr_t)mark, (void *)(uintptr_t)before);
+            if (code) break;
+            code = self->stream_wait(s, (void *)(uintptr_t)mark, 0);
+            if (code) break;
+        }
+        if (prev_end != 0) {
+            stage = STAGE_PREV;
+            code = self->stream_wait(s, (void *)(uintptr_t)prev_end, 0);
+            if (code) break;
+        }
+        stage = STAGE_START;
+        code = self->event_record((void *)(uintptr_t)start, s);
+        if (code) break;
+        if (programs > 0) {
+            stage = STAGE_LAUNCH;
+            code = self->launch(self->function, (unsigned int)programs, 1, 1, self->threads, 1, 1,
+                                self->shared, s, params, NULL);
+            if (code) break;
+        }
+        stage = STAGE_END;
+        code = self->event_record((void *)(uintptr_t)end, s);
+    } while (0);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code ? ((long)stage << 16) | (long)(code & 0xFFFF) : 0);
+}
+
+static PyMethodDef issuer_methods[] = {
+    {"issue", (PyCFunction)(void (*)(void))issuer_issue, METH_FASTCALL,
+     "issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, "
+     "start, end) -> 0 or (stage << 16) | code"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KernelIssuerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvcache_offload.dataplane.copy._kernel_issue."
+                                             "KernelIssuer",
+    .tp_basicsize = sizeof(KernelIssuer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The copy kernel of one handler direction, bound to its CUDA calls.",
+    .tp_new = issuer_new,
+    .tp_methods = issuer_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernel_issue",
+    "One kernel copy (upload, ordering, events, launch) enqueued in one call.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernel_issue(void) {
+    if (PyType_Ready(&KernelIssuerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&KernelIssuerType);
+    if (PyModule_AddObject(m, "KernelIssuer", (PyObject *)&KernelIssuerType) < 0) {
+        Py_DECREF(&KernelIssuerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "STAGE_RANGE", STAGE_RANGE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

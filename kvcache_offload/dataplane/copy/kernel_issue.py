@@ -1,0 +1,185 @@
+"""A direction's copy kernel bound to the C issuer: one call enqueues a whole kernel copy.
+
+A lone serving job (1-8 blocks) that takes the kernel spent about 20 us of its submission on
+the H200 host in five CUDA steps issued from Python: the job table's upload (ctypes), the
+start event (torch), Triton's launcher with our binding around it (about 10 us), the end
+event, and for a store the wait on the model's stream. :class:`KernelIssue` makes the same
+calls, in the same order and on the same stream, from the ``_kernel_issue`` extension with
+the GIL released once.
+
+It binds only to what it can launch exactly as Triton does: a compiled kernel of one CTA per
+program, no cooperative or programmatic launch, no global or profile scratch memory, and
+parameter sizes the driver reports (``cuFuncGetParamInfo``, CUDA 12.4 and newer). Where any
+of that is missing, or Triton launch hooks are installed (a profiler wants to see every
+launch), the caller keeps issuing through Python and Triton's launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from kvcache_offload.dataplane.copy.dma import CudaRuntime
+from kvcache_offload.dataplane.copy.triton_kernel import KernelConfig, launch_hooks_installed
+
+__all__ = ["KernelIssue", "bind_kernel_issue", "kernel_issue_available"]
+
+logger = logging.getLogger(__name__)
+
+try:
+    from kvcache_offload.dataplane.copy._kernel_issue import STAGE_RANGE, KernelIssuer
+except ImportError:  # built without a C compiler: Python issues every copy
+    KernelIssuer = None
+    STAGE_RANGE = 7
+
+_STAGES = {
+    1: "uploading the job table (cudaMemcpyAsync)",
+    2: "ordering the copy after the current stream (cudaEventRecord / cudaStreamWaitEvent)",
+    3: "ordering the copy after the previous one (cudaStreamWaitEvent)",
+    4: "recording the start event (cudaEventRecord)",
+    5: "launching the copy kernel (cuLaunchKernel)",
+    6: "recording the end event (cudaEventRecord)",
+}
+_KERNEL_ARGS = 9
+"""The copy kernel's own parameters: two table pointers and seven ints."""
+_CUDA_ERROR_INVALID_VALUE = 1
+
+
+def kernel_issue_available() -> bool:
+    """Whether the ``_kernel_issue`` extension is built."""
+    return KernelIssuer is not None
+
+
+class KernelIssue:
+    """One direction's copy kernel, issued from C. :meth:`issue` returns False, having
+    enqueued nothing, when the job must go through Triton's launcher instead."""
+
+    def __init__(self, issuer: Any, runtime: CudaRuntime) -> None:
+        self._issuer = issuer
+        self._runtime = runtime
+
+    def issue(
+        self,
+        host_ptr: int,
+        dev_ptr: int,
+        n_units: int,
+        ref_row: int,
+        pairs: int,
+        max_size: int,
+        stream: int,
+        before: int,
+        mark: int,
+        prev_end: int,
+        start: int,
+        end: int,
+    ) -> bool:
+        """Write the job table's group row, upload it, order the copy (after ``before``'s
+        work through ``mark``, after ``prev_end``; 0: no such wait), record ``start``,
+        launch, record ``end``, all on ``stream`` (raw handles). Raises RuntimeError naming
+        the call that failed; the calls before it stay enqueued, as in the Python path."""
+        if launch_hooks_installed():
+            return False
+        code = self._issuer.issue(
+            host_ptr, dev_ptr, n_units, ref_row, pairs, max_size, stream, before, mark,
+            prev_end, start, end,
+        )  # fmt: skip
+        if code == 0:
+            return True
+        stage, err = code >> 16, code & 0xFFFF
+        if stage == STAGE_RANGE:
+            return False
+        what = _STAGES.get(stage, f"stage {stage}")
+        detail = f"CUresult {err}" if stage == 5 else self._runtime.error_string(err)
+        raise RuntimeError(f"{what} failed: {detail} ({err})")
+
+
+def _param_sizes(cuda: ctypes.CDLL, function: int) -> list[int] | None:
+    """Each parameter's size in bytes, from the driver; None where it cannot say."""
+    query = getattr(cuda, "cuFuncGetParamInfo", None)
+    if query is None:
+        return None
+    query.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
+    query.restype = ctypes.c_int
+    offset, size = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    sizes: list[int] = []
+    for index in range(17):
+        code = query(function, index, ctypes.byref(offset), ctypes.byref(size))
+        if code == _CUDA_ERROR_INVALID_VALUE:
+            break
+        if code != 0:
+            return None
+        sizes.append(int(size.value))
+    return sizes
+
+
+def _address(function: Any) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+def bind_kernel_issue(
+    compiled: Any,
+    runtime: CudaRuntime,
+    *,
+    ref_ptr: int,
+    src_factor: int,
+    dst_factor: int,
+    config: KernelConfig,
+    grid: int,
+) -> KernelIssue | None:
+    """Bind ``compiled`` (the Triton kernel the JIT compiled for this direction) to the C
+    issuer; None, with the reason logged at debug level, where it cannot be launched the
+    way Triton launches it."""
+    if KernelIssuer is None:
+        return None
+    meta = getattr(compiled, "metadata", None)
+    function = int(getattr(compiled, "function", 0) or 0)
+    reason = ""
+    if meta is None or not function:
+        reason = "the compiled kernel has no metadata or function handle"
+    elif getattr(meta, "num_ctas", 1) != 1:
+        reason = "clusters of CTAs"
+    elif getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False):
+        reason = "a cooperative or programmatic launch"
+    elif getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        reason = "scratch memory"
+    elif getattr(meta, "num_warps", config.num_warps) != config.num_warps:
+        reason = "a warp count other than the configuration's"
+    if reason or meta is None:
+        logger.debug("copy kernel issued through Triton: %s", reason)
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        logger.debug("copy kernel issued through Triton: %s", exc)
+        return None
+    sizes = _param_sizes(cuda, function)
+    if sizes is None or not _KERNEL_ARGS <= len(sizes) <= 16 or sizes[:2] != [8, 8]:
+        logger.debug("copy kernel issued through Triton: parameter sizes %s", sizes)
+        return None
+    lib = runtime.lib
+    try:
+        issuer = KernelIssuer(
+            memcpy_async=runtime.memcpy_address,
+            event_record=_address(lib.cudaEventRecord),
+            stream_wait=_address(lib.cudaStreamWaitEvent),
+            launch=_address(cuda.cuLaunchKernel),
+            function=function,
+            shared=int(meta.shared),
+            threads=32 * config.num_warps,
+            grid=grid,
+            block_bytes=config.block_bytes,
+            ref_ptr=ref_ptr,
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            param_sizes=sizes,
+        )
+    except (ValueError, TypeError, AttributeError) as exc:
+        logger.debug("copy kernel issued through Triton: %s", exc)
+        return None
+    return KernelIssue(issuer, runtime)

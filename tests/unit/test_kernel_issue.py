@@ -1,0 +1,284 @@
+"""The C kernel issuer (``_kernel_issue``) against fake CUDA functions.
+
+The GPU tests check the bytes a real copy moves; these check, on any machine, that the one
+C call makes the CUDA calls a lone kernel copy needs, in order, with the kernel's parameters
+as Triton would pass them, and that it stops at the first failing call and says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache_offload.dataplane.copy import kernel_issue
+from kvcache_offload.dataplane.copy.triton_kernel import KernelConfig
+
+pytestmark = pytest.mark.skipif(
+    not kernel_issue.kernel_issue_available(), reason="the _kernel_issue extension is not built"
+)
+
+_MEMCPY = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *([ctypes.c_uint] * 7),
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.c_void_p,
+)
+
+FUNCTION, STREAM, BEFORE, MARK, PREV, START, END = 0xF00, 0x51, 0xB4, 0x3A, 0x9E, 0x57, 0xE4
+REF_PTR = 0x7000_0000
+
+
+@dataclass
+class FakeCuda:
+    """Records every call; ``fail`` maps a call's name to the code it returns."""
+
+    param_sizes: list[int]
+    fail: dict[str, int] = field(default_factory=dict)
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._memcpy = _MEMCPY(self.memcpy)
+        self._record = _RECORD(self.record)
+        self._wait = _WAIT(self.wait)
+        self._launch = _LAUNCH(self.launch)
+
+    def address(self, name: str) -> int:
+        return int(ctypes.cast(getattr(self, "_" + name), ctypes.c_void_p).value or 0)
+
+    def memcpy(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
+        table = np.frombuffer(ctypes.string_at(src, size), dtype=np.int64).copy()
+        self.calls.append(("memcpy", dst, src, size, kind, stream, table))
+        if "memcpy" not in self.fail:
+            ctypes.memmove(dst, src, size)
+        return self.fail.get("memcpy", 0)
+
+    def record(self, event: int, stream: int) -> int:
+        self.calls.append(("record", event, stream))
+        return self.fail.get(f"record {event:#x}", 0)
+
+    def wait(self, stream: int, event: int, flags: int) -> int:
+        self.calls.append(("wait", stream, event, flags))
+        return self.fail.get("wait", 0)
+
+    def launch(self, function: int, *rest: Any) -> int:
+        gx, gy, gz, bx, by, bz, shared, stream, params, extra = rest
+        values = []
+        for i, size in enumerate(self.param_sizes):
+            kind = ctypes.c_int32 if size == 4 else ctypes.c_int64
+            values.append(ctypes.cast(params[i], ctypes.POINTER(kind)).contents.value)
+        self.calls.append(
+            ("launch", function, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra)
+        )
+        return self.fail.get("launch", 0)
+
+    def issuer(self, *, grid: int = 264, block_bytes: int = 16384) -> Any:
+        from kvcache_offload.dataplane.copy._kernel_issue import KernelIssuer
+
+        return KernelIssuer(
+            memcpy_async=self.address("memcpy"),
+            event_record=self.address("record"),
+            stream_wait=self.address("wait"),
+            launch=self.address("launch"),
+            function=FUNCTION,
+            shared=512,
+            threads=128,
+            grid=grid,
+            block_bytes=block_bytes,
+            ref_ptr=REF_PTR,
+            src_factor=2,
+            dst_factor=1,
+            param_sizes=self.param_sizes,
+        )
+
+
+class FakeRuntime:
+    def error_string(self, code: int) -> str:
+        return f"fake error {code}"
+
+
+# Triton 3.6's copy kernel: two pointers, seven unspecialised i32 ints, two scratch pointers.
+TRITON_SIZES = [8, 8, 4, 4, 4, 4, 4, 4, 4, 8, 8]
+
+
+def _tables(units: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    host = np.full(64, -1, dtype=np.int64)
+    host[4 : 4 + len(units)] = units
+    return host, np.zeros(64, dtype=np.int64)
+
+
+def _issue(issuer: Any, host: np.ndarray, dev: np.ndarray, **kw: int) -> int:
+    args = dict(n_units=2, ref_row=3, pairs=128, max_size=65536, before=0, prev=0)
+    args.update(kw)
+    mark = MARK if args["before"] else 0
+    code = issuer.issue(
+        host.ctypes.data, dev.ctypes.data, args["n_units"], args["ref_row"], args["pairs"],
+        args["max_size"], STREAM, args["before"], mark, args["prev"], START, END,
+    )  # fmt: skip
+    return int(code)
+
+
+def test_a_load_uploads_its_table_then_launches_between_its_events() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([10, 11, 20, 21])
+    assert _issue(cuda.issuer(), host, dev) == 0
+    names = [c[0] for c in cuda.calls]
+    assert names == ["memcpy", "record", "launch", "record"]
+    memcpy = cuda.calls[0]
+    assert memcpy[1:6] == (dev.ctypes.data, host.ctypes.data, 8 * (4 + 4), 4, STREAM)
+    # The group row was written before the upload: (pair start, units, ref row, unit start).
+    assert memcpy[6].tolist() == [0, 2, 3, 0, 10, 11, 20, 21]
+    assert dev[:8].tolist() == [0, 2, 3, 0, 10, 11, 20, 21]
+    assert cuda.calls[1] == ("record", START, STREAM)
+    assert cuda.calls[3] == ("record", END, STREAM)
+    _, function, grid, block, shared, stream, values, extra = cuda.calls[2]
+    chunks, work = 4, 128 * 4  # 64 KiB fragments in 16 KiB work items
+    assert (function, block, shared, stream, extra) == (FUNCTION, (128, 1, 1), 512, STREAM, None)
+    assert grid == (264, 1, 1)
+    assert values == [REF_PTR, dev.ctypes.data, 1, 2, work, 2, chunks, 2, 1, 0, 0]
+
+
+def test_a_store_waits_for_the_current_stream_and_the_previous_copy_first() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    assert _issue(cuda.issuer(), host, dev, n_units=1, pairs=3, max_size=100, before=BEFORE,
+                  prev=PREV) == 0  # fmt: skip
+    assert [c[:4] for c in cuda.calls[1:5]] == [
+        ("record", MARK, BEFORE),
+        ("wait", STREAM, MARK, 0),
+        ("wait", STREAM, PREV, 0),
+        ("record", START, STREAM),
+    ]
+    launch = cuda.calls[5]
+    assert launch[2] == (3, 1, 1)  # fewer work items than the grid: one program each
+    assert launch[6][4:7] == [3, 1, 1]  # total work, iterations, chunks
+    assert cuda.calls[6] == ("record", END, STREAM)
+
+
+def test_one_program_per_work_item_without_a_grid_and_no_launch_for_no_pairs() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    assert _issue(cuda.issuer(grid=0), host, dev, pairs=1000, max_size=16384) == 0
+    assert cuda.calls[2][2] == (1000, 1, 1)
+    cuda.calls.clear()
+    assert _issue(cuda.issuer(), host, dev, pairs=0, max_size=0) == 0
+    assert [c[0] for c in cuda.calls] == ["memcpy", "record", "record"]
+
+
+def test_eight_byte_int_parameters_take_values_past_int32() -> None:
+    cuda = FakeCuda([8] * 9)
+    host, dev = _tables([1, 2])
+    big = 3 * 2**31
+    assert _issue(cuda.issuer(block_bytes=1), host, dev, pairs=big, max_size=1) == 0
+    assert cuda.calls[2][6][4] == big
+
+
+def test_a_value_an_int32_parameter_cannot_hold_issues_nothing() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    before = host.copy()
+    code = _issue(cuda.issuer(block_bytes=1), host, dev, pairs=2**31, max_size=1)
+    assert code == kernel_issue.STAGE_RANGE << 16
+    assert cuda.calls == []
+    assert host.tolist() == before.tolist()
+    wrapped = kernel_issue.KernelIssue(cuda.issuer(block_bytes=1), FakeRuntime())
+    args = (host.ctypes.data, dev.ctypes.data, 2, 0, 2**31, 1, STREAM, 0, 0, 0, START, END)
+    assert wrapped.issue(*args) is False  # the caller then launches through Triton
+    assert cuda.calls == []
+
+
+@pytest.mark.parametrize(
+    ("fail", "stage", "made", "named"),
+    [
+        ("memcpy", 1, ["memcpy"], "uploading the job table"),
+        ("wait", 2, ["memcpy", "record", "wait"], "current stream"),
+        (f"record {START:#x}", 4, ["memcpy", "record", "wait", "wait", "record"], "start event"),
+        ("launch", 5, ["memcpy", "record", "wait", "wait", "record", "launch"], "cuLaunchKernel"),
+        (f"record {END:#x}", 6, ["memcpy", "record", "wait", "wait", "record", "launch", "record"],
+         "end event"),
+    ],
+)  # fmt: skip
+def test_the_first_failing_call_stops_the_job_and_is_named(
+    fail: str, stage: int, made: list[str], named: str
+) -> None:
+    cuda = FakeCuda(TRITON_SIZES, fail={fail: 700})
+    host, dev = _tables([1, 2])
+    code = _issue(cuda.issuer(), host, dev, before=BEFORE, prev=PREV)
+    assert code == (stage << 16) | 700
+    assert [c[0] for c in cuda.calls] == made
+    cuda.calls.clear()
+    wrapped = kernel_issue.KernelIssue(cuda.issuer(), FakeRuntime())
+    args = (host.ctypes.data, dev.ctypes.data, 2, 0, 64, 65536, STREAM, BEFORE, MARK, PREV)
+    with pytest.raises(RuntimeError, match=named) as info:
+        wrapped.issue(*args, START, END)
+    assert "700" in str(info.value)
+
+
+def test_the_issuer_refuses_what_it_cannot_launch() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    with pytest.raises(ValueError, match="only 4 and 8"):
+        FakeCuda([8, 8, 4, 4, 4, 4, 4, 4, 2]).issuer()
+    with pytest.raises(ValueError, match="parameter sizes"):
+        FakeCuda([8, 8, 4]).issuer()
+    with pytest.raises(ValueError, match="every function address"):
+        from kvcache_offload.dataplane.copy._kernel_issue import KernelIssuer
+
+        KernelIssuer(
+            memcpy_async=0, event_record=1, stream_wait=1, launch=1, function=1, shared=0,
+            threads=128, grid=0, block_bytes=16384, ref_ptr=0, src_factor=1, dst_factor=1,
+            param_sizes=TRITON_SIZES,
+        )  # fmt: skip
+    host, dev = _tables([1, 2])
+    with pytest.raises(ValueError, match="events"):
+        cuda.issuer().issue(host.ctypes.data, dev.ctypes.data, 2, 0, 1, 1, STREAM, 0, 0, 0, 0, END)
+    with pytest.raises(TypeError, match="12 arguments"):
+        cuda.issuer().issue(1, 2, 3)
+    assert cuda.calls == []
+
+
+@dataclass
+class _Meta:
+    shared: int = 0
+    num_warps: int = 4
+    num_ctas: int = 1
+    launch_cooperative_grid: bool = False
+    launch_pdl: bool = False
+    global_scratch_size: int = 0
+    profile_scratch_size: int = 0
+
+
+@dataclass
+class _Compiled:
+    metadata: Any
+    function: int = FUNCTION
+
+
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        _Compiled(None),
+        _Compiled(_Meta(), function=0),
+        _Compiled(_Meta(num_ctas=2)),
+        _Compiled(_Meta(launch_pdl=True)),
+        _Compiled(_Meta(launch_cooperative_grid=True)),
+        _Compiled(_Meta(global_scratch_size=128)),
+        _Compiled(_Meta(profile_scratch_size=64)),
+        _Compiled(_Meta(num_warps=8)),
+    ],
+)
+def test_kernels_triton_launches_differently_stay_with_triton(compiled: _Compiled) -> None:
+    bound = kernel_issue.bind_kernel_issue(
+        compiled, FakeRuntime(), ref_ptr=REF_PTR, src_factor=1, dst_factor=1,
+        config=KernelConfig(), grid=264,
+    )  # type: ignore[arg-type]  # fmt: skip
+    assert bound is None
