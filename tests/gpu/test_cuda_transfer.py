@@ -70,6 +70,18 @@ def _record_lone_kernel_calls(h) -> list[object]:
     return calls
 
 
+def _assert_issued_from_c(h) -> None:
+    """Where the issuer is built and Triton's launcher is one we checked, both directions'
+    lone copies after the first (which compiles the kernel) are issued from C: the bytes
+    this test checked went through it."""
+    from kvcache_offload.dataplane.copy import triton_kernel
+    from kvcache_offload.dataplane.copy.kernel_issue import kernel_issue_available
+
+    if kernel_issue_available() and triton_kernel._direct_launch_supported():
+        for one in (h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher):
+            assert one._issue is not None, "the lone lane issues through Python"
+
+
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("factor", [1, 4])
 def test_cuda_round_trip_is_byte_exact_with_groups_skips_and_padding(mechanism, factor):
@@ -455,6 +467,7 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
             assert store.transfer_time > 0 and load.transfer_time > 0
         assert len(calls) == 6  # every job of this test went through the lane
+        _assert_issued_from_c(h)
         bad = random_job(
             rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,
             num_cpu_blocks=32,
@@ -652,6 +665,7 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
         assert_same(gpu_tensors, gpu_expected)
         assert len(calls) == 4 and calls[3] is not None
         assert planned["n"] == 2
+        _assert_issued_from_c(h)  # the held batches behind a copy included
     finally:
         SingleDirectionOffloadingHandler.plan = plan
         h.shutdown()
