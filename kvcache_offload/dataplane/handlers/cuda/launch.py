@@ -108,6 +108,8 @@ class CopyLauncher:
             self.runtime.event_destroy(self._raw_mark)
         self._raw_mark = 0
         self._kernel = None
+        self._issue = None
+        self._issue_unbound = False
         self.ref_table = None
 
     def set_ref_table(self, table: torch.Tensor, ref_start: np.ndarray, align: int) -> None:
@@ -290,10 +292,10 @@ class CopyLauncher:
         return self._issue
 
     def _store_order(self) -> tuple[int, int]:
-        """(the current stream, the raw mark) for a store, which must copy what the model
-        enqueued there; (0, 0) for a load."""
+        """(the current stream, the raw mark) as raw handles for a store, which must copy
+        what the model enqueued there; (0, 0) for a load, or where there is no raw mark."""
         current = self._current_raw_stream
-        if not self.gpu_to_cpu or current is None:
+        if not self.gpu_to_cpu or current is None or not self._raw_mark:
             return 0, 0
         index = self.device.index
         return current(index if index is not None else torch.cuda.current_device()), self._raw_mark
@@ -335,14 +337,9 @@ class CopyLauncher:
         costs half of ``wait_stream``, which creates an event per call. Through the runtime
         where it is loaded: torch's ``current_stream()`` builds a stream object per call
         (3.4 us on the H200 host, against 0.2 us for the raw handle)."""
-        raw, current = self._raw_mark, self._current_raw_stream
-        if raw and current is not None and self.runtime is not None:
-            index = self.device.index
-            self.runtime.stream_after(
-                stream.cuda_stream,
-                current(index if index is not None else torch.cuda.current_device()),
-                raw,
-            )
+        before, mark = self._store_order()
+        if mark and self.runtime is not None:
+            self.runtime.stream_after(stream.cuda_stream, before, mark)
             return
         self._current_mark.record(torch.cuda.current_stream(self.device))
         stream.wait_event(self._current_mark)
