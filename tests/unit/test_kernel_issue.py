@@ -46,6 +46,8 @@ class FakeCuda:
     param_sizes: list[int]
     fail: dict[str, int] = field(default_factory=dict)
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    tables: set[int] = field(default_factory=lambda: _TABLES)
+    """Host job tables (real memory the fake upload reads and copies)."""
 
     def __post_init__(self) -> None:
         self._memcpy = _MEMCPY(self.memcpy)
@@ -57,6 +59,9 @@ class FakeCuda:
         return int(ctypes.cast(getattr(self, "_" + name), ctypes.c_void_p).value or 0)
 
     def memcpy(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
+        if src not in self.tables:  # a staged piece: made-up addresses, nothing to read
+            self.calls.append(("memcpy", dst, src, size, kind, stream, None))
+            return self.fail.get("piece", 0)
         table = np.frombuffer(ctypes.string_at(src, size), dtype=np.int64).copy()
         self.calls.append(("memcpy", dst, src, size, kind, stream, table))
         if "memcpy" not in self.fail:
@@ -111,10 +116,18 @@ class FakeRuntime:
 TRITON_SIZES = [8, 8, 4, 4, 4, 4, 4, 4, 4, 8, 8]
 
 
+_KEEP: list[np.ndarray] = []
+
+
 def _tables(units: list[int]) -> tuple[np.ndarray, np.ndarray]:
     host = np.full(64, -1, dtype=np.int64)
     host[4 : 4 + len(units)] = units
+    _KEEP.append(host)  # its address stays a table's for the whole session
+    _TABLES.add(host.ctypes.data)
     return host, np.zeros(64, dtype=np.int64)
+
+
+_TABLES: set[int] = set()
 
 
 def _issue(issuer: Any, host: np.ndarray, dev: np.ndarray, **kw: int) -> int:
@@ -282,3 +295,111 @@ def test_kernels_triton_launches_differently_stay_with_triton(compiled: _Compile
         config=KernelConfig(), grid=264,
     )  # type: ignore[arg-type]  # fmt: skip
     assert bound is None
+
+
+# -- staged jobs of one chunk -------------------------------------------------------------
+
+KS, DS, READY, FREED, FILLED = 0x4B, 0xD5, 0x7E, 0xF7, 0xF1
+
+
+def _pieces(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    dst = np.arange(n, dtype=np.int64) * 4096 + 0x10_0000
+    src = np.arange(n, dtype=np.int64) * 4096 + 0x20_0000
+    return dst, src, np.full(n, 2048, dtype=np.int64)
+
+
+def _staged(issuer: Any, gpu_to_cpu: bool, host: np.ndarray, dev: np.ndarray, **kw: Any) -> int:
+    dst, src, size = kw.get("pieces", _pieces(3))
+    code = issuer.issue_staged(
+        gpu_to_cpu, KS, DS, kw.get("ready", 0), kw.get("prev", 0), START, END,
+        host.ctypes.data, dev.ctypes.data, kw.get("entries", 8), kw.get("offset", 4),
+        kw.get("groups", 1), 2, kw.get("pairs", 128), 65536, FREED, kw.get("used", True),
+        FILLED, dst, src, size, kw.get("lo", 0), kw.get("hi", 3),
+    )  # fmt: skip
+    return int(code)
+
+
+def _calls(cuda: FakeCuda) -> list[tuple[Any, ...]]:
+    """The calls without the memcpy's table snapshot and the launch's details."""
+    out = []
+    for c in cuda.calls:
+        if c[0] == "memcpy":
+            out.append(("memcpy", c[1], c[2], c[3], c[5]))
+        elif c[0] == "launch":
+            out.append(("launch", c[5]))
+        else:
+            out.append(c)
+    return out
+
+
+def test_a_staged_load_copies_then_scatters_through_its_ring_buffer() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    dst, src, _ = _pieces(3)
+    assert _staged(cuda.issuer(), False, host, dev, prev=PREV) == 0
+    assert _calls(cuda) == [
+        ("wait", DS, PREV, 0),
+        ("record", START, DS),
+        ("memcpy", dev.ctypes.data, host.ctypes.data, 64, KS),  # the table, on the kernel stream
+        ("wait", DS, FREED, 0),  # the buffer's last scatter is done
+        *[("memcpy", int(dst[i]), int(src[i]), 2048, DS) for i in range(3)],
+        ("record", FILLED, DS),
+        ("wait", KS, FILLED, 0),
+        ("launch", KS),
+        ("record", FREED, KS),
+        ("record", END, KS),
+    ]
+    launch = next(c for c in cuda.calls if c[0] == "launch")
+    assert launch[6][1] == dev.ctypes.data + 8 * 4  # the table from its chunk's offset
+    assert launch[6][2:4] == [1, 2]  # groups, units
+
+
+def test_a_staged_store_gathers_then_copies_after_the_models_work() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    dst, src, _ = _pieces(3)
+    assert _staged(cuda.issuer(), True, host, dev, ready=READY, used=False, lo=1, hi=3) == 0
+    assert _calls(cuda) == [
+        ("wait", KS, READY, 0),
+        ("record", START, KS),
+        ("memcpy", dev.ctypes.data, host.ctypes.data, 64, KS),
+        ("launch", KS),  # a buffer never used: no wait for its last copy
+        ("record", FILLED, KS),
+        ("wait", DS, FILLED, 0),
+        *[("memcpy", int(dst[i]), int(src[i]), 2048, DS) for i in (1, 2)],
+        ("record", FREED, DS),
+        ("record", END, DS),
+    ]
+
+
+def test_a_staged_job_stops_at_its_first_failing_call() -> None:
+    cuda = FakeCuda(TRITON_SIZES, fail={f"record {FILLED:#x}": 9})
+    host, dev = _tables([1, 2])
+    code = _staged(cuda.issuer(), False, host, dev)
+    assert code == (9 << 16) | 9  # handing over the staging buffer
+    assert [c[0] for c in cuda.calls][-1] == "record" and ("launch", KS) not in _calls(cuda)
+    wrapped = kernel_issue.KernelIssue(cuda.issuer(), FakeRuntime())
+    dst, src, size = _pieces(3)
+    args = (False, KS, DS, 0, 0, START, END, host.ctypes.data, dev.ctypes.data, 8, 4, 1, 2,
+            128, 65536, FREED, True, FILLED, dst, src, size, 0, 3)  # fmt: skip
+    with pytest.raises(RuntimeError, match="staging buffer"):
+        wrapped.issue_staged(*args)
+
+
+def test_staged_jobs_the_issuer_cannot_take_issue_nothing() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    wrapped = kernel_issue.KernelIssue(cuda.issuer(block_bytes=1), FakeRuntime())
+    dst, src, size = _pieces(20)
+    base = [False, KS, DS, 0, 0, START, END, host.ctypes.data, dev.ctypes.data, 8, 4, 1, 2,
+            128, 65536, FREED, True, FILLED, dst, src, size, 0, 3]  # fmt: skip
+    too_big = list(base)
+    too_big[14] = 2**31  # a fragment size whose work items overflow an int32 parameter
+    assert wrapped.issue_staged(*too_big) is False
+    many = list(base)
+    many[22] = kernel_issue.MAX_PIECES + 1
+    assert wrapped.issue_staged(*many) is False
+    floats = list(base)
+    floats[18] = dst.astype(np.float64)
+    assert wrapped.issue_staged(*floats) is False
+    assert cuda.calls == []

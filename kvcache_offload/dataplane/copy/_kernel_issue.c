@@ -21,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef int (*memcpy_fn)(void *, const void *, size_t, int, void *);
 typedef int (*record_fn)(void *, void *);
@@ -39,7 +40,12 @@ enum {
     STAGE_LAUNCH = 5,
     STAGE_END = 6,
     STAGE_RANGE = 7, /* nothing was issued: a value does not fit its parameter */
+    STAGE_READY = 8,
+    STAGE_RING = 9,
+    STAGE_PIECE = 10,
 };
+
+enum { MAX_PIECES = 16 };
 
 typedef struct {
     PyObject_HEAD
@@ -146,6 +152,36 @@ static int as_i64(PyObject *obj, int64_t *out) {
     return 1;
 }
 
+/* The copy kernel's parameters for a job table at job_ptr (device) of n_groups groups,
+ * n_units units and pairs fragments of at most max_size bytes: values and the parameter
+ * array pointing at them. Returns the programs to launch (0: nothing to copy), or -1 when a
+ * value does not fit its parameter. */
+static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t n_groups,
+                             int64_t n_units, int64_t pairs, int64_t max_size,
+                             int64_t values[MAX_PARAMS], void *params[MAX_PARAMS]) {
+    int64_t chunks = (max_size + self->block_bytes - 1) / self->block_bytes;
+    int64_t total_work = pairs * chunks;
+    int64_t programs = self->grid > 0 && total_work > self->grid ? self->grid : total_work;
+    int64_t iters = programs > 0 ? (total_work + programs - 1) / programs : 0;
+    memset(values, 0, sizeof(int64_t) * MAX_PARAMS);
+    values[0] = (int64_t)self->ref_ptr;
+    values[1] = (int64_t)job_ptr;
+    values[2] = n_groups;
+    values[3] = n_units;
+    values[4] = total_work;
+    values[5] = iters;
+    values[6] = chunks;
+    values[7] = self->src_factor;
+    values[8] = self->dst_factor;
+    for (int i = 0; i < self->n_params; i++) {
+        if (self->param_size[i] == 4 && (values[i] < INT32_MIN || values[i] > INT32_MAX)) {
+            return -1;
+        }
+        params[i] = &values[i];
+    }
+    return programs > UINT32_MAX ? -1 : programs;
+}
+
 /* issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, start,
  *       end) -> 0, or (stage << 16) | the failing call's code
  *
@@ -175,28 +211,10 @@ static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssiz
                         "issue() needs both tables, events, counts >= 0 and a mark with before");
         return NULL;
     }
-    int64_t chunks = (max_size + self->block_bytes - 1) / self->block_bytes;
-    int64_t total_work = pairs * chunks;
-    int64_t programs = self->grid > 0 && total_work > self->grid ? self->grid : total_work;
-    int64_t iters = programs > 0 ? (total_work + programs - 1) / programs : 0;
-    int64_t values[MAX_PARAMS] = {0};
+    int64_t values[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    values[0] = (int64_t)self->ref_ptr;
-    values[1] = (int64_t)dev;
-    values[2] = 1; /* one group */
-    values[3] = n_units;
-    values[4] = total_work;
-    values[5] = iters;
-    values[6] = chunks;
-    values[7] = self->src_factor;
-    values[8] = self->dst_factor;
-    for (int i = 0; i < self->n_params; i++) {
-        if (self->param_size[i] == 4 && (values[i] < INT32_MIN || values[i] > INT32_MAX)) {
-            return PyLong_FromLong((long)STAGE_RANGE << 16);
-        }
-        params[i] = &values[i];
-    }
-    if (programs > UINT32_MAX) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    int64_t programs = kernel_params(self, dev, 1, n_units, pairs, max_size, values, params);
+    if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
     int64_t *row = (int64_t *)(uintptr_t)host;
     row[0] = 0;
     row[1] = n_units;
@@ -241,10 +259,163 @@ static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLong(code ? ((long)stage << 16) | (long)(code & 0xFFFF) : 0);
 }
 
+
+static int int64_view(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if (view->itemsize != 8 || (f[0] != 'l' && f[0] != 'q') || f[1] != 0) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "issue_staged: pieces must be C-contiguous int64");
+        return 0;
+    }
+    return 1;
+}
+
+/* issue_staged(gpu_to_cpu, kernel_stream, dma_stream, ready, prev_end, start, end, host, dev,
+ *              table_entries, job_offset, n_groups, n_units, pairs, max_size, freed,
+ *              freed_used, filled, dst, src, size, lo, hi) -> 0 or (stage << 16) | code
+ *
+ * A staged job of one chunk through ring buffer s (this issuer's ref table points into it),
+ * the calls StagedCopier._issue makes, in its order. "first" is the kernel stream for a
+ * store and the DMA stream for a load, "last" the other one. On first: waits for ready (a
+ * store's model work) and prev_end (0: none), records start; uploads the first
+ * table_entries of the job table on the kernel stream. Store: waits for freed (the slot's
+ * last DMA, when freed_used), gathers (the kernel over the table at job_offset), records
+ * filled; the DMA stream waits for filled, copies pieces [lo, hi), records freed. Load: the
+ * DMA stream waits for freed (when freed_used), copies the pieces, records filled; the
+ * kernel stream waits for filled, scatters, records freed. Then records end on last. A
+ * piece is one cudaMemcpyAsync (dst[i], src[i], size[i]); at most MAX_PIECES of them. */
+static PyObject *issuer_issue_staged(KernelIssuer *self, PyObject *const *args,
+                                     Py_ssize_t nargs) {
+    if (nargs != 23) {
+        PyErr_Format(PyExc_TypeError, "issue_staged() takes 23 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t ks, ds, ready, prev_end, start, end, host, dev, freed, filled;
+    int64_t entries, offset, n_groups, n_units, pairs, max_size, lo, hi;
+    int gpu_to_cpu = PyObject_IsTrue(args[0]);
+    int freed_used = PyObject_IsTrue(args[16]);
+    if (gpu_to_cpu < 0 || freed_used < 0 || !as_u64(args[1], &ks) || !as_u64(args[2], &ds) ||
+        !as_u64(args[3], &ready) || !as_u64(args[4], &prev_end) || !as_u64(args[5], &start) ||
+        !as_u64(args[6], &end) || !as_u64(args[7], &host) || !as_u64(args[8], &dev) ||
+        !as_i64(args[9], &entries) || !as_i64(args[10], &offset) ||
+        !as_i64(args[11], &n_groups) || !as_i64(args[12], &n_units) ||
+        !as_i64(args[13], &pairs) || !as_i64(args[14], &max_size) ||
+        !as_u64(args[15], &freed) || !as_u64(args[17], &filled) || !as_i64(args[21], &lo) ||
+        !as_i64(args[22], &hi)) {
+        return NULL;
+    }
+    if (ks == 0 || ds == 0 || start == 0 || end == 0 || freed == 0 || filled == 0 ||
+        host == 0 || dev == 0 || entries < 0 || offset < 0 || n_groups < 1 || n_units < 0 ||
+        pairs < 0 || max_size < 0 || (pairs > 0 && max_size == 0) || lo < 0 || hi < lo ||
+        hi - lo > MAX_PIECES) {
+        PyErr_Format(PyExc_ValueError,
+                     "issue_staged() needs both streams and tables, four events, counts >= 0 "
+                     "and at most %d pieces", (int)MAX_PIECES);
+        return NULL;
+    }
+    Py_buffer dst, src, size;
+    if (!int64_view(args[18], &dst)) return NULL;
+    if (!int64_view(args[19], &src)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (!int64_view(args[20], &size)) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (dst.len != size.len || src.len != size.len || hi > size.len / 8) {
+        PyErr_SetString(PyExc_ValueError, "issue_staged: pieces of one length, covering [lo, hi)");
+        goto done;
+    }
+    {
+        int64_t values[MAX_PARAMS];
+        void *params[MAX_PARAMS];
+        int64_t programs = kernel_params(self, dev + 8 * (uint64_t)offset, n_groups, n_units,
+                                         pairs, max_size, values, params);
+        if (programs < 0) {
+            result = PyLong_FromLong((long)STAGE_RANGE << 16);
+            goto done;
+        }
+        const int64_t *d = dst.buf, *sr = src.buf, *n = size.buf;
+        void *kstream = (void *)(uintptr_t)ks, *dstream = (void *)(uintptr_t)ds;
+        void *first = gpu_to_cpu ? kstream : dstream, *last = gpu_to_cpu ? dstream : kstream;
+        void *freed_ev = (void *)(uintptr_t)freed, *filled_ev = (void *)(uintptr_t)filled;
+        int code = 0, stage = 0;
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            if (ready != 0) {
+                stage = STAGE_READY;
+                if ((code = self->stream_wait(first, (void *)(uintptr_t)ready, 0))) break;
+            }
+            if (prev_end != 0) {
+                stage = STAGE_PREV;
+                if ((code = self->stream_wait(first, (void *)(uintptr_t)prev_end, 0))) break;
+            }
+            stage = STAGE_START;
+            if ((code = self->event_record((void *)(uintptr_t)start, first))) break;
+            if (entries > 0) {
+                stage = STAGE_UPLOAD;
+                code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
+                                          (size_t)entries * 8, MEMCPY_DEFAULT, kstream);
+                if (code) break;
+            }
+            for (int step = 0; step < 2; step++) {
+                /* A store gathers, then copies; a load copies, then scatters. */
+                int kernel = gpu_to_cpu ? step == 0 : step == 1;
+                void *on = kernel ? kstream : dstream;
+                stage = STAGE_RING;
+                if (step == 0 && freed_used) {
+                    if ((code = self->stream_wait(on, freed_ev, 0))) break;
+                } else if (step == 1) {
+                    if ((code = self->stream_wait(on, filled_ev, 0))) break;
+                }
+                if (kernel) {
+                    if (programs > 0) {
+                        stage = STAGE_LAUNCH;
+                        code = self->launch(self->function, (unsigned int)programs, 1, 1,
+                                            self->threads, 1, 1, self->shared, kstream, params,
+                                            NULL);
+                        if (code) break;
+                    }
+                } else {
+                    stage = STAGE_PIECE;
+                    for (int64_t i = lo; i < hi; i++) {
+                        code = self->memcpy_async((void *)(intptr_t)d[i],
+                                                  (const void *)(intptr_t)sr[i], (size_t)n[i],
+                                                  MEMCPY_DEFAULT, dstream);
+                        if (code) break;
+                    }
+                    if (code) break;
+                }
+                stage = STAGE_RING;
+                if ((code = self->event_record(step == 0 ? filled_ev : freed_ev, on))) break;
+            }
+            if (code) break;
+            stage = STAGE_END;
+            code = self->event_record((void *)(uintptr_t)end, last);
+        } while (0);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromLong(code ? ((long)stage << 16) | (long)(code & 0xFFFF) : 0);
+    }
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&size);
+    return result;
+}
+
 static PyMethodDef issuer_methods[] = {
     {"issue", (PyCFunction)(void (*)(void))issuer_issue, METH_FASTCALL,
      "issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, "
      "start, end) -> 0 or (stage << 16) | code"},
+    {"issue_staged", (PyCFunction)(void (*)(void))issuer_issue_staged, METH_FASTCALL,
+     "issue_staged(gpu_to_cpu, kernel_stream, dma_stream, ready, prev_end, start, end, host, "
+     "dev, table_entries, job_offset, n_groups, n_units, pairs, max_size, freed, freed_used, "
+     "filled, dst, src, size, lo, hi) -> 0 or (stage << 16) | code"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -273,7 +444,8 @@ PyMODINIT_FUNC PyInit__kernel_issue(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "STAGE_RANGE", STAGE_RANGE) < 0) {
+    if (PyModule_AddIntConstant(m, "STAGE_RANGE", STAGE_RANGE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

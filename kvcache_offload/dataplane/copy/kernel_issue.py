@@ -20,18 +20,31 @@ import ctypes
 import logging
 from typing import Any
 
+import torch
+
 from kvcache_offload.dataplane.copy.dma import CudaRuntime
 from kvcache_offload.dataplane.copy.triton_kernel import KernelConfig, launch_hooks_installed
 
-__all__ = ["KernelIssue", "bind_kernel_issue", "kernel_issue_available"]
+__all__ = [
+    "MAX_PIECES",
+    "KernelIssue",
+    "bind_kernel_issue",
+    "kernel_issue_available",
+    "raw_event",
+]
 
 logger = logging.getLogger(__name__)
 
 try:
-    from kvcache_offload.dataplane.copy._kernel_issue import STAGE_RANGE, KernelIssuer
+    from kvcache_offload.dataplane.copy._kernel_issue import (
+        MAX_PIECES,
+        STAGE_RANGE,
+        KernelIssuer,
+    )
 except ImportError:  # built without a C compiler: Python issues every copy
     KernelIssuer = None
     STAGE_RANGE = 7
+    MAX_PIECES = 0
 
 _STAGES = {
     1: "uploading the job table (cudaMemcpyAsync)",
@@ -40,10 +53,24 @@ _STAGES = {
     4: "recording the start event (cudaEventRecord)",
     5: "launching the copy kernel (cuLaunchKernel)",
     6: "recording the end event (cudaEventRecord)",
+    8: "ordering the copy after the model's work (cudaStreamWaitEvent)",
+    9: "handing over the staging buffer (cudaEventRecord / cudaStreamWaitEvent)",
+    10: "copying a staged piece (cudaMemcpyAsync)",
 }
 _KERNEL_ARGS = 9
 """The copy kernel's own parameters: two table pointers and seven ints."""
 _CUDA_ERROR_INVALID_VALUE = 1
+
+
+def raw_event(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
+    """``event``'s raw handle for the issuer; torch creates an event at its first record, so
+    a new one is recorded once on ``stream`` first (the issuer's own record supersedes it;
+    an event never recorded before is never waited on)."""
+    handle = event.cuda_event
+    if not handle:
+        event.record(stream)
+        handle = event.cuda_event
+    return int(handle)
 
 
 def kernel_issue_available() -> bool:
@@ -84,6 +111,22 @@ class KernelIssue:
             host_ptr, dev_ptr, n_units, ref_row, pairs, max_size, stream, before, mark,
             prev_end, start, end,
         )  # fmt: skip
+        return self._outcome(code)
+
+    def issue_staged(self, *args: Any) -> bool:
+        """A staged job of one chunk (``StagedCopier._issue``'s calls, in its order; the
+        arguments are the extension's ``issue_staged``). False, having enqueued nothing,
+        where Triton must launch; raises RuntimeError naming the call that failed."""
+        if launch_hooks_installed():
+            return False
+        try:
+            code = self._issuer.issue_staged(*args)
+        except (TypeError, ValueError) as exc:  # refused before any CUDA call
+            logger.debug("staged job issued from Python: %s", exc)
+            return False
+        return self._outcome(code)
+
+    def _outcome(self, code: int) -> bool:
         if code == 0:
             return True
         stage, err = code >> 16, code & 0xFFFF

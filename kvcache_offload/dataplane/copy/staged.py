@@ -51,6 +51,13 @@ import numpy as np
 import torch
 
 from kvcache_offload.dataplane.copy.dma import CudaRuntime
+from kvcache_offload.dataplane.copy.kernel_issue import (
+    MAX_PIECES,
+    KernelIssue,
+    bind_kernel_issue,
+    kernel_issue_available,
+    raw_event,
+)
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged_tables import PreparedJob, StagedChunk, StagedTables
 from kvcache_offload.dataplane.copy.staging_cells import CellLayout
@@ -148,6 +155,9 @@ class StagedCopier(StagedTables):
         self._ref_tables: torch.Tensor | None = None
         self._kernels: list[BoundCopyKernel] = []
         """One bound copy kernel per ring buffer (its ref table points into that buffer)."""
+        self._issuers: list[KernelIssue | None] = []
+        """Each ring buffer's kernel bound to the C issuer, once a launch compiled it."""
+        self._issue_unbound = kernel_issue_available()
         self._align = 1
         self._kernel_stream: torch.cuda.Stream | None = None
         self._dma_stream: torch.cuda.Stream | None = None
@@ -184,6 +194,7 @@ class StagedCopier(StagedTables):
             )
             for view in self._ref_tables.unbind(0)
         ]
+        self._issuers = [None] * depth
         self._kernel_stream = torch.cuda.Stream(self.device)
         self._dma_stream = torch.cuda.Stream(self.device)
         self._filled = [torch.cuda.Event() for _ in range(depth)]
@@ -244,8 +255,16 @@ class StagedCopier(StagedTables):
         assert ks is not None and ds is not None and self._ref_tables is not None
         slot = job.table
         first, last = (ks, ds) if self.gpu_to_cpu else (ds, ks)
+        threaded = threading.current_thread() is self._thread
         # Every call names its stream: no stream context to enter and leave per job.
         with on_device(self.device):
+            if (
+                not threaded
+                and len(prep.chunks) == 1
+                and self._issue_one_chunk(job, prep, first_slot)
+            ):
+                job.end_recorded = True
+                return
             if job.ready_event is not None:
                 first.wait_event(job.ready_event)
             if job.prev_end is not None:
@@ -254,7 +273,6 @@ class StagedCopier(StagedTables):
             if prep.table_entries:
                 n = prep.table_entries
                 self.runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * n, ks.cuda_stream)
-            threaded = threading.current_thread() is self._thread
             pause = self.config.yield_s if threaded else 0.0
             throttle = threaded and self.config.throttle
             for c, chunk in enumerate(prep.chunks):
@@ -275,6 +293,62 @@ class StagedCopier(StagedTables):
                 last.wait_stream(first)  # else the last chunk's event already orders them
             job.end_event.record(last)
             job.end_recorded = True
+
+    def _issue_one_chunk(self, job: StagedJob, prep: PreparedJob, s: int) -> bool:
+        """Issue a job of one chunk (a serving job, on the caller's thread) in one call of the
+        C issuer, the same calls in the same order as below; False, having issued nothing,
+        where ring buffer ``s``'s kernel is not bound (yet) or the job does not fit it."""
+        chunk = prep.chunks[0]
+        issue = self._issuers[s] if self._issuers else None
+        if issue is None:
+            if not self._issue_unbound:
+                return False
+            issue = self._bind(s)
+            if issue is None:
+                return False
+        if chunk.piece_hi - chunk.piece_lo > MAX_PIECES:
+            return False
+        ks, ds = self._kernel_stream, self._dma_stream
+        assert ks is not None and ds is not None
+        first = ks if self.gpu_to_cpu else ds
+        slot = job.table
+        done = issue.issue_staged(
+            self.gpu_to_cpu, ks.cuda_stream, ds.cuda_stream,
+            0 if job.ready_event is None else raw_event(job.ready_event, first),
+            0 if job.prev_end is None else raw_event(job.prev_end, first),
+            raw_event(job.start_event, first), raw_event(job.end_event, first),
+            slot.host_ptr, slot.dev_ptr, prep.table_entries, chunk.table_offset,
+            chunk.n_groups, chunk.n_units, chunk.total_pairs, job.plan.max_size,
+            raw_event(self._freed[s], first), self._freed_used[s],
+            raw_event(self._filled[s], first),
+            prep.dma_dst, prep.dma_src, prep.dma_size, chunk.piece_lo, chunk.piece_hi,
+        )  # fmt: skip
+        if done:
+            self._freed_used[s] = True
+        return done
+
+    def _bind(self, s: int) -> KernelIssue | None:
+        """Ring buffer ``s``'s kernel bound to the C issuer, once a launch compiled it."""
+        kernel = self._kernels[s]
+        compiled = kernel.compiled()
+        if compiled is None:
+            if not kernel.direct:
+                self._issue_unbound = False  # Triton's JIT launches: nothing to bind
+            return None
+        src_factor, dst_factor = kernel.factors
+        issue = bind_kernel_issue(
+            compiled,
+            self.runtime,
+            ref_ptr=kernel.ref_table.data_ptr(),
+            src_factor=src_factor,
+            dst_factor=dst_factor,
+            config=kernel.config,
+            grid=kernel.grid,
+        )
+        if issue is None:
+            self._issue_unbound = False
+        self._issuers[s] = issue
+        return issue
 
     def _kernel_step(
         self,

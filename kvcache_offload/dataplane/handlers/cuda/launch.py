@@ -20,6 +20,7 @@ from kvcache_offload.dataplane.copy.kernel_issue import (
     KernelIssue,
     bind_kernel_issue,
     kernel_issue_available,
+    raw_event,
 )
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
 from kvcache_offload.dataplane.copy.staged import (
@@ -39,19 +40,9 @@ from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlight
 __all__ = ["CopyLauncher"]
 
 
-def _raw_event(event: torch.cuda.Event, stream: torch.cuda.Stream) -> int:
-    """``event``'s raw handle; torch creates an event at its first record, so a new one is
-    recorded once on ``stream`` (before the copy's own record, which supersedes it)."""
-    handle = event.cuda_event
-    if not handle:
-        event.record(stream)
-        handle = event.cuda_event
-    return int(handle)
-
-
 def _event_handle(prev: InFlightCopy | None, stream: torch.cuda.Stream) -> int:
     """The raw end event of ``prev`` (0: none to wait for)."""
-    return 0 if prev is None else _raw_event(prev.end_event, stream)
+    return 0 if prev is None else raw_event(prev.end_event, stream)
 
 
 def _current_raw_stream_getter() -> Callable[[int], int] | None:
@@ -252,7 +243,7 @@ class CopyLauncher:
                 if issue.issue(
                     slot.host_ptr, slot.dev_ptr, n_units, self._ref_row, num_fragments,
                     max_size, handle, *self._store_order(), _event_handle(prev, stream),
-                    _raw_event(start, stream), _raw_event(end, stream),
+                    raw_event(start, stream), raw_event(end, stream),
                 ):  # fmt: skip
                     return InFlightCopy(jobs, stream, start, end, slot, "kernel")
         _write_group_row(slot.host_np, n_units, self._ref_row)
