@@ -5,7 +5,9 @@ the H200 host in five CUDA steps issued from Python: the job table's upload (cty
 start event (torch), Triton's launcher with our binding around it (about 10 us), the end
 event, and for a store the wait on the model's stream. :class:`KernelIssue` makes the same
 calls, in the same order and on the same stream, from the ``_kernel_issue`` extension with
-the GIL released once.
+the GIL released once. A staged job of one chunk (the staged path's serving-size jobs) goes
+out the same way: its waits and events, the table upload, the gather or scatter kernel and
+up to :data:`MAX_PIECES` DMA pieces, one ``cudaMemcpyAsync`` each.
 
 It binds only to what it can launch exactly as Triton does: a compiled kernel of one CTA per
 program, no cooperative or programmatic launch, no global or profile scratch memory, and

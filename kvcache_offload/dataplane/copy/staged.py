@@ -296,8 +296,10 @@ class StagedCopier(StagedTables):
 
     def _issue_one_chunk(self, job: StagedJob, prep: PreparedJob, s: int) -> bool:
         """Issue a job of one chunk (a serving job, on the caller's thread) in one call of the
-        C issuer, the same calls in the same order as below; False, having issued nothing,
-        where ring buffer ``s``'s kernel is not bound (yet) or the job does not fit it."""
+        C issuer: the calls below in the same order, except that its DMA pieces (at most
+        ``MAX_PIECES``) are one ``cudaMemcpyAsync`` each where more than four go out as one
+        ``cudaMemcpyBatchAsync`` below. False, having issued nothing, where ring buffer
+        ``s``'s kernel is not bound (yet) or the job does not fit it."""
         chunk = prep.chunks[0]
         issue = self._issuers[s] if self._issuers else None
         if issue is None:
