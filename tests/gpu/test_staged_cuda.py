@@ -40,6 +40,18 @@ def _handlers(kv, factor, num_cpu, mechanism="staged", staged_min_job_bytes=None
     )
 
 
+def _assert_one_chunk_jobs_issued_from_c(handler) -> None:
+    """Where the issuer is built and Triton's launcher is one we checked, the inline jobs of
+    one chunk after the first launch went out through the C issuer: the bytes this test
+    checked went through it."""
+    from kvcache_offload.dataplane.copy import triton_kernel
+    from kvcache_offload.dataplane.copy.kernel_issue import kernel_issue_available
+
+    if kernel_issue_available() and triton_kernel._direct_launch_supported():
+        issuers = handler._launcher._staged._issuers
+        assert any(i is not None for i in issuers), "one-chunk staged jobs issued from Python"
+
+
 @pytest.mark.parametrize("submit_thread", [True, False])
 @pytest.mark.parametrize("factor", [1, 3])
 @pytest.mark.parametrize(("chunk_cells", "depth"), [(1, 1), (3, 2), (4, 3)])
@@ -245,6 +257,7 @@ def test_small_staged_jobs_go_inline_and_land_after_a_threaded_one():
         results = finish(load, [1, 2, 3])
         assert [r.job_id for r in results] == [1, 2, 3] and all(r.success for r in results)
         assert load.jobs_by_mechanism["staged"] == 3
+        _assert_one_chunk_jobs_issued_from_c(load)
         want = {int(g): int(c) for g, c in zip(big_gpu, big_cpu, strict=True)}
         want.update({int(g): int(c) for g, c in zip(small_gpu, small_cpu, strict=True)})
         want[100] = int(small_cpu[0])
