@@ -5,10 +5,12 @@
  * copy itself takes on the link. Issued from Python, each of those steps is a ctypes or torch
  * call (2-3 us each on the H200 host) and the launch goes through Triton's Python launcher
  * (about 10 us with our binding around it). Here they are five to seven driver calls from C,
- * with the GIL released once around them.
+ * with the GIL released once around them. A staged job of one chunk (the staged path's
+ * serving-size jobs: a gather or scatter through a ring buffer plus its DMA pieces) goes out
+ * the same way (issue_staged).
  *
  * The CUDA functions come as addresses from the libraries torch and Triton already loaded
- * (launch_kernel.py takes them from ctypes), so this file needs no CUDA headers and builds
+ * (kernel_issue.py takes them from ctypes), so this file needs no CUDA headers and builds
  * wherever the host-copy extension builds; nothing here runs unless a GPU handler binds it.
  *
  * Kernel parameters: the driver reads each parameter's own size from the address in the
