@@ -46,8 +46,6 @@ class FakeCuda:
     param_sizes: list[int]
     fail: dict[str, int] = field(default_factory=dict)
     calls: list[tuple[Any, ...]] = field(default_factory=list)
-    tables: set[int] = field(default_factory=lambda: _TABLES)
-    """Host job tables (real memory the fake upload reads and copies)."""
 
     def __post_init__(self) -> None:
         self._memcpy = _MEMCPY(self.memcpy)
@@ -59,7 +57,7 @@ class FakeCuda:
         return int(ctypes.cast(getattr(self, "_" + name), ctypes.c_void_p).value or 0)
 
     def memcpy(self, dst: int, src: int, size: int, kind: int, stream: int) -> int:
-        if src not in self.tables:  # a staged piece: made-up addresses, nothing to read
+        if src not in _TABLES:  # a staged piece: made-up addresses, nothing to read
             self.calls.append(("memcpy", dst, src, size, kind, stream, None))
             return self.fail.get("piece", 0)
         table = np.frombuffer(ctypes.string_at(src, size), dtype=np.int64).copy()
@@ -117,6 +115,8 @@ TRITON_SIZES = [8, 8, 4, 4, 4, 4, 4, 4, 4, 8, 8]
 
 
 _KEEP: list[np.ndarray] = []
+_TABLES: set[int] = set()
+"""Host job tables (real memory the fake upload reads and copies) and their addresses."""
 
 
 def _tables(units: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -125,9 +125,6 @@ def _tables(units: list[int]) -> tuple[np.ndarray, np.ndarray]:
     _KEEP.append(host)  # its address stays a table's for the whole session
     _TABLES.add(host.ctypes.data)
     return host, np.zeros(64, dtype=np.int64)
-
-
-_TABLES: set[int] = set()
 
 
 def _issue(issuer: Any, host: np.ndarray, dev: np.ndarray, **kw: int) -> int:
@@ -403,3 +400,19 @@ def test_staged_jobs_the_issuer_cannot_take_issue_nothing() -> None:
     floats[18] = dst.astype(np.float64)
     assert wrapped.issue_staged(*floats) is False
     assert cuda.calls == []
+
+
+def test_a_kernel_is_bound_once_compiled_and_never_where_triton_launches_itself() -> None:
+    from types import SimpleNamespace
+
+    def kernel(compiled: Any, direct: bool) -> Any:
+        return SimpleNamespace(compiled=lambda: compiled, direct=direct)
+
+    bind = kernel_issue.bind_when_compiled
+    assert bind(kernel(None, True), FakeRuntime()) == (None, True)  # not compiled yet: later
+    assert bind(kernel(None, False), FakeRuntime()) == (None, False)  # the JIT launches
+    refused = SimpleNamespace(
+        compiled=lambda: _Compiled(_Meta(num_ctas=2)), direct=True, factors=(1, 1),
+        ref_table=SimpleNamespace(data_ptr=lambda: REF_PTR), config=KernelConfig(), grid=264,
+    )  # fmt: skip
+    assert bind(refused, FakeRuntime()) == (None, False)  # compiled, not bindable: never again

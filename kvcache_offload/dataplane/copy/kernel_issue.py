@@ -25,12 +25,17 @@ from typing import Any
 import torch
 
 from kvcache_offload.dataplane.copy.dma import CudaRuntime
-from kvcache_offload.dataplane.copy.triton_kernel import KernelConfig, launch_hooks_installed
+from kvcache_offload.dataplane.copy.triton_kernel import (
+    BoundCopyKernel,
+    KernelConfig,
+    launch_hooks_installed,
+)
 
 __all__ = [
     "MAX_PIECES",
     "KernelIssue",
     "bind_kernel_issue",
+    "bind_when_compiled",
     "kernel_issue_available",
     "raw_event",
 ]
@@ -228,3 +233,25 @@ def bind_kernel_issue(
         logger.debug("copy kernel issued through Triton: %s", exc)
         return None
     return KernelIssue(issuer, runtime)
+
+
+def bind_when_compiled(
+    kernel: BoundCopyKernel, runtime: CudaRuntime
+) -> tuple[KernelIssue | None, bool]:
+    """``kernel`` bound to the C issuer once a launch compiled it (the first copy launches
+    through Triton), and whether to try again at a later copy: only while it is not compiled
+    yet and Triton's direct launch is on."""
+    compiled = kernel.compiled()
+    if compiled is None:
+        return None, kernel.direct
+    src_factor, dst_factor = kernel.factors
+    issue = bind_kernel_issue(
+        compiled,
+        runtime,
+        ref_ptr=kernel.ref_table.data_ptr(),
+        src_factor=src_factor,
+        dst_factor=dst_factor,
+        config=kernel.config,
+        grid=kernel.grid,
+    )
+    return issue, False

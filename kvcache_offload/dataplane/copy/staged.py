@@ -54,7 +54,7 @@ from kvcache_offload.dataplane.copy.dma import CudaRuntime
 from kvcache_offload.dataplane.copy.kernel_issue import (
     MAX_PIECES,
     KernelIssue,
-    bind_kernel_issue,
+    bind_when_compiled,
     kernel_issue_available,
     raw_event,
 )
@@ -301,7 +301,7 @@ class StagedCopier(StagedTables):
         ``cudaMemcpyBatchAsync`` below. False, having issued nothing, where ring buffer
         ``s``'s kernel is not bound (yet) or the job does not fit it."""
         chunk = prep.chunks[0]
-        issue = self._issuers[s] if self._issuers else None
+        issue = self._issuers[s]  # sized by _ensure_ring, which _issue ran first
         if issue is None:
             if not self._issue_unbound:
                 return False
@@ -331,24 +331,9 @@ class StagedCopier(StagedTables):
 
     def _bind(self, s: int) -> KernelIssue | None:
         """Ring buffer ``s``'s kernel bound to the C issuer, once a launch compiled it."""
-        kernel = self._kernels[s]
-        compiled = kernel.compiled()
-        if compiled is None:
-            if not kernel.direct:
-                self._issue_unbound = False  # Triton's JIT launches: nothing to bind
-            return None
-        src_factor, dst_factor = kernel.factors
-        issue = bind_kernel_issue(
-            compiled,
-            self.runtime,
-            ref_ptr=kernel.ref_table.data_ptr(),
-            src_factor=src_factor,
-            dst_factor=dst_factor,
-            config=kernel.config,
-            grid=kernel.grid,
-        )
-        if issue is None:
-            self._issue_unbound = False
+        issue, retry = bind_when_compiled(self._kernels[s], self.runtime)
+        if issue is None and not retry:
+            self._issue_unbound = False  # no ring buffer's kernel can be bound
         self._issuers[s] = issue
         return issue
 

@@ -18,7 +18,7 @@ import torch
 from kvcache_offload.dataplane.copy.dma import CudaRuntime, coalesce_pieces
 from kvcache_offload.dataplane.copy.kernel_issue import (
     KernelIssue,
-    bind_kernel_issue,
+    bind_when_compiled,
     kernel_issue_available,
     raw_event,
 )
@@ -262,24 +262,11 @@ class CopyLauncher:
         """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
         launches through Triton); a store also needs the raw ordering event."""
         kernel, runtime = self._kernel, self.runtime
-        compiled = kernel.compiled() if kernel is not None else None
-        if compiled is None or kernel is None or runtime is None:
-            if kernel is None or not kernel.direct:
-                self._issue_unbound = False  # nothing to bind: Triton's JIT launches
+        no_order = self.gpu_to_cpu and (not self._raw_mark or self._current_raw_stream is None)
+        if kernel is None or runtime is None or no_order:
+            self._issue_unbound = False
             return None
-        self._issue_unbound = False
-        if self.gpu_to_cpu and (not self._raw_mark or self._current_raw_stream is None):
-            return None
-        src_factor, dst_factor = kernel.factors
-        self._issue = bind_kernel_issue(
-            compiled,
-            runtime,
-            ref_ptr=kernel.ref_table.data_ptr(),
-            src_factor=src_factor,
-            dst_factor=dst_factor,
-            config=kernel.config,
-            grid=kernel.grid,
-        )
+        self._issue, self._issue_unbound = bind_when_compiled(kernel, runtime)
         return self._issue
 
     def _store_order(self) -> tuple[int, int]:
