@@ -92,7 +92,8 @@ class OffloadConfig(BaseSettings):
     copying too, so traffic both ways overlaps on the copy engines and one-way traffic keeps
     the batched kernel below ``staged_one_way_min_*_bytes``), "stores", "both" or "off". A
     lone job keeps the kernel either way (loads of 32 MiB and more excepted: they take the
-    staged path on an idle direction too).
+    staged path on an idle direction too; and under "mixed", jobs of
+    ``staged_mixed_min_job_bytes`` while the other direction copies).
     ``true`` / ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the
     measurements of each."""
     staged_one_way_min_load_bytes: ByteSize = Field(default=ByteSize(5 * 1024**2), ge=0)
@@ -105,6 +106,13 @@ class OffloadConfig(BaseSettings):
     staged_one_way_min_store_bytes: ByteSize = Field(default=ByteSize(8 * 1024**2), ge=0)
     """The same for stores queued behind stores ("8MiB"; 0: never). Stores gain from 8 MiB
     jobs on; below that the staged path's gains and losses were within the spread."""
+    staged_mixed_min_job_bytes: ByteSize = Field(default=ByteSize(5 * 1024**2), ge=0)
+    """Under ``staged_when_busy="mixed"``, jobs that average this many bytes ("5MiB") take
+    the staged path whenever the other direction is copying, on an idle direction too (a
+    lone job, or a batch whose previous copy has ended); 0: only behind copies in flight.
+    The kernel's traffic does not overlap the other direction's: without this, tp4_70b's
+    5 MiB stores in a mixed stream went through the kernel about half the time and the
+    stream's p99 was 23 % longer on an H200 (docs/transfers.md, sixteenth session)."""
     dma_min_fragment_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
     """Under "auto", copy jobs whose contiguous pieces average at least this many bytes (e.g.
     "1MiB", as with a cross-layer layout's 2 MiB per block) by plain copy-engine DMA instead

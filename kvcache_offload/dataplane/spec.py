@@ -54,6 +54,7 @@ def cuda_handler_options(config: OffloadConfig) -> dict[str, Any]:
         "staged_when_busy": config.staged_when_busy,
         "staged_one_way_min_load_bytes": int(config.staged_one_way_min_load_bytes),
         "staged_one_way_min_store_bytes": int(config.staged_one_way_min_store_bytes),
+        "staged_mixed_min_job_bytes": int(config.staged_mixed_min_job_bytes),
         "dma_min_fragment_bytes": int(config.dma_min_fragment_bytes),
         "batch_min_bytes": int(config.batch_min_bytes),
         "batch_max_bytes": int(config.batch_max_bytes),

@@ -116,11 +116,17 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
         assert sizes == {True: 8 << 20, False: 5 << 20}  # stores, loads
         lone = {h.gpu_to_cpu: h.staged_auto_min_job_bytes for h in engine.worker.handlers}
         assert lone == {True: 256 << 20, False: 32 << 20}
-    engine, _ = build(staged_one_way_min_load_bytes="1MiB", staged_one_way_min_store_bytes=0)
+        assert [h.mixed_min_job_bytes for h in engine.worker.handlers] == [5 << 20] * 2
+    engine, _ = build(
+        staged_one_way_min_load_bytes="1MiB",
+        staged_one_way_min_store_bytes=0,
+        staged_mixed_min_job_bytes=0,
+    )
     async with engine:  # large one-way jobs: the copy engines from this size on
         assert engine.worker is not None
         sizes = {h.gpu_to_cpu: h.one_way_min_job_bytes for h in engine.worker.handlers}
         assert sizes == {True: 0, False: 1 << 20}
+        assert [h.mixed_min_job_bytes for h in engine.worker.handlers] == [0, 0]
 
 
 async def test_the_config_sets_the_batch_bounds_of_both_directions() -> None:

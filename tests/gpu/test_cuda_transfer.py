@@ -204,14 +204,28 @@ def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
 
 @pytest.mark.parametrize(
     "mechanism",
-    ["kernel", "dma", "staged", "hybrid", "torch", "auto-staged-when-busy", "auto-when-mixed"],
+    [
+        "kernel",
+        "dma",
+        "staged",
+        "hybrid",
+        "torch",
+        "auto-staged-when-busy",
+        "auto-when-mixed",
+        "auto-mixed-on-idle",
+    ],
 )
 def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch):
     # auto-staged-when-busy: the first job of each direction takes the kernel, the ones
     # queued behind it the staged path, so both paths' jobs interleave in one direction.
-    # auto-when-mixed: the same, as both directions are in flight together.
+    # auto-when-mixed: the same, as both directions are in flight together (the staged path
+    # for large jobs on an idle direction off).
+    # auto-mixed-on-idle: the default rule: only the very first job (nothing copying either
+    # way) takes the kernel; the first load finds the stores copying and takes the staged
+    # path though its own direction is idle.
     kw = {}
-    if mechanism in ("auto-staged-when-busy", "auto-when-mixed"):
+    mode = mechanism
+    if mechanism in ("auto-staged-when-busy", "auto-when-mixed", "auto-mixed-on-idle"):
         import dataclasses
 
         from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG
@@ -219,8 +233,10 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         skip_unless_available("staged")
         # This layout's blocks are 128 KiB pieces on the CPU side: let auto stage them.
         staging = dataclasses.replace(DEFAULT_STAGING_CONFIG, auto_min_piece_bytes=64 * 1024)
-        rule = "mixed" if mechanism == "auto-when-mixed" else True
+        rule = True if mechanism == "auto-staged-when-busy" else "mixed"
         mechanism, kw = "auto", {"staged_when_busy": rule, "staging": staging}
+        if mode == "auto-when-mixed":
+            kw["staged_mixed_min_job_bytes"] = 0
     skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(5)
     kv = make_caches(
@@ -268,7 +284,14 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         rl = finish(h.cpu_to_gpu_handler, jobs_load)
         assert [r.job_id for r in rs] == jobs_store and all(r.success for r in rs)
         assert [r.job_id for r in rl] == jobs_load and all(r.success for r in rl)
-        if kw:  # both paths ran in each direction
+        if mode == "auto-mixed-on-idle":
+            stores, loads = (
+                h.gpu_to_cpu_handler.jobs_by_mechanism,
+                h.cpu_to_gpu_handler.jobs_by_mechanism,
+            )
+            assert (stores["kernel"], stores["staged"]) == (1, 2), stores
+            assert (loads["kernel"], loads["staged"]) == (0, 3), loads
+        elif kw:  # both paths ran in each direction
             for handler in (h.gpu_to_cpu_handler, h.cpu_to_gpu_handler):
                 used = {m for m, n in handler.jobs_by_mechanism.items() if n}
                 assert used == {"kernel", "staged"}, handler.jobs_by_mechanism

@@ -169,6 +169,20 @@ def test_staged_one_way_sizes_take_sizes_per_direction_and_zero_turns_them_off(
         OffloadConfig.from_dict({"staged_one_way_min_store_bytes": -1})
 
 
+def test_staged_mixed_size_is_five_mib_by_default_takes_sizes_and_zero_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OffloadConfig().staged_mixed_min_job_bytes == 5 * 1024**2
+    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_MIXED_MIN_JOB_BYTES", "0")
+    assert OffloadConfig().staged_mixed_min_job_bytes == 0
+    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_MIXED_MIN_JOB_BYTES")
+    assert OffloadConfig.from_dict(
+        {"staged_mixed_min_job_bytes": "2MiB"}
+    ).staged_mixed_min_job_bytes == (2 * 1024**2)
+    with pytest.raises(ConfigError, match="staged_mixed_min_job_bytes"):
+        OffloadConfig.from_dict({"staged_mixed_min_job_bytes": -1})
+
+
 def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -222,7 +236,11 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     parameters = inspect.signature(CpuGpuOffloadingHandlers).parameters
     assert set(options) <= set(parameters)
     one_direction = inspect.signature(SingleDirectionOffloadingHandler).parameters
-    assert {"batch_min_bytes", "batch_max_bytes"} <= set(one_direction)  # the pair passes them
+    # the pair passes them on to each direction
+    assert {"batch_min_bytes", "batch_max_bytes", "staged_mixed_min_job_bytes"} <= set(
+        one_direction
+    )
+    assert options["staged_mixed_min_job_bytes"] == 5 * 1024**2
     assert options["batch_min_bytes"] == 8 * 1024**2
     assert options["batch_max_bytes"] == 32 * 1024**2
     assert options["dma_min_fragment_bytes"] == 1024**2

@@ -114,6 +114,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
         staged_when_busy: bool = False,
         staged_one_way_min_job_bytes: int = 0,
+        staged_mixed_min_job_bytes: int = 0,
     ) -> None:
         factor = check_tensors(gpu_tensors, cpu_tensors, block_size_factor)
         self.gpu_to_cpu = gpu_to_cpu
@@ -154,6 +155,16 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 f"got {staged_one_way_min_job_bytes}"
             )
         self.one_way_min_job_bytes = int(staged_one_way_min_job_bytes)
+        if staged_mixed_min_job_bytes < 0:
+            raise ConfigError(
+                "staged_mixed_min_job_bytes must be >= 0 (0: never), "
+                f"got {staged_mixed_min_job_bytes}"
+            )
+        self.mixed_min_job_bytes = int(staged_mixed_min_job_bytes)
+        """Under pairing, jobs that average this many bytes or more (0: none) take the
+        staged path whenever the other direction is copying, also on an idle direction (the
+        lone lane, and batches whose previous copy ended): the kernel's traffic does not
+        overlap the other direction's."""
         self._last_end_seen = 0.0
         self._last_copy_s = 0.0
         if completion_wait not in ("blocking", "spin"):
@@ -302,7 +313,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if job is None:
             return False
         src_ids, dst_ids, size, start, nbytes = job
-        if nbytes >= self._lone_limit:
+        if nbytes >= self._lone_limit or self._mixed_job(nbytes, 1):
             return False
         entries = GROUP_ROW + 2 * size
         slot = self._pools.slot()
@@ -544,6 +555,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
         """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
         ``prev`` takes the staged path under ``staged_when_busy`` (see :meth:`pair_with`)."""
+        if self._mixed_job(nbytes, num_jobs):
+            return True
         # Asked only with the rule on: done() is an event query, not free on the hot path.
         busy = self.staged_when_busy and prev is not None and not prev.done()
         if busy and self._other_direction is not None:
@@ -553,6 +566,19 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             large = self.one_way_min_job_bytes
             busy = (large > 0 and nbytes >= large * num_jobs) or self._other_direction.copying()
         return busy
+
+    def _mixed_job(self, nbytes: int, num_jobs: int) -> bool:
+        """Whether ``num_jobs`` jobs of ``nbytes`` in all take the staged path because the
+        other direction is copying (see :attr:`mixed_min_job_bytes`)."""
+        least = self.mixed_min_job_bytes
+        other = self._other_direction
+        return (
+            least > 0
+            and other is not None
+            and self.staged_when_busy
+            and nbytes >= least * num_jobs
+            and other.copying()
+        )
 
     def _issue(
         self, jobs: list[tuple[int, int]], plan: TransferPlan, busy: bool | None = None

@@ -21,6 +21,7 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_HYBRID_DMA_SHARE,
     DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
     DEFAULT_STAGED_MIN_JOB_BYTES,
+    DEFAULT_STAGED_MIXED_MIN_JOB_BYTES,
     DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES,
     DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES,
     CompletionWait,
@@ -63,6 +64,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staged_when_busy: StagedWhenBusy = "mixed",
         staged_one_way_min_load_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES,
         staged_one_way_min_store_bytes: int = DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES,
+        staged_mixed_min_job_bytes: int = DEFAULT_STAGED_MIXED_MIN_JOB_BYTES,
         batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
     ) -> None:
@@ -86,6 +88,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             "completion_wait": completion_wait,
             "batch_min_bytes": batch_min_bytes,
             "batch_max_bytes": batch_max_bytes,
+            "staged_mixed_min_job_bytes": staged_mixed_min_job_bytes,
         }
         busy_stores, busy_loads = staged_when_busy_per_direction(staged_when_busy)
         refs = kv_caches.group_data_refs

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_HYBRID_DMA_SHARE",
     "DEFAULT_STAGED_LONE_MIN_LOAD_BYTES",
     "DEFAULT_STAGED_MIN_JOB_BYTES",
+    "DEFAULT_STAGED_MIXED_MIN_JOB_BYTES",
     "DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES",
     "DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES",
     "STAGED_WHEN_BUSY_CHOICES",
@@ -77,6 +78,13 @@ staged path costs more host time per copy. It was 4 MiB until the eleventh sessi
 interleaved A/B (four passes) had llama8b's 4 MiB loads at 43.2 GB/s staged against 48.7
 with the kernel (every pass) and cross_layer's at 49.6 against 48.5: the crossover lies
 between 4 and 5 MiB."""
+DEFAULT_STAGED_MIXED_MIN_JOB_BYTES = 5 * 1024 * 1024
+"""Under "mixed", jobs that average this many bytes take the staged path whenever the other
+direction is copying, on an idle direction too (its lone lane, and batches whose previous
+copy ended). H200, sixteenth session, six alternating rounds: tp4_70b's mixed 4-block stream
+sent 55 % of its 5 MiB stores through the kernel without it and 2 % with it; the stream's
+rate moved within the rounds' spread (1.17 against 1.11x one way, ahead in 4 of 6) and the
+p99 of its jobs fell from 4.75 to 3.86 ms, cross_layer's from 5.78 to 4.48 ms."""
 DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES = 8 * 1024 * 1024
 """The same for stores queued behind stores. H200, four runs: 8-block store streams
 (10-16 MiB jobs) at 0.95-1.01 of the link staged against the kernel's 0.90-0.94; 4-block
