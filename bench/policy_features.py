@@ -14,7 +14,12 @@ what these shares separate. Features, all known when the suffix is stored:
 * ``gap``: requests since the document's previous request (``-`` for a first request), /250;
 * ``new``: length of the new suffix in blocks, /4; ``len``: the request's length, /8;
 * ``seen``: the request's blocks seen before the new suffix (its known prefix), /4;
-* ``from_end``: a new block's distance from the request's last block (0 = the last block).
+* ``from_end``: a new block's distance from the request's last block (0 = the last block);
+* ``out``: the request's output length in tokens, /128 (sixteenth session; known when the
+  request ends, shortly after its prompt's blocks were stored: a hint a scheduler could
+  give, not something the cache sees today);
+* ``secs``: seconds since the document's previous request (``-`` for a first request),
+  in powers of two (0: under a second, 1: under two, ..., 10: 512 s and more).
 
 The last tenth of a trace undercounts returns (their next request may lie past the end).
 Writes ``bench/out/policy-features-*.json``.
@@ -31,7 +36,9 @@ from bench.policy_candidates import _doc_of
 from kvcache_offload.lab.trace import default_trace_paths, load_trace
 
 
-def _odds(block_ids: list[list[int]]) -> dict[str, dict[str, list[int]]]:
+def _odds(
+    block_ids: list[list[int]], output_lengths: list[int], timestamps_ms: list[float]
+) -> dict[str, dict[str, list[int]]]:
     last: dict[int, int] = {}
     for i, keys in enumerate(block_ids):
         for k in keys:
@@ -40,6 +47,7 @@ def _odds(block_ids: list[list[int]]) -> dict[str, dict[str, list[int]]]:
     children: dict[int, set[int]] = {}
     turns: dict[int, int] = {}
     previous: dict[int, int] = {}
+    previous_ms: dict[int, float] = {}
     table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for i, keys in enumerate(block_ids):
         doc = _doc_of(keys, children)
@@ -47,6 +55,11 @@ def _odds(block_ids: list[list[int]]) -> dict[str, dict[str, list[int]]]:
         turns[doc] = turn + 1
         gap = "-" if doc not in previous else str(min(i - previous[doc], 3000) // 250)
         previous[doc] = i
+        now_ms = timestamps_ms[i]
+        secs = "-"
+        if doc in previous_ms:
+            secs = str(min(max(int(now_ms - previous_ms[doc]) // 1000, 0).bit_length(), 10))
+        previous_ms[doc] = now_ms
         known = 0
         while known < len(keys) and keys[known] in seen:
             known += 1
@@ -61,6 +74,8 @@ def _odds(block_ids: list[list[int]]) -> dict[str, dict[str, list[int]]]:
             "new": str(min(len(new), 40) // 4),
             "len": str(min(len(keys), 80) // 8),
             "seen": str(min(known, 40) // 4),
+            "out": str(min(output_lengths[i], 1024) // 128),
+            "secs": secs,
         }
         for feature, bucket in buckets.items():
             cell = table[feature][bucket]
@@ -80,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in default_trace_paths():
         trace = load_trace(path)
         name = trace.name.removeprefix("mooncake_").split("_")[0]
-        table = _odds(trace.block_ids)
+        outputs = trace.output_lengths or [0] * trace.num_requests
+        table = _odds(trace.block_ids, outputs, trace.timestamps)
         result[name] = table
         for feature, buckets in table.items():
             order = sorted(buckets, key=lambda b: (b != "-", int(b) if b != "-" else 0))

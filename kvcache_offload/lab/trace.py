@@ -96,6 +96,7 @@ class Trace:
     keys: list[list[OffloadKey]] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     input_lengths: list[int] = field(default_factory=list)
+    output_lengths: list[int] = field(default_factory=list)
     timestamps: list[float] = field(default_factory=list)
     num_unique_blocks: int = 0
     observed_block_hits: int | None = None
@@ -121,13 +122,15 @@ class Trace:
         """
         out = Trace(f"{self.name} (full blocks)", observed_block_hits=self.observed_block_hits)
         seen: set[int] = set()
-        for keys, ids, length, ts in zip(
-            self.keys, self.block_ids, self.input_lengths, self.timestamps, strict=True
+        outputs = self.output_lengths or [0] * len(self.keys)
+        for keys, ids, length, output, ts in zip(
+            self.keys, self.block_ids, self.input_lengths, outputs, self.timestamps, strict=True
         ):
             full = min(len(keys), length // block_tokens)
             out.keys.append(keys[:full])
             out.block_ids.append(ids[:full])
             out.input_lengths.append(length)
+            out.output_lengths.append(output)
             out.timestamps.append(ts)
             seen.update(ids[:full])
         out.num_unique_blocks = len(seen)
@@ -342,6 +345,7 @@ def trace_from_requests(requests: Iterable[TraceRequest], name: str = "trace") -
         trace.keys.append(request.keys)
         trace.block_ids.append(ids)
         trace.input_lengths.append(request.input_length)
+        trace.output_lengths.append(request.output_length)
         trace.timestamps.append(request.ts)
     trace.num_unique_blocks = len(numbers)
     trace.observed_block_hits = observed
