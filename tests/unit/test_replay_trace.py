@@ -42,6 +42,7 @@ def test_mooncake_lines_become_requests_with_shared_key_objects(tmp_path: Path) 
     assert trace.num_unique_blocks == 3
     assert trace.block_ids == [[0, 1], [0, 2]]
     assert trace.input_lengths == [1000, 600]
+    assert trace.output_lengths == [5, 7]
     assert trace.timestamps == [0.0, 12.0]
     assert trace.keys[0][0] is trace.keys[1][0]  # interned: one bytes object per block
     assert trace.keys[1] == [mooncake_key(0), mooncake_key(2)]
@@ -169,12 +170,13 @@ def test_without_partial_blocks_drops_only_the_partial_tail() -> None:
 
     trace = trace_from_requests(
         [
-            TraceRequest(0.0, 1100, 0, [mooncake_key(h) for h in (1, 2, 3)]),  # 2 full + 76
-            TraceRequest(1.0, 1024, 0, [mooncake_key(h) for h in (1, 2)]),  # exactly 2 full
+            TraceRequest(0.0, 1100, 30, [mooncake_key(h) for h in (1, 2, 3)]),  # 2 full + 76
+            TraceRequest(1.0, 1024, 40, [mooncake_key(h) for h in (1, 2)]),  # exactly 2 full
         ]
     )
     full = trace.without_partial_blocks()
     assert full.block_ids == [[0, 1], [0, 1]]
     assert full.num_unique_blocks == 2
     assert full.input_lengths == [1100, 1024]
+    assert full.output_lengths == [30, 40]
     assert trace.num_unique_blocks == 3  # the original is untouched
