@@ -715,6 +715,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "hybrid_dma_share": self.hybrid_dma_share,
             "staged_min_job_bytes": self.staged_min_job_bytes,
             "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
+            "staged_mixed_min_job_bytes": self.mixed_min_job_bytes,
             "completion_wait": "blocking" if self._blocking_events else "spin",
             "kernel_config": repr(self.kernel_config),
             "staging": self._staged.describe() if self._staged is not None else None,
