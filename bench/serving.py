@@ -40,7 +40,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -261,6 +261,17 @@ class StreamResult:
     host_probe_s: float = 0.0
     """:func:`host_probe` around the stream (mean of before and after): how fast the host ran
     the same fixed Python work at the time (see :func:`host_probe`)."""
+    paths: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Jobs each path took during this stream, per direction (the CUDA handlers'
+    ``jobs_by_mechanism``; empty where the handlers do not count). A mixed stream's rate
+    follows its stores' path from one engine to the next (docs/transfers.md, sixteenth
+    session), which the engine's totals over all its streams do not show."""
+
+    def kernel_share(self, direction: str) -> float | None:
+        """The share of this stream's jobs of ``direction`` that took the kernel, or None."""
+        counts = self.paths.get(direction)
+        total = sum(counts.values()) if counts else 0
+        return counts.get("kernel", 0) / total if counts and total else None
 
     @property
     def cpu_s_per_job(self) -> float:
@@ -333,6 +344,7 @@ async def stream(
             moved += job_bytes
 
     probe_before = host_probe()
+    paths_before = _paths(rig)
     cpu0, t0 = time.process_time(), time.perf_counter()
     deadline = t0 + seconds
     async with asyncio.TaskGroup() as tg:
@@ -340,10 +352,40 @@ async def stream(
             tg.create_task(loader(i) if i < loaders else storer(i))
     wall = time.perf_counter() - t0
     cores = (time.process_time() - cpu0) / wall
+    paths = _paths_since(paths_before, _paths(rig))
     probe = (probe_before + host_probe()) / 2
     return StreamResult(
-        name, moved, wall, times, cores, tasks * job_bytes, reloads=reloads, host_probe_s=probe
+        name,
+        moved,
+        wall,
+        times,
+        cores,
+        tasks * job_bytes,
+        reloads=reloads,
+        host_probe_s=probe,
+        paths=paths,
     )
+
+
+def _paths(rig: Rig) -> dict[str, dict[str, int]]:
+    """Jobs per path so far, per direction (see :func:`_jobs_by_mechanism`)."""
+    return {
+        direction: dict(info.get("jobs_by_mechanism") or {})
+        for direction, info in _jobs_by_mechanism(rig).items()
+    }
+
+
+def _paths_since(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
+    """The jobs each path took between two :func:`_paths` counts (non-zero only)."""
+    out: dict[str, dict[str, int]] = {}
+    for direction, counts in after.items():
+        earlier = before.get(direction, {})
+        moved = {m: n - earlier.get(m, 0) for m, n in counts.items() if n - earlier.get(m, 0)}
+        if moved:
+            out[direction] = moved
+    return out
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -460,13 +502,35 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 tuple(p.rate for p in parts),
                 sum(p.reloads for p in parts),
                 sum(p.host_probe_s * p.seconds for p in parts) / seconds,
+                _paths_since({}, _summed([p.paths for p in parts])),
             )
         )
     return {**first, "single": single, "streams": streams, "passes": len(runs)}
 
 
+def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for per_direction in counts:
+        for direction, per_path in per_direction.items():
+            into = out.setdefault(direction, {})
+            for path, n in per_path.items():
+                into[path] = into.get(path, 0) + n
+    return out
+
+
 def _us(x: float) -> str:
     return f"{x * 1e6:,.0f} us" if x < 1e-2 else f"{x * 1e3:,.2f} ms"
+
+
+def _kernel_shares(s: StreamResult) -> str:
+    """ " kernel stores 0.55 loads 0.15": the share of each direction's jobs in this stream
+    that took the kernel (empty where the handlers do not count paths)."""
+    shares = [
+        f"{label} {share:.2f}"
+        for label, direction in (("stores", "store"), ("loads", "load"))
+        if (share := s.kernel_share(direction)) is not None
+    ]
+    return f" kernel {' '.join(shares)}" if shares else ""
 
 
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
@@ -516,7 +580,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
             cells.append(f"{s.rate / 1e9:.1f} ({ratio:.2f}x) p50 {_us(p50)} p99 {_us(p99)} "
                          f"[<= {_us(bound)}] max {_us(worst)} cpu {s.cpu_cores:.2f} "
                          f"({s.cpu_s_per_job * 1e6:.0f} us/job) host "
-                         f"{s.host_probe_s * 1e6:.0f} us")  # fmt: skip
+                         f"{s.host_probe_s * 1e6:.0f} us{_kernel_shares(s)}")  # fmt: skip
             stream_json.append({"stream": name, "mechanism": run["mechanism"],
                                 "gb_s": s.rate / 1e9, "ratio_to_one_way_bulk": ratio,
                                 "pass_gb_s": [r / 1e9 for r in s.pass_rates],
@@ -524,7 +588,8 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                                 "p99_bound_s": bound, "cpu_cores": s.cpu_cores,
                                 "jobs": len(s.job_times), "reloads": s.reloads,
                                 "cpu_s_per_job": s.cpu_s_per_job,
-                                "host_probe_s": s.host_probe_s})  # fmt: skip
+                                "host_probe_s": s.host_probe_s,
+                                "paths": s.paths})  # fmt: skip
         st.add_row(name, *cells)
     console.print(st)
     probes = [s.host_probe_s for run in runs for s in run["streams"]]

@@ -81,5 +81,23 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     assert all(s["reloads"] == 0 and s["jobs"] > 0 for s in layout["streams"])
     # Each stream says how fast the host ran at the time, and what a job cost the process.
     assert all(s["host_probe_s"] > 0 and s["cpu_s_per_job"] > 0 for s in layout["streams"])
+    assert all(isinstance(s["paths"], dict) for s in layout["streams"])
     (goal,) = layout["goals"]
     assert goal["goal"] == "every stream at 0.7 of a one-thread copy"
+
+
+def test_each_stream_counts_the_paths_its_own_jobs_took() -> None:
+    # The engine's counters run over all its streams: a stream's share is the difference
+    # around it, per direction, and pooled passes add up.
+    from bench.serving import StreamResult, _paths_since, _summed
+
+    before = {"store": {"kernel": 10, "staged": 5}, "load": {"kernel": 3, "staged": 0}}
+    after = {"store": {"kernel": 16, "staged": 7}, "load": {"kernel": 3, "staged": 4}}
+    paths = _paths_since(before, after)
+    assert paths == {"store": {"kernel": 6, "staged": 2}, "load": {"staged": 4}}
+    stream = StreamResult("mixed 4-block", 0, 1.0, [], 1.0, 0, paths=paths)
+    assert stream.kernel_share("store") == 0.75
+    assert stream.kernel_share("load") == 0.0
+    pooled = _summed([paths, {"store": {"kernel": 2}}])
+    assert pooled == {"store": {"kernel": 8, "staged": 2}, "load": {"staged": 4}}
+    assert StreamResult("loads 1-block", 0, 1.0, [], 1.0, 0).kernel_share("store") is None
