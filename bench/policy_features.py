@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in default_trace_paths():
         trace = load_trace(path)
         name = trace.name.removeprefix("mooncake_").split("_")[0]
-        outputs = trace.output_lengths or [0] * trace.num_requests
-        table = _odds(trace.block_ids, outputs, trace.timestamps)
+        table = _odds(trace.block_ids, trace.output_lengths, trace.timestamps)
         result[name] = table
         for feature, buckets in table.items():
             order = sorted(buckets, key=lambda b: (b != "-", int(b) if b != "-" else 0))

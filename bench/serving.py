@@ -502,7 +502,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 tuple(p.rate for p in parts),
                 sum(p.reloads for p in parts),
                 sum(p.host_probe_s * p.seconds for p in parts) / seconds,
-                _paths_since({}, _summed([p.paths for p in parts])),
+                _summed([p.paths for p in parts]),
             )
         )
     return {**first, "single": single, "streams": streams, "passes": len(runs)}

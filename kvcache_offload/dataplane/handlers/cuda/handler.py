@@ -555,28 +555,37 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
         """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
         ``prev`` takes the staged path under ``staged_when_busy`` (see :meth:`pair_with`)."""
-        if self._mixed_job(nbytes, num_jobs):
+        if not self.staged_when_busy:
+            return False
+        # done() and copying() are event queries, not free on the hot path: each is asked
+        # at most once.
+        busy = prev is not None and not prev.done()
+        other = self._other_direction
+        if other is None:
+            return busy
+        # "mixed": the copy engines while the other direction copies too (they overlap it),
+        # behind copies in flight or for jobs of mixed_min_job_bytes on an idle direction;
+        # or, behind copies in flight, for jobs large enough that their copy outlasts the
+        # staged path's extra host time (one way, the copy engines move more of the link
+        # than the kernel).
+        large = self.one_way_min_job_bytes
+        if busy and large > 0 and nbytes >= large * num_jobs:
             return True
-        # Asked only with the rule on: done() is an event query, not free on the hot path.
-        busy = self.staged_when_busy and prev is not None and not prev.done()
-        if busy and self._other_direction is not None:
-            # "mixed": the copy engines while the other direction copies too (they overlap
-            # it), or for jobs large enough that their copy outlasts the staged path's extra
-            # host time (one way, the copy engines move more of the link than the kernel).
-            large = self.one_way_min_job_bytes
-            busy = (large > 0 and nbytes >= large * num_jobs) or self._other_direction.copying()
-        return busy
+        return (busy or self._mixed_size(nbytes, num_jobs)) and other.copying()
+
+    def _mixed_size(self, nbytes: int, num_jobs: int) -> bool:
+        """Whether ``num_jobs`` jobs of ``nbytes`` in all average ``mixed_min_job_bytes``."""
+        least = self.mixed_min_job_bytes
+        return least > 0 and nbytes >= least * num_jobs
 
     def _mixed_job(self, nbytes: int, num_jobs: int) -> bool:
         """Whether ``num_jobs`` jobs of ``nbytes`` in all take the staged path because the
         other direction is copying (see :attr:`mixed_min_job_bytes`)."""
-        least = self.mixed_min_job_bytes
         other = self._other_direction
         return (
-            least > 0
-            and other is not None
+            other is not None
             and self.staged_when_busy
-            and nbytes >= least * num_jobs
+            and self._mixed_size(nbytes, num_jobs)
             and other.copying()
         )
 
