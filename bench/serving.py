@@ -368,9 +368,12 @@ async def stream(
 
 
 def _paths(rig: Rig) -> dict[str, dict[str, int]]:
-    """Jobs per path so far, per direction (see :func:`_jobs_by_mechanism`)."""
+    """Jobs per path so far, per direction (see :func:`_jobs_by_mechanism`), and under
+    "poller" its polls and the times it stopped looking with copies queued behind."""
     return {
-        direction: dict(info.get("jobs_by_mechanism") or {})
+        direction: dict(info.get("jobs_by_mechanism") or info)
+        if direction == "poller"
+        else dict(info.get("jobs_by_mechanism") or {})
         for direction, info in _jobs_by_mechanism(rig).items()
     }
 
@@ -417,6 +420,9 @@ def _jobs_by_mechanism(rig: Rig) -> dict[str, Any]:
         out[info.get("direction", str(i))] = {
             k: info.get(k) for k in ("jobs_by_mechanism", "batches", "batched_jobs")
         }
+    poller = rig.engine._poller
+    if poller is not None:  # how often it stopped looking with copies queued behind
+        out["poller"] = {"polls": poller.polls, "deep_sleeps": poller.deep_sleeps}
     return out
 
 
@@ -523,14 +529,18 @@ def _us(x: float) -> str:
 
 
 def _kernel_shares(s: StreamResult) -> str:
-    """ " kernel stores 0.55 loads 0.15": the share of each direction's jobs in this stream
-    that took the kernel (empty where the handlers do not count paths)."""
+    """ " kernel stores 0.55 loads 0.15 sleeps 40": the share of each direction's jobs in
+    this stream that took the kernel (empty where the handlers do not count paths), and how
+    often the poller stopped looking with copies queued behind (empty where it never did)."""
     shares = [
         f"{label} {share:.2f}"
         for label, direction in (("stores", "store"), ("loads", "load"))
         if (share := s.kernel_share(direction)) is not None
     ]
-    return f" kernel {' '.join(shares)}" if shares else ""
+    sleeps = s.paths.get("poller", {}).get("deep_sleeps")
+    return (f" kernel {' '.join(shares)}" if shares else "") + (
+        f" sleeps {sleeps}" if sleeps else ""
+    )
 
 
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,

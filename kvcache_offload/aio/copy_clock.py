@@ -49,5 +49,9 @@ class CopyClock:
         """Nothing is in flight: no copy is queued behind another any more."""
         self._busy_until.clear()
 
+    def busy_until(self, source: str) -> float:
+        """The predicted end of the last copy issued from ``source`` (0: none predicted)."""
+        return self._busy_until.get(source, 0.0)
+
     def seconds_per_block(self, source: str) -> float | None:
         return self._per_block.get(source)

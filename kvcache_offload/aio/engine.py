@@ -123,7 +123,10 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         if kv_caches is not None:
             self._worker = self._build_worker(kv_caches)
             self._poller = TransferPoller(
-                self._worker, spin_s=poll_spin_s, backoff_s=poll_backoff_s
+                self._worker,
+                spin_s=poll_spin_s,
+                backoff_s=poll_backoff_s,
+                sleep_behind_s=config.completion_sleep_behind_s,
             )
         self._block_memory: BlockMemory | None = None
         self._tiers: EngineTiers | None = self._build_tiers()

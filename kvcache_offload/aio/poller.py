@@ -98,6 +98,7 @@ class TransferPoller:
         completion_spin_s: float = 0.0003,
         predicted_spin_cap_s: float = 0.02,
         close_look_s: float = 2e-5,
+        sleep_behind_s: float = 0.001,
         batch: bool = True,
     ) -> None:
         self.worker = worker
@@ -106,6 +107,17 @@ class TransferPoller:
         self.completion_spin_s = completion_spin_s
         self.predicted_spin_cap_s = predicted_spin_cap_s
         self.close_look_s = close_look_s
+        self.sleep_behind_s = sleep_behind_s
+        """Stop looking while every direction with copies in flight is predicted to stay busy
+        this long after its next copy ends (0: look as long as predicted; see
+        :meth:`_queued_behind`)."""
+        self._changes = 0
+        """Submissions and completions so far: :meth:`_queued_behind` answers again only
+        when the jobs in flight changed."""
+        self._behind_at = -1
+        self._behind = False
+        self.deep_sleeps = 0
+        """Times the poller stopped looking because copies were queued behind the next end."""
         self.close_finds = 0
         """Jobs' ends found by a close look (see :meth:`_look_closely`)."""
         self._copy_clock = CopyClock()
@@ -205,6 +217,7 @@ class TransferPoller:
         if self._wake_per_job:  # only a task that polls or looks reads the time
             self._last_activity = now = perf_counter()
             if self.on_demand:  # only a poller that looks by itself predicts ends
+                self._changes += 1
                 job.blocks, job.source = blocks, source = _blocks_and_source(spec)
                 ends = self._copy_clock.expect(source, blocks, now)
                 if ends > now:
@@ -248,6 +261,34 @@ class TransferPoller:
             now = time.perf_counter()
         return False
 
+    def _queued_behind(self) -> bool:
+        """Whether every direction with copies in flight is predicted to stay busy for at
+        least ``sleep_behind_s`` after its next copy ends.
+
+        Then the link stays busy through the completion watcher's wake-up (~70-640 us on the
+        H200 host), so looking for that end on every loop iteration buys no throughput and
+        costs the loop thread: a one-way stream at link speed spent most of a core on it. A
+        lone copy, or the last copies of a direction, are still looked for (their end is
+        what an awaiting caller waits on). Jobs without a predicted end count as shallow."""
+        if self._behind_at == self._changes:
+            return self._behind
+        self._behind_at = self._changes
+        heads: dict[str, float] = {}
+        for job in self._jobs.values():
+            ends = job.ends
+            if not ends:
+                self._behind = False
+                return False
+            head = heads.get(job.source)
+            if head is None or ends < head:
+                heads[job.source] = ends
+        busy_until = self._copy_clock.busy_until
+        behind = self.sleep_behind_s
+        self._behind = bool(heads) and all(
+            busy_until(source) - head >= behind for source, head in heads.items()
+        )
+        return self._behind
+
     def _flush(self) -> None:
         """Issue what the handlers held this tick: runs once per loop iteration with jobs
         submitted, after every coroutine that was ready in that iteration submitted its own."""
@@ -264,6 +305,7 @@ class TransferPoller:
             return 0
         if not results:
             return 0
+        self._changes += 1
         jobs = self._jobs
         for result in results:
             job = jobs.pop(result.job_id, None)
@@ -343,22 +385,32 @@ class TransferPoller:
                     # A copy in flight should end soon (moments after the last submission
                     # or completion, or within its predicted duration): one loop iteration
                     # is far cheaper than the watcher's wake-up, which on the H200 host
-                    # took ~70-640 us after a long sleep in the driver.
-                    await asyncio.sleep(0)
+                    # took ~70-640 us after a long sleep in the driver. Not while copies
+                    # are queued behind every next end: the link stays busy meanwhile.
+                    if not (self.sleep_behind_s and self._queued_behind()):
+                        await asyncio.sleep(0)
+                        continue
+                    self.deep_sleeps += 1
+                    await self._sleep_on_watchers()
                 else:
-                    self._spinning = False
-                    # A copy that ended while the watchers' wakes were off is seen here.
-                    if self.on_demand:
-                        self.worker.watch_in_flight()
-                        if self.poll_once():
-                            continue
-                    await self._waker.wait(self.backstop_s)
+                    await self._sleep_on_watchers()
             elif self.poll_once():
                 await asyncio.sleep(0)  # let the resumed coroutines run before polling again
             elif time.perf_counter() - self._last_activity < self.spin_s:
                 await asyncio.sleep(0)
             else:
                 await self._waker.wait(self.backoff_s)
+
+    async def _sleep_on_watchers(self) -> None:
+        """Stop looking: hand the copies in flight to the watchers and sleep until one
+        wakes the task (or a submission, or the backstop)."""
+        self._spinning = False
+        # A copy that ended while the watchers' wakes were off is seen here.
+        if self.on_demand:
+            self.worker.watch_in_flight()
+            if self.poll_once():
+                return
+        await self._waker.wait(self.backstop_s)
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until no job is in flight (the poller must be running); False on timeout."""

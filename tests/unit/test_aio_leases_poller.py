@@ -445,3 +445,40 @@ async def test_a_lone_copy_about_to_end_is_found_by_a_close_look() -> None:
             assert (await _one_job(poller)).transfer_time == 0.005
         assert poller.close_finds >= 1
         assert poller.in_flight == 0
+
+
+async def test_copies_queued_behind_the_next_end_are_left_to_the_watcher() -> None:
+    # 20 ms copies: once their length is known, three submitted together are predicted to
+    # end 20, 40 and 60 ms out, so 40 ms of copying is queued behind the next end. With a
+    # 5 ms threshold the poller stops looking and hands them to the watcher; a lone copy
+    # after them is looked for again (its end is what its caller waits on).
+    handler = TimedCopies(0.02)
+    async with _polling(
+        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.2, sleep_behind_s=0.005
+    ) as poller:
+        await _one_job(poller)  # nothing measured yet: watched
+        await _one_job(poller)  # measured now: looked for
+        watched = handler.watch_calls
+        assert poller.deep_sleeps == 0
+        futures = [poller.submit(SPEC, lambda r: None) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+        assert all(r.success for r in results)
+        assert poller.deep_sleeps >= 1
+        assert handler.watch_calls > watched
+        watched, sleeps = handler.watch_calls, poller.deep_sleeps
+        await _one_job(poller)
+        assert (handler.watch_calls, poller.deep_sleeps) == (watched, sleeps)
+        assert poller.in_flight == 0
+
+
+async def test_without_the_threshold_queued_copies_are_looked_for() -> None:
+    handler = TimedCopies(0.02)
+    async with _polling(
+        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.2, sleep_behind_s=0.0
+    ) as poller:
+        await _one_job(poller)
+        watched = handler.watch_calls
+        futures = [poller.submit(SPEC, lambda r: None) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+        assert all(r.success for r in results)
+        assert (handler.watch_calls, poller.deep_sleeps) == (watched, 0)

@@ -183,6 +183,17 @@ def test_staged_mixed_size_is_five_mib_by_default_takes_sizes_and_zero_turns_it_
         OffloadConfig.from_dict({"staged_mixed_min_job_bytes": -1})
 
 
+def test_completion_sleep_behind_is_a_millisecond_by_default_and_zero_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OffloadConfig().completion_sleep_behind_s == 0.001
+    monkeypatch.setenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S", "0")
+    assert OffloadConfig().completion_sleep_behind_s == 0
+    monkeypatch.delenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S")
+    with pytest.raises(ConfigError, match="completion_sleep_behind_s"):
+        OffloadConfig.from_dict({"completion_sleep_behind_s": -1})
+
+
 def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
