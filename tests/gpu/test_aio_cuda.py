@@ -117,7 +117,7 @@ async def test_the_config_sets_staged_when_busy_per_direction() -> None:
         lone = {h.gpu_to_cpu: h.staged_auto_min_job_bytes for h in engine.worker.handlers}
         assert lone == {True: 256 << 20, False: 32 << 20}
         assert [h.mixed_min_job_bytes for h in engine.worker.handlers] == [5 << 20] * 2
-        assert engine._poller is not None and engine._poller.sleep_behind_s == 0.001
+        assert engine._poller is not None and engine._poller.sleep_behind_s == 0.003
         assert engine._poller.on_demand  # the rule applies where the poller looks by itself
     engine, _ = build(
         staged_one_way_min_load_bytes="1MiB",

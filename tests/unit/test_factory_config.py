@@ -183,10 +183,10 @@ def test_staged_mixed_size_is_five_mib_by_default_takes_sizes_and_zero_turns_it_
         OffloadConfig.from_dict({"staged_mixed_min_job_bytes": -1})
 
 
-def test_completion_sleep_behind_is_a_millisecond_by_default_and_zero_turns_it_off(
+def test_completion_sleep_behind_is_three_milliseconds_by_default_and_zero_turns_it_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().completion_sleep_behind_s == 0.001
+    assert OffloadConfig().completion_sleep_behind_s == 0.003
     monkeypatch.setenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S", "0")
     assert OffloadConfig().completion_sleep_behind_s == 0
     monkeypatch.delenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S")
