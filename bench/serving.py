@@ -38,6 +38,8 @@ import contextlib
 import ctypes
 import itertools
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -262,6 +264,9 @@ class StreamResult:
     """:func:`host_probe` around the stream (mean of before and after): how fast the host ran
     the same fixed Python work at the time (see :func:`host_probe`)."""
     paths: dict[str, dict[str, int]] = field(default_factory=dict)
+    thread_cores: dict[str, float] = field(default_factory=dict)
+    """Cores by thread during this stream (:func:`thread_cpu`): ``loop`` is the event-loop
+    thread, the others are named as the process named them (Linux only; else empty)."""
     """Jobs each path took during this stream, per direction (the CUDA handlers'
     ``jobs_by_mechanism``; empty where the handlers do not count). A mixed stream's rate
     follows its stores' path from one engine to the next (docs/transfers.md, sixteenth
@@ -280,6 +285,38 @@ class StreamResult:
     @property
     def rate(self) -> float:
         return self.bytes_moved / self.seconds
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds each thread of this process has used, by thread name (digits dropped, so
+    a pool's threads add up), the calling thread as ``loop``; from ``/proc`` (empty where
+    there is none). Tells the event-loop thread's share of a stream's cores from the
+    watchers', copy threads' and the runtime's own."""
+    task_dir = "/proc/self/task"
+    if not os.path.isdir(task_dir):
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    me = threading.get_native_id()
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        tid = int(entry)
+        name = "loop" if tid == me else names.get(tid, "native").rstrip("0123456789-_ ")
+        out[name or "native"] = (
+            out.get(name or "native", 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        )
+    return out
+
+
+def _cores_between(
+    before: dict[str, float], after: dict[str, float], wall: float
+) -> dict[str, float]:
+    return {k: round((v - before.get(k, 0.0)) / wall, 3) for k, v in after.items()}
 
 
 def host_probe(reps: int = 5) -> float:
@@ -345,6 +382,7 @@ async def stream(
 
     probe_before = host_probe()
     paths_before = _paths(rig)
+    threads_before = thread_cpu()
     cpu0, t0 = time.process_time(), time.perf_counter()
     deadline = t0 + seconds
     async with asyncio.TaskGroup() as tg:
@@ -352,6 +390,7 @@ async def stream(
             tg.create_task(loader(i) if i < loaders else storer(i))
     wall = time.perf_counter() - t0
     cores = (time.process_time() - cpu0) / wall
+    thread_cores = _cores_between(threads_before, thread_cpu(), wall)
     paths = _paths_since(paths_before, _paths(rig))
     probe = (probe_before + host_probe()) / 2
     return StreamResult(
@@ -364,6 +403,7 @@ async def stream(
         reloads=reloads,
         host_probe_s=probe,
         paths=paths,
+        thread_cores=thread_cores,
     )
 
 
@@ -509,9 +549,19 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 sum(p.reloads for p in parts),
                 sum(p.host_probe_s * p.seconds for p in parts) / seconds,
                 _summed([p.paths for p in parts]),
+                _pooled_cores(parts, seconds),
             )
         )
     return {**first, "single": single, "streams": streams, "passes": len(runs)}
+
+
+def _pooled_cores(parts: list[StreamResult], seconds: float) -> dict[str, float]:
+    """The passes' cores by thread, averaged over time."""
+    names = {name for p in parts for name in p.thread_cores}
+    return {
+        name: round(sum(p.thread_cores.get(name, 0.0) * p.seconds for p in parts) / seconds, 3)
+        for name in sorted(names)
+    }
 
 
 def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -526,6 +576,12 @@ def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]
 
 def _us(x: float) -> str:
     return f"{x * 1e6:,.0f} us" if x < 1e-2 else f"{x * 1e3:,.2f} ms"
+
+
+def _loop_share(s: StreamResult) -> str:
+    """ ", loop 0.97": the event-loop thread's cores (empty where threads are not counted)."""
+    loop = s.thread_cores.get("loop")
+    return f", loop {loop:.2f}" if loop is not None else ""
 
 
 def _kernel_shares(s: StreamResult) -> str:
@@ -589,7 +645,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
             worst = max(s.job_times, default=0.0)
             cells.append(f"{s.rate / 1e9:.1f} ({ratio:.2f}x) p50 {_us(p50)} p99 {_us(p99)} "
                          f"[<= {_us(bound)}] max {_us(worst)} cpu {s.cpu_cores:.2f} "
-                         f"({s.cpu_s_per_job * 1e6:.0f} us/job) host "
+                         f"({s.cpu_s_per_job * 1e6:.0f} us/job{_loop_share(s)}) host "
                          f"{s.host_probe_s * 1e6:.0f} us{_kernel_shares(s)}")  # fmt: skip
             stream_json.append({"stream": name, "mechanism": run["mechanism"],
                                 "gb_s": s.rate / 1e9, "ratio_to_one_way_bulk": ratio,
@@ -599,7 +655,8 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                                 "jobs": len(s.job_times), "reloads": s.reloads,
                                 "cpu_s_per_job": s.cpu_s_per_job,
                                 "host_probe_s": s.host_probe_s,
-                                "paths": s.paths})  # fmt: skip
+                                "paths": s.paths,
+                                "thread_cores": s.thread_cores})  # fmt: skip
         st.add_row(name, *cells)
     console.print(st)
     probes = [s.host_probe_s for run in runs for s in run["streams"]]

@@ -82,6 +82,8 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     # Each stream says how fast the host ran at the time, and what a job cost the process.
     assert all(s["host_probe_s"] > 0 and s["cpu_s_per_job"] > 0 for s in layout["streams"])
     assert all(isinstance(s["paths"], dict) for s in layout["streams"])
+    # ... and which threads spent it: the event loop's own share is named.
+    assert all(s["thread_cores"].get("loop", -1) >= 0 for s in layout["streams"])
     (goal,) = layout["goals"]
     assert goal["goal"] == "every stream at 0.7 of a one-thread copy"
 
@@ -101,3 +103,24 @@ def test_each_stream_counts_the_paths_its_own_jobs_took() -> None:
     pooled = _summed([paths, {"store": {"kernel": 2}}])
     assert pooled == {"store": {"kernel": 8, "staged": 2}, "load": {"staged": 4}}
     assert StreamResult("loads 1-block", 0, 1.0, [], 1.0, 0).kernel_share("store") is None
+
+
+def test_thread_cpu_names_the_loop_thread_and_adds_up_a_named_threads_time() -> None:
+    import threading
+    import time
+
+    from bench.serving import thread_cpu
+
+    def burn() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    assert "loop" in thread_cpu()
+    # Read while the thread runs: an ended thread's time leaves /proc with it.
+    worker = threading.Thread(target=burn, name="busy-worker-8")
+    worker.start()
+    time.sleep(0.25)
+    during = thread_cpu()
+    worker.join()
+    assert during.get("busy-worker", 0.0) >= 0.1  # digits dropped: a pool adds up
