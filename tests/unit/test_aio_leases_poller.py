@@ -447,6 +447,13 @@ async def test_a_lone_copy_about_to_end_is_found_by_a_close_look() -> None:
         assert poller.in_flight == 0
 
 
+async def _together(poller: TransferPoller, n: int) -> None:
+    """``n`` jobs submitted in one go, all awaited (each must succeed)."""
+    futures = [poller.submit(SPEC, lambda r: None) for _ in range(n)]
+    results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert all(r.success for r in results)
+
+
 async def test_copies_queued_behind_the_next_end_are_left_to_the_watcher() -> None:
     # 20 ms copies: once their length is known, three submitted together are predicted to
     # end 20, 40 and 60 ms out, so 40 ms of copying is queued behind the next end. With a
@@ -460,9 +467,7 @@ async def test_copies_queued_behind_the_next_end_are_left_to_the_watcher() -> No
         await _one_job(poller)  # measured now: looked for
         watched = handler.watch_calls
         assert poller.deep_sleeps == 0
-        futures = [poller.submit(SPEC, lambda r: None) for _ in range(3)]
-        results = await asyncio.wait_for(asyncio.gather(*futures), 5)
-        assert all(r.success for r in results)
+        await _together(poller, 3)
         assert poller.deep_sleeps >= 1
         assert handler.watch_calls > watched
         watched, sleeps = handler.watch_calls, poller.deep_sleeps
@@ -478,7 +483,5 @@ async def test_without_the_threshold_queued_copies_are_looked_for() -> None:
     ) as poller:
         await _one_job(poller)
         watched = handler.watch_calls
-        futures = [poller.submit(SPEC, lambda r: None) for _ in range(3)]
-        results = await asyncio.wait_for(asyncio.gather(*futures), 5)
-        assert all(r.success for r in results)
+        await _together(poller, 3)
         assert (handler.watch_calls, poller.deep_sleeps) == (watched, 0)
