@@ -431,91 +431,18 @@ static PyTypeObject KernelIssuerType = {
     .tp_methods = issuer_methods,
 };
 
-/* EventQuery: whether a copy's end event has fired, for the poller's looks.
- *
- * torch's Event.query() costs a Python frame, a super() call and a GIL release and re-take
- * around cudaEventQuery; the poller asks once per handler with copies in flight on every
- * loop turn it looks, and the handlers' path choice asks too. Here it is one call with the
- * GIL held (cudaEventQuery does not block). As torch does, a not-ready answer clears the
- * runtime's last-error state, so a later launch check does not see it. */
-
-typedef int (*query_fn)(void *);
-typedef int (*last_error_fn)(void);
-
-enum { CUDA_ERROR_NOT_READY = 600 };
-
-typedef struct {
-    PyObject_HEAD
-    query_fn query;
-    last_error_fn last_error;
-} EventQuery;
-
-static PyObject *event_query_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"query", "last_error", NULL};
-    unsigned long long query = 0, last_error = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KK", kwlist, &query, &last_error)) return NULL;
-    if (!query || !last_error) {
-        PyErr_SetString(PyExc_ValueError, "EventQuery needs both function addresses");
-        return NULL;
-    }
-    EventQuery *self = (EventQuery *)type->tp_alloc(type, 0);
-    if (self == NULL) return NULL;
-    self->query = (query_fn)(uintptr_t)query;
-    self->last_error = (last_error_fn)(uintptr_t)last_error;
-    return (PyObject *)self;
-}
-
-/* fired(handle) -> True (fired, or never created: handle 0), False (not yet), or None (the
- * query failed: the caller asks torch, which raises the error with its message). */
-static PyObject *event_query_fired(EventQuery *self, PyObject *arg) {
-    void *event = PyLong_AsVoidPtr(arg);
-    if (event == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_TRUE;
-    }
-    int code = self->query(event);
-    if (code == 0) Py_RETURN_TRUE;
-    if (code == CUDA_ERROR_NOT_READY) {
-        (void)self->last_error();
-        Py_RETURN_FALSE;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef event_query_methods[] = {
-    {"fired", (PyCFunction)event_query_fired, METH_O,
-     "fired(event handle) -> True, False, or None when the query failed"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject EventQueryType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvcache_offload.dataplane.copy._kernel_issue."
-                                             "EventQuery",
-    .tp_basicsize = sizeof(EventQuery),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "cudaEventQuery for the poller's looks, called with the GIL held.",
-    .tp_new = event_query_new,
-    .tp_methods = event_query_methods,
-};
-
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernel_issue",
     "One kernel copy (upload, ordering, events, launch) enqueued in one call.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__kernel_issue(void) {
-    if (PyType_Ready(&KernelIssuerType) < 0 || PyType_Ready(&EventQueryType) < 0) return NULL;
+    if (PyType_Ready(&KernelIssuerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&KernelIssuerType);
     if (PyModule_AddObject(m, "KernelIssuer", (PyObject *)&KernelIssuerType) < 0) {
         Py_DECREF(&KernelIssuerType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&EventQueryType);
-    if (PyModule_AddObject(m, "EventQuery", (PyObject *)&EventQueryType) < 0) {
-        Py_DECREF(&EventQueryType);
         Py_DECREF(m);
         return NULL;
     }

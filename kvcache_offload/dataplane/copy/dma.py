@@ -17,8 +17,6 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -143,9 +141,6 @@ class CudaRuntime:
         self._stream_wait.restype = ctypes.c_int
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
-        self.event_fired: Callable[[int], bool | None] | None = _event_fired(self.lib)
-        """``cudaEventQuery`` of a raw event handle from C, the GIL held: True (fired), False
-        (not yet) or None (the query failed); None where the extension is not built."""
 
     @property
     def memcpy_address(self) -> int:
@@ -272,20 +267,6 @@ class CudaRuntime:
 _runtime: CudaRuntime | None = None
 _runtime_error: str | None = None
 _lock = threading.Lock()
-
-
-def _event_fired(lib: Any) -> Callable[[int], bool | None] | None:
-    """The extension's ``EventQuery.fired`` bound to ``lib``'s runtime, or None."""
-    try:
-        from kvcache_offload.dataplane.copy._kernel_issue import EventQuery
-    except ImportError:  # built without a C compiler: torch's Event.query() is used
-        return None
-    query = ctypes.cast(lib.cudaEventQuery, ctypes.c_void_p).value or 0
-    last_error = ctypes.cast(lib.cudaGetLastError, ctypes.c_void_p).value or 0
-    if not query or not last_error:
-        return None
-    fired: Callable[[int], bool | None] = EventQuery(query=query, last_error=last_error).fired
-    return fired
 
 
 def get_cuda_runtime() -> CudaRuntime | None:

@@ -40,12 +40,7 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     KernelConfig,
     triton_available,
 )
-from kvcache_offload.dataplane.handlers.cuda.inflight import (
-    CopyPools,
-    CopyWatch,
-    InFlightCopy,
-    use_event_query,
-)
+from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
@@ -178,7 +173,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
         runtime = get_cuda_runtime()
         self._runtime = runtime
-        use_event_query(runtime.event_fired if runtime is not None else None)
         self.kernel_ok, self.dma_ok, reasons = probe_paths(runtime, cpu_tensors)
         self.staged_ok = self.dma_ok and triton_available()[0]
         if not self.staged_ok:

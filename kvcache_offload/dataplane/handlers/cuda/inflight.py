@@ -53,19 +53,6 @@ class TableSlot:
         return self.host_np
 
 
-_event_fired: Callable[[int], bool | None] | None = None
-"""How :meth:`InFlightCopy.done` asks whether an end event fired: the runtime's C query
-(:attr:`CudaRuntime.event_fired`), or torch's ``Event.query()`` where it is None."""
-
-
-def use_event_query(fired: Callable[[int], bool | None] | None) -> None:
-    """Ask end events through ``fired`` (the handlers set the runtime's C query; None: torch).
-    The poller asks on every loop turn it looks, and the handlers' path choice asks too: torch's
-    query cost a Python frame and a GIL release around each ``cudaEventQuery``."""
-    global _event_fired
-    _event_fired = fired
-
-
 @dataclass
 class InFlightCopy:
     jobs: list[tuple[int, int]]
@@ -92,12 +79,7 @@ class InFlightCopy:
                 return False
             if not self.staged.end_recorded:
                 return True
-        fired = _event_fired
-        if fired is not None:
-            answer = fired(self.end_event.cuda_event)
-            if answer is not None:
-                return answer
-        return bool(self.end_event.query())  # raises the failed query's error
+        return bool(self.end_event.query())
 
     def synchronize(self) -> None:
         if self.staged is not None:
