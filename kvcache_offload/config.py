@@ -158,8 +158,8 @@ class OffloadConfig(BaseSettings):
     event-loop iteration) and lets the completion watchers wake it while every direction with
     copies in flight is predicted to stay busy this long after its next copy ends. The link
     then stays busy through the watcher's wake-up, and a one-way stream at link speed no
-    longer spends the loop thread looking: on an H200, 32 tasks of 8 MiB loads or stores
-    moved the same bytes on 0.76-0.91 cores instead of 1.02-1.03. At 3 ms the mixed and
+    longer spends the loop thread looking: on an H200, 32 tasks of 4-block loads or stores
+    moved the same bytes on 0.55-0.97 cores instead of 1.02-1.07. At 3 ms the mixed and
     1-block streams (2.4 and 1.2 ms queued per direction) look as before. A lone copy, and a
     direction's last copies, are always looked for. 0: always look while an end is
     predicted (docs/transfers.md, seventeenth session)."""

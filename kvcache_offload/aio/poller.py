@@ -24,8 +24,8 @@ backend: on two cores, a looking loop took the core its copy threads needed, and
 fell from 0.78 to 0.46 of a single-thread copy.) Nor while every direction with copies in
 flight is predicted to stay busy ``sleep_behind_s`` past its next end: the watchers' wake-up
 then costs no throughput (the queued copies keep the link busy), and a one-way stream at link
-speed stopped spending the loop thread on looks (H200: 0.76-0.91 cores instead of 1.02 for
-the same bytes). Past that window the task only
+speed stopped spending the loop thread on looks (H200: 0.55-0.97 cores instead of 1.02-1.07
+for the same bytes). Past that window the task only
 sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
 many jobs finished together, and the task polls again at least every ``backstop_s`` while
 jobs are in flight (a safety net that a correct handler never needs).
