@@ -111,16 +111,21 @@ def test_thread_cpu_names_the_loop_thread_and_adds_up_a_named_threads_time() -> 
 
     from bench.serving import thread_cpu
 
+    burned, release = threading.Event(), threading.Event()
+
     def burn() -> None:
-        end = time.thread_time() + 0.3
-        while time.thread_time() < end:
+        while time.thread_time() < 0.15:  # this thread's own CPU time, however busy the host
             pass
+        burned.set()
+        release.wait()  # stay alive: an ended thread's time leaves /proc with it
 
     assert "loop" in thread_cpu()
-    # Read while the thread runs: an ended thread's time leaves /proc with it.
     worker = threading.Thread(target=burn, name="busy-worker-8")
     worker.start()
-    time.sleep(0.25)
-    during = thread_cpu()
-    worker.join()
+    try:
+        assert burned.wait(60)
+        during = thread_cpu()
+    finally:
+        release.set()
+        worker.join()
     assert during.get("busy-worker", 0.0) >= 0.1  # digits dropped: a pool adds up
