@@ -455,13 +455,14 @@ async def _together(poller: TransferPoller, n: int) -> None:
 
 
 async def test_copies_queued_behind_the_next_end_are_left_to_the_watcher() -> None:
-    # 20 ms copies: once their length is known, three submitted together are predicted to
-    # end 20, 40 and 60 ms out, so 40 ms of copying is queued behind the next end. With a
-    # 5 ms threshold the poller stops looking and hands them to the watcher; a lone copy
-    # after them is looked for again (its end is what its caller waits on).
-    handler = TimedCopies(0.02)
+    # 100 ms copies: once their length is known, three submitted together are predicted to
+    # end 100, 200 and 300 ms out, so 200 ms of copying is queued behind the next end (the
+    # poller's first look comes long before any of them ends, even on a loaded machine).
+    # With a 5 ms threshold the poller stops looking and hands them to the watcher; a lone
+    # copy after them is looked for again (its end is what its caller waits on).
+    handler = TimedCopies(0.1)
     async with _polling(
-        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.2, sleep_behind_s=0.005
+        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.5, sleep_behind_s=0.005
     ) as poller:
         await _one_job(poller)  # nothing measured yet: watched
         await _one_job(poller)  # measured now: looked for
@@ -477,9 +478,9 @@ async def test_copies_queued_behind_the_next_end_are_left_to_the_watcher() -> No
 
 
 async def test_without_the_threshold_queued_copies_are_looked_for() -> None:
-    handler = TimedCopies(0.02)
+    handler = TimedCopies(0.1)
     async with _polling(
-        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.2, sleep_behind_s=0.0
+        handler, completion_spin_s=0.02, predicted_spin_cap_s=0.5, sleep_behind_s=0.0
     ) as poller:
         await _one_job(poller)
         watched = handler.watch_calls
