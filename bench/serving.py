@@ -264,13 +264,14 @@ class StreamResult:
     """:func:`host_probe` around the stream (mean of before and after): how fast the host ran
     the same fixed Python work at the time (see :func:`host_probe`)."""
     paths: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Jobs each path took during this stream, per direction (the CUDA handlers'
+    ``jobs_by_mechanism``; empty where the handlers do not count), and under "poller" its
+    polls and sleeps. A mixed stream's rate follows its stores' path from one engine to the
+    next (docs/transfers.md, sixteenth session), which the engine's totals over all its
+    streams do not show."""
     thread_cores: dict[str, float] = field(default_factory=dict)
     """Cores by thread during this stream (:func:`thread_cpu`): ``loop`` is the event-loop
     thread, the others are named as the process named them (Linux only; else empty)."""
-    """Jobs each path took during this stream, per direction (the CUDA handlers'
-    ``jobs_by_mechanism``; empty where the handlers do not count). A mixed stream's rate
-    follows its stores' path from one engine to the next (docs/transfers.md, sixteenth
-    session), which the engine's totals over all its streams do not show."""
 
     def kernel_share(self, direction: str) -> float | None:
         """The share of this stream's jobs of ``direction`` that took the kernel, or None."""
@@ -306,10 +307,8 @@ def thread_cpu() -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         tid = int(entry)
-        name = "loop" if tid == me else names.get(tid, "native").rstrip("0123456789-_ ")
-        out[name or "native"] = (
-            out.get(name or "native", 0.0) + (int(fields[11]) + int(fields[12])) / tick
-        )
+        name = "loop" if tid == me else names.get(tid, "").rstrip("0123456789-_ ") or "native"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -411,9 +410,9 @@ def _paths(rig: Rig) -> dict[str, dict[str, int]]:
     """Jobs per path so far, per direction (see :func:`_jobs_by_mechanism`), and under
     "poller" its polls and the times it stopped looking with copies queued behind."""
     return {
-        direction: dict(info.get("jobs_by_mechanism") or info)
-        if direction == "poller"
-        else dict(info.get("jobs_by_mechanism") or {})
+        # A handler's entry holds its counts under "jobs_by_mechanism" (None where it does
+        # not count); the poller's entry is its counts.
+        direction: dict(info.get("jobs_by_mechanism", info) or {})
         for direction, info in _jobs_by_mechanism(rig).items()
     }
 
