@@ -130,6 +130,11 @@ class EngineCollector(Collector):
             "evicted_blocks", "Blocks evicted.", "policy", {s.policy: s.evicted_blocks}
         )
         yield _counter(
+            "discarded_blocks",
+            "Blocks freed on a caller's word that nobody needs them again (session ends).",
+            s.discarded_blocks,
+        )
+        yield _counter(
             "reuse_filter_skipped_blocks",
             "Blocks not stored by the reuse filter.",
             s.reuse_filter_skipped_blocks,

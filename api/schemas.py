@@ -105,6 +105,12 @@ class Touched(BaseModel):
     touched: int
 
 
+class Discarded(BaseModel):
+    discarded: list[str] = Field(
+        description="Keys freed (hex); absent keys and blocks being written or read stay."
+    )
+
+
 class StoreCompleted(BaseModel):
     lease_id: str
     keys: list[str] = Field(description="Keys the completion made loadable (or dropped).")

@@ -180,6 +180,16 @@ class OffloadClient(AsyncClosing):
         out = await self._post("/v1/touch", _keys_body(keys, source))
         return int(out["touched"])
 
+    async def discard(
+        self,
+        keys: Sequence[OffloadKey | bytes | str] | None = None,
+        **source: Unpack[TokenSource],
+    ) -> list[OffloadKey]:
+        """Free blocks nobody will ask for again (a finished session's own keys); returns
+        the keys freed."""
+        out = await self._post("/v1/discard", _keys_body(keys, source))
+        return _keys(out["discarded"])
+
     # -- leases ------------------------------------------------------------------------------
 
     async def prepare_store(

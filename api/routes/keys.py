@@ -1,4 +1,5 @@
-"""Lookup and touch: which prefix of a request is offloaded, and keeping it warm."""
+"""Lookup, touch and discard: which prefix of a request is offloaded, keeping it warm, and
+letting a finished session's blocks go."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvcache_offload.aio.wire import to_wire
 
 from ..deps import config_of, engine_of
 from ..responses import FastJSONResponse
-from ..schemas import KeysRequest, Touched
+from ..schemas import Discarded, KeysRequest, Touched
 from ._body import json_body
 from ._keys import parse_keys, request_context
 
@@ -52,3 +53,12 @@ async def touch(request: Request) -> FastJSONResponse:
     body, keys = await parse_keys(raw, KeysRequest, config_of(request).max_keys_per_request)
     await engine_of(request).touch(keys, request_context(body))
     return FastJSONResponse({"touched": len(keys)})
+
+
+@router.post("/discard", response_model=Discarded, openapi_extra=json_body(KeysRequest))
+async def discard(request: Request) -> FastJSONResponse:
+    """Free blocks nobody will ask for again (a finished session's own keys)."""
+    raw = await request.body()
+    _, keys = await parse_keys(raw, KeysRequest, config_of(request).max_keys_per_request)
+    dropped = await engine_of(request).discard(keys)
+    return FastJSONResponse({"discarded": [key.hex() for key in dropped]})

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache_offload.aio.engine_base import EngineBase
+from kvcache_offload.aio.engine_steps import ManagerSteps
 from kvcache_offload.aio.tiering import CPU_TIER
 from kvcache_offload.aio.types import KeyState, LookupResult
+from kvcache_offload.contracts.capabilities import DiscardsBlocks
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.errors import ConfigError
 
 __all__ = ["Lookups"]
 
@@ -25,8 +27,8 @@ _NO_CONTEXT = ReqContext()
 """Shared by calls that pass no context (managers only read it)."""
 
 
-class Lookups(EngineBase):
-    """``lookup``, ``lookup_now`` and ``touch``."""
+class Lookups(ManagerSteps):
+    """``lookup``, ``lookup_now``, ``touch`` and ``discard``."""
 
     async def lookup(
         self,
@@ -102,3 +104,26 @@ class Lookups(EngineBase):
     ) -> None:
         """Mark keys recently used; the first key ends up most recently used."""
         self.manager.touch(keys, req_context if req_context is not None else _NO_CONTEXT)
+
+    async def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Free the CPU tier's idle blocks of ``keys`` now, because nobody will ask for them
+        again: a serving engine calls it with a session's own keys when the session ends
+        (the keys its stores returned). Returns the keys freed; absent keys and blocks being
+        written or read are left alone. Subscribers see them evicted.
+
+        No policy can tell a dead block from one whose session is just pausing, and on the
+        Mooncake conversation trace that knowledge is worth more than any policy
+        (``docs/policy-lab.md``, eighteenth round). A key discarded too early only costs a
+        miss: it is stored again on its next request."""
+        return self.discard_now(keys)
+
+    def discard_now(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """:meth:`discard` for callers already on the loop thread."""
+        self._check_open()
+        manager = self.manager
+        if not isinstance(manager, DiscardsBlocks):
+            raise ConfigError(f"{type(manager).__name__} cannot discard blocks")
+        dropped = manager.discard(keys)
+        self._totals.discarded_blocks += len(dropped)
+        self._publish_manager_events()
+        return dropped

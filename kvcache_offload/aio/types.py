@@ -261,6 +261,8 @@ class EngineStats(WireShape):
     """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
     """Blocks the eviction policy dropped to make room."""
+    discarded_blocks: int = 0
+    """Blocks freed because a caller said nobody needs them again (``discard``)."""
     reuse_filter_skipped_blocks: int = 0
     """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)

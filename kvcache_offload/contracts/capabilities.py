@@ -17,6 +17,7 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 __all__ = [
     "CapacityObserver",
     "CountsFencedSlots",
+    "DiscardsBlocks",
     "FencesSlots",
     "HasBlockMemory",
     "LookupObserver",
@@ -95,6 +96,14 @@ class FencesSlots(Protocol):
     def fence(self, keys: Sequence[OffloadKey]) -> list[int]: ...
 
     def release_fenced(self, block_ids: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class DiscardsBlocks(Protocol):
+    """A manager that frees idle blocks on the caller's word that they are dead (a closed
+    session's own blocks): see ``CPUOffloadingManager.discard``."""
+
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]: ...
 
 
 @runtime_checkable

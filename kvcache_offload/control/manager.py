@@ -77,6 +77,8 @@ class CPUManagerStats:
     policy: str
     fenced: int = 0
     """Slots held back from reuse because a client may still write them (see ``fence``)."""
+    discarded_blocks: int = 0
+    """Blocks freed on a caller's word that nobody needs them again (see ``discard``)."""
 
     @property
     def used(self) -> int:
@@ -150,6 +152,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._stored_blocks = 0
         self._failed_store_blocks = 0
         self._loaded_blocks = 0
+        self._discarded_blocks = 0
 
     # -- introspection -------------------------------------------------------------------
 
@@ -184,6 +187,7 @@ class CPUOffloadingManager(OffloadingManager):
             loaded_blocks=self._loaded_blocks,
             policy=self._policy_name,
             fenced=len(self._fenced),
+            discarded_blocks=self._discarded_blocks,
         )
 
     # -- lookups and loads ---------------------------------------------------------------
@@ -403,6 +407,35 @@ class CPUOffloadingManager(OffloadingManager):
                 failed += 1
         self._writing -= failed
         self._failed_store_blocks += failed
+
+    def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Free the idle blocks of ``keys`` now: the caller knows nobody will ask for them
+        again (a closed session's own blocks). Returns the keys dropped, published as one
+        eviction event; absent keys and blocks being written or read are left as they are.
+
+        The policy cannot know which blocks are dead, and the lab's dead-block oracle
+        (``docs/policy-lab.md``) is worth more than any policy on the conversation trace: a
+        hint from the serving engine is the one source of that knowledge.
+        """
+        _check_keys(keys)
+        table = self._blocks
+        remove = self._policy.remove
+        free_list = self._free_list
+        dropped: list[OffloadKey] = []
+        for key in keys:
+            block = table.get(key)
+            if block is None or block.ref_cnt != 0:
+                continue
+            remove(key)
+            if not self._shared_table:
+                del table[key]
+            block.ref_cnt = -1  # a free slot waits in the state a new store needs
+            free_list.append(block)
+            dropped.append(key)
+        self._discarded_blocks += len(dropped)
+        if dropped and self.events is not None:
+            self.events.append(OffloadingEvent(dropped, MEDIUM, removed=True))
+        return dropped
 
     # -- events and lifecycle ------------------------------------------------------------
 

@@ -84,6 +84,7 @@ async def test_openapi_documents_every_route() -> None:
     for path in (
         "/v1/lookup",
         "/v1/touch",
+        "/v1/discard",
         "/v1/store/prepare",
         "/v1/store/complete",
         "/v1/load/prepare",

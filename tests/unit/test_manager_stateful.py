@@ -104,6 +104,23 @@ class ManagerModel(RuleBasedStateMachine):
     def touch(self, ids: list[int]) -> None:
         self.m.touch([key(i) for i in ids])
 
+    @rule(ids=key_ids)
+    def discard(self, ids: list[int]) -> None:
+        # Only idle blocks go (each once, in the order named); writes and reads in flight
+        # stay, and the freed slots are reusable (the invariants below check the counts).
+        ks = [key(i) for i in ids]
+        list(self.m.take_events())
+        expected = list(dict.fromkeys(k for k in ks if k in self.ready and self.readers[k] == 0))
+        assert self.m.discard(ks) == expected
+        for k in expected:
+            del self.ready[k]
+        events = list(self.m.take_events())
+        if expected:
+            (event,) = events
+            assert event.removed and event.keys == expected
+        else:
+            assert events == []
+
     @rule(i=st.integers(0, KEY_SPACE - 1))
     def misuse_is_rejected_without_change(self, i: int) -> None:
         k = key(i)

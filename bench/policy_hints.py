@@ -1,0 +1,152 @@
+"""Session-end hints: what ``discard`` is worth when the serving engine says a session ended.
+
+    python -m bench.policy_hints [--trace PATH] [--policies lru,adaptive]
+                                 [--capacities 1%,2%,5%,10%,20%,3%,7%,15%]
+                                 [--delays-s 0,10,30,60,120]
+
+No eviction policy can tell a finished conversation's blocks from a paused one's, and the
+lab's dead-block oracle is worth more than any policy on the conversation trace
+(``docs/policy-lab.md``). A serving engine knows when a session ends (the client closes it,
+or it times out); ``OffloadEngine.discard`` / ``POST /v1/discard`` let it say so. This
+replays a Mooncake trace through the real manager with the lab driver's call sequence and,
+``delay`` seconds of trace time after a conversation's last request, discards the keys that
+conversation's own stores returned: what a serving engine would pass. The trace has no
+session ids, so conversations are inferred: a request continues the earlier request whose
+full blocks (all but its last, possibly partial, block) are the longest prefix of its keys,
+at least ``--min-depth`` blocks deep (shallower shared prefixes are system prompts, not a
+conversation). The hint knows only that no further request of that chain comes; a key
+shared with another conversation is still discarded (a wrong hint costs a miss, measured
+here), and a later request that restarts a chain below ``--min-depth`` counts as a new
+conversation. Prints block hit rates and the share of the LRU -> Belady gap closed, next to
+the same policy without hints, and writes JSON under ``bench/out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench._common import write_json
+from kvcache_offload.contracts.manager import ReqContext
+from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.manager import CPUOffloadingManager
+from kvcache_offload.lab.belady import belady_hits
+from kvcache_offload.lab.sweep import parse_capacities
+from kvcache_offload.lab.trace import Trace, default_trace_paths, load_trace
+
+
+def conversations(keys: Sequence[Sequence[OffloadKey]], min_depth: int = 2) -> list[int]:
+    """Each request's conversation: the index of the conversation's first request."""
+    ends: dict[tuple[int, OffloadKey], int] = {}
+    out: list[int] = []
+    for j, ks in enumerate(keys):
+        parent = None
+        for depth in range(len(ks) - 1, min_depth - 1, -1):
+            parent = ends.get((depth, ks[depth - 1]))
+            if parent is not None:
+                break
+        out.append(out[parent] if parent is not None else j)
+        if len(ks) > 1:
+            ends[(len(ks) - 1, ks[-2])] = j
+    return out
+
+
+def replay_with_hints(
+    trace: Trace, policy: str, capacity: int, conv: list[int], delay_s: float | None
+) -> float:
+    """Block hit rate (%) of ``policy``; ``delay_s`` None: no hints."""
+    manager = CPUOffloadingManager(capacity, policy)
+    ctx = ReqContext("hints")
+    last = {c: j for j, c in enumerate(conv)}
+    stored_by: dict[int, list[OffloadKey]] = collections.defaultdict(list)
+    due: collections.deque[tuple[float, int]] = collections.deque()
+    hits = total = 0
+    for j, keys in enumerate(trace.keys):
+        now = trace.timestamps[j]
+        while due and due[0][0] <= now:
+            manager.discard(stored_by.pop(due.popleft()[1], []))
+        n = len(keys)
+        h = 0
+        for key in keys:
+            if manager.lookup(key, ctx) is not True:
+                break
+            h += 1
+        manager.touch(keys, ctx)
+        if h:
+            manager.prepare_load(keys[:h], ctx)
+            manager.complete_load(keys[:h], ctx)
+        if h < n:
+            out = manager.prepare_store(keys[h:], ctx)
+            if out is not None and out.keys_to_store:
+                manager.complete_store(out.keys_to_store, ctx)
+                stored_by[conv[j]].extend(out.keys_to_store)
+        hits += h
+        total += n
+        if delay_s is not None and last[conv[j]] == j:
+            # Trace timestamps are milliseconds, sorted, so the queue stays in order.
+            due.append((now + delay_s * 1000.0, conv[j]))
+    return 100.0 * hits / max(1, total)
+
+
+def _default_trace() -> Path:
+    paths = default_trace_paths()
+    return next((p for p in paths if "conversation" in p.name), paths[0])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench.policy_hints", description=__doc__)
+    parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--policies", default="lru,adaptive")
+    parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")
+    parser.add_argument("--delays-s", default="0,10,30,60,120")
+    parser.add_argument("--min-depth", type=int, default=2)
+    parser.add_argument("--no-json", action="store_true")
+    args = parser.parse_args(argv)
+    trace = load_trace(args.trace or _default_trace())
+    unique = len({k for ks in trace.keys for k in ks})
+    conv = conversations(trace.keys, args.min_depth)
+    delays = [float(d) for d in args.delays_s.split(",") if d]
+    policies = args.policies.split(",")
+    rows: list[dict[str, Any]] = []
+    for cap in parse_capacities(args.capacities):
+        label, capacity = cap.label(), cap.blocks(unique)
+        lru = replay_with_hints(trace, "lru", capacity, conv, None)
+        belady = 100.0 * belady_hits(trace, capacity).block_hit_rate
+        for policy in policies:
+            row: dict[str, Any] = {"capacity": label, "blocks": capacity, "policy": policy,
+                                   "lru": lru, "belady": belady}  # fmt: skip
+            row["none"] = lru if policy == "lru" else replay_with_hints(
+                trace, policy, capacity, conv, None
+            )  # fmt: skip
+            for delay in delays:
+                row[f"{delay:g} s"] = replay_with_hints(trace, policy, capacity, conv, delay)
+            rows.append(row)
+    table = Table(title=f"{trace.name}: block hit % (share of the LRU -> Belady gap) with "
+                  f"session-end discards; {len(set(conv))} conversations inferred")  # fmt: skip
+    for column in ("capacity", "policy", "Belady", "no hints", *[f"{d:g} s" for d in delays]):
+        table.add_column(column, justify="right")
+    for row in rows:
+        gap = row["belady"] - row["lru"]
+
+        def cell(value: float, gap: float = gap, lru: float = row["lru"]) -> str:
+            share = (value - lru) / gap * 100 if gap > 0 else 0.0
+            return f"{value:.2f} ({share:+.0f}%)"
+
+        table.add_row(row["capacity"], row["policy"], f"{row['belady']:.2f}", cell(row["none"]),
+                      *[cell(row[f"{d:g} s"]) for d in delays])  # fmt: skip
+    Console().print(table)
+    out = {"trace": trace.name, "conversations": len(set(conv)), "rows": rows, "args": vars(args)}
+    out["args"]["trace"] = str(args.trace) if args.trace else None
+    if not args.no_json:
+        write_json("policy-hints", out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
