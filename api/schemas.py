@@ -105,6 +105,10 @@ class Touched(BaseModel):
     touched: int
 
 
+class Released(BaseModel):
+    released: int = Field(description="Present keys marked to be evicted first.")
+
+
 class Discarded(BaseModel):
     discarded: list[str] = Field(
         description="Keys freed (hex); absent keys and blocks being written or read stay."

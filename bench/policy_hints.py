@@ -58,10 +58,18 @@ def conversations(keys: Sequence[Sequence[OffloadKey]], min_depth: int = 2) -> l
 
 
 def replay_with_hints(
-    trace: Trace, policy: str, capacity: int, conv: list[int], delay_s: float | None
+    trace: Trace,
+    policy: str,
+    capacity: int,
+    conv: list[int],
+    delay_s: float | None,
+    mode: str = "discard",
 ) -> float:
-    """Block hit rate (%) of ``policy``; ``delay_s`` None: no hints."""
+    """Block hit rate (%) of ``policy``; ``delay_s`` None: no hints. ``mode``: the
+    manager's ``discard`` (freed at once) or ``release`` (evicted first when room is
+    needed, unless used again)."""
     manager = CPUOffloadingManager(capacity, policy)
+    hint = manager.release if mode == "release" else manager.discard
     ctx = ReqContext("hints")
     last = {c: j for j, c in enumerate(conv)}
     stored_by: dict[int, list[OffloadKey]] = collections.defaultdict(list)
@@ -70,7 +78,7 @@ def replay_with_hints(
     for j, keys in enumerate(trace.keys):
         now = trace.timestamps[j]
         while due and due[0][0] <= now:
-            manager.discard(stored_by.pop(due.popleft()[1], []))
+            hint(stored_by.pop(due.popleft()[1], []))
         n = len(keys)
         h = 0
         for key in keys:
@@ -106,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")
     parser.add_argument("--delays-s", default="0,10,30,60,120")
     parser.add_argument("--min-depth", type=int, default=2)
+    parser.add_argument(
+        "--modes", default="discard,release", help="discard (free at once), release (evict first)"
+    )
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
     trace = load_trace(args.trace or _default_trace())
@@ -119,17 +130,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lru = replay_with_hints(trace, "lru", capacity, conv, None)
         belady = 100.0 * belady_hits(trace, capacity).block_hit_rate
         for policy in policies:
-            row: dict[str, Any] = {"capacity": label, "blocks": capacity, "policy": policy,
-                                   "lru": lru, "belady": belady}  # fmt: skip
-            row["none"] = lru if policy == "lru" else replay_with_hints(
+            none = lru if policy == "lru" else replay_with_hints(
                 trace, policy, capacity, conv, None
             )  # fmt: skip
-            for delay in delays:
-                row[f"{delay:g} s"] = replay_with_hints(trace, policy, capacity, conv, delay)
-            rows.append(row)
+            for mode in args.modes.split(","):
+                row: dict[str, Any] = {"capacity": label, "blocks": capacity, "policy": policy,
+                                       "mode": mode, "lru": lru, "belady": belady,
+                                       "none": none}  # fmt: skip
+                for delay in delays:
+                    row[f"{delay:g} s"] = replay_with_hints(
+                        trace, policy, capacity, conv, delay, mode
+                    )
+                rows.append(row)
     table = Table(title=f"{trace.name}: block hit % (share of the LRU -> Belady gap) with "
                   f"session-end discards; {len(set(conv))} conversations inferred")  # fmt: skip
-    for column in ("capacity", "policy", "Belady", "no hints", *[f"{d:g} s" for d in delays]):
+    for column in ("capacity", "policy", "hint", "Belady", "no hints",
+                   *[f"{d:g} s" for d in delays]):  # fmt: skip
         table.add_column(column, justify="right")
     for row in rows:
         gap = row["belady"] - row["lru"]
@@ -138,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             share = (value - lru) / gap * 100 if gap > 0 else 0.0
             return f"{value:.2f} ({share:+.0f}%)"
 
-        table.add_row(row["capacity"], row["policy"], f"{row['belady']:.2f}", cell(row["none"]),
+        table.add_row(row["capacity"], row["policy"], row["mode"], f"{row['belady']:.2f}",
+                      cell(row["none"]),
                       *[cell(row[f"{d:g} s"]) for d in delays])  # fmt: skip
     Console().print(table)
     out = {"trace": trace.name, "conversations": len(set(conv)), "rows": rows, "args": vars(args)}

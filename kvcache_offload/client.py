@@ -190,6 +190,15 @@ class OffloadClient(AsyncClosing):
         out = await self._post("/v1/discard", _keys_body(keys, source))
         return _keys(out["discarded"])
 
+    async def release(
+        self,
+        keys: Sequence[OffloadKey | bytes | str] | None = None,
+        **source: Unpack[TokenSource],
+    ) -> int:
+        """Evict these blocks first when room is needed, unless asked for again."""
+        out = await self._post("/v1/release", _keys_body(keys, source))
+        return int(out["released"])
+
     # -- leases ------------------------------------------------------------------------------
 
     async def prepare_store(

@@ -14,7 +14,7 @@ from kvcache_offload.aio.wire import to_wire
 
 from ..deps import config_of, engine_of
 from ..responses import FastJSONResponse
-from ..schemas import Discarded, KeysRequest, Touched
+from ..schemas import Discarded, KeysRequest, Released, Touched
 from ._body import json_body
 from ._keys import parse_keys, request_context
 
@@ -62,3 +62,12 @@ async def discard(request: Request) -> FastJSONResponse:
     _, keys = await parse_keys(raw, KeysRequest, config_of(request).max_keys_per_request)
     dropped = await engine_of(request).discard(keys)
     return FastJSONResponse({"discarded": [key.hex() for key in dropped]})
+
+
+@router.post("/release", response_model=Released, openapi_extra=json_body(KeysRequest))
+async def release(request: Request) -> FastJSONResponse:
+    """Evict these blocks first when room is needed, unless asked for again (a session that
+    probably ended)."""
+    raw = await request.body()
+    _, keys = await parse_keys(raw, KeysRequest, config_of(request).max_keys_per_request)
+    return FastJSONResponse({"released": await engine_of(request).release(keys)})

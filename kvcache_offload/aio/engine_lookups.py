@@ -28,7 +28,7 @@ _NO_CONTEXT = ReqContext()
 
 
 class Lookups(ManagerSteps):
-    """``lookup``, ``lookup_now``, ``touch`` and ``discard``."""
+    """``lookup``, ``lookup_now``, ``touch``, ``discard`` and ``release``."""
 
     async def lookup(
         self,
@@ -117,13 +117,24 @@ class Lookups(ManagerSteps):
         miss: it is stored again on its next request."""
         return self.discard_now(keys)
 
+    async def release(self, keys: Sequence[OffloadKey]) -> int:
+        """The soft form of :meth:`discard`: ``keys`` are evicted first when room is
+        needed, unless asked for again meanwhile; until then they stay loadable. Returns how
+        many present keys were marked. For a session that probably ended (a timeout rather
+        than a close): a wrong hint costs nothing while the tier has room."""
+        self._check_open()
+        return self._discarding_manager().release(keys)
+
+    def _discarding_manager(self) -> DiscardsBlocks:
+        manager = self.manager
+        if not isinstance(manager, DiscardsBlocks):
+            raise ConfigError(f"{type(manager).__name__} cannot discard or release blocks")
+        return manager
+
     def discard_now(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """:meth:`discard` for callers already on the loop thread."""
         self._check_open()
-        manager = self.manager
-        if not isinstance(manager, DiscardsBlocks):
-            raise ConfigError(f"{type(manager).__name__} cannot discard blocks")
-        dropped = manager.discard(keys)
+        dropped = self._discarding_manager().discard(keys)
         self._totals.discarded_blocks += len(dropped)
         self._publish_manager_events()
         return dropped

@@ -105,6 +105,8 @@ class DiscardsBlocks(Protocol):
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]: ...
 
+    def release(self, keys: Sequence[OffloadKey]) -> int: ...
+
 
 @runtime_checkable
 class SkipsStores(Protocol):

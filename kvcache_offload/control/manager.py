@@ -79,6 +79,8 @@ class CPUManagerStats:
     """Slots held back from reuse because a client may still write them (see ``fence``)."""
     discarded_blocks: int = 0
     """Blocks freed on a caller's word that nobody needs them again (see ``discard``)."""
+    released_evictions: int = 0
+    """Evictions that took a released block before asking the policy (see ``release``)."""
 
     @property
     def used(self) -> int:
@@ -153,6 +155,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._failed_store_blocks = 0
         self._loaded_blocks = 0
         self._discarded_blocks = 0
+        self._released_evictions = 0
+        # Keys the caller released (``release``), oldest first: evicted before the policy
+        # is asked, unless used again meanwhile. May hold keys that left by another route;
+        # those are dropped when met.
+        self._released: dict[OffloadKey, None] = {}
 
     # -- introspection -------------------------------------------------------------------
 
@@ -188,6 +195,7 @@ class CPUOffloadingManager(OffloadingManager):
             policy=self._policy_name,
             fenced=len(self._fenced),
             discarded_blocks=self._discarded_blocks,
+            released_evictions=self._released_evictions,
         )
 
     # -- lookups and loads ---------------------------------------------------------------
@@ -239,6 +247,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None) -> None:
         _check_keys(keys)
+        if self._released:  # a released key asked for again was not dead after all
+            released = self._released
+            for key in keys:
+                released.pop(key, None)
         self._policy.touch(keys)
 
     def complete_load(
@@ -311,13 +323,20 @@ class CPUOffloadingManager(OffloadingManager):
                 # effect as passing the keys as ``protected``, without building a set of them.
                 for block in present:
                     block.ref_cnt += 1
+                chosen = self._released_victims(needed) if self._released else []
                 try:
-                    evicted = self._policy.evict_blocks(
-                        needed, _NOTHING_PROTECTED, evicted_keys, recycled
+                    # The released victims are pinned while the policy picks the rest, so
+                    # a refused store changes nothing; they go only if it succeeds.
+                    evicted = len(chosen) == needed or self._policy.evict_blocks(
+                        needed - len(chosen), _NOTHING_PROTECTED, evicted_keys, recycled
                     )
                 finally:
                     for block in present:
                         block.ref_cnt -= 1
+                    for _key, block in chosen:
+                        block.ref_cnt -= 1
+                if evicted and chosen:
+                    self._take_released(chosen, evicted_keys, recycled)
             if not evicted:
                 self._rejected_stores += 1
                 return None
@@ -357,6 +376,10 @@ class CPUOffloadingManager(OffloadingManager):
         if not self._shared_table:
             for index in range(len(keys_to_store)):
                 table[keys_to_store[index]] = new_blocks[index]
+        if self._released:  # a key stored again is alive, whatever was released before
+            released = self._released
+            for key in keys_to_store:
+                released.pop(key, None)
         # Two lists, not (key, block) pairs: compiled, a tuple per stored block costs.
         self._policy.insert_blocks(keys_to_store, new_blocks)
         self._writing += len(keys_to_store)
@@ -407,6 +430,59 @@ class CPUOffloadingManager(OffloadingManager):
                 failed += 1
         self._writing -= failed
         self._failed_store_blocks += failed
+
+    def release(self, keys: Sequence[OffloadKey]) -> int:
+        """Mark ``keys`` as probably dead (a closed session's own blocks): when room is
+        needed they are evicted first, oldest release first, before the policy chooses; a
+        key used again (``touch``) meanwhile is kept as the policy would. Returns how many
+        present keys were marked. The soft form of :meth:`discard`: nothing leaves until
+        its slot is wanted, so a wrong hint costs nothing while the cache has room."""
+        _check_keys(keys)
+        table = self._blocks
+        released = self._released
+        marked = 0
+        for key in keys:
+            if key in table and key not in released:
+                released[key] = None
+                marked += 1
+        return marked
+
+    def _released_victims(self, needed: int) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Up to ``needed`` idle released blocks, oldest release first, pinned (``ref_cnt``
+        + 1) until the caller knows the store goes ahead; released keys that left by another
+        route meanwhile are forgotten here."""
+        table = self._blocks
+        chosen: list[tuple[OffloadKey, BlockStatus]] = []
+        gone: list[OffloadKey] = []
+        for key in self._released:
+            if len(chosen) == needed:
+                break
+            block = table.get(key)
+            if block is None:
+                gone.append(key)
+            elif block.ref_cnt == 0:  # not being read, nor pinned for this store
+                block.ref_cnt = 1
+                chosen.append((key, block))
+        for key in gone:
+            del self._released[key]
+        return chosen
+
+    def _take_released(
+        self,
+        chosen: list[tuple[OffloadKey, BlockStatus]],
+        evicted_keys: list[OffloadKey],
+        recycled: list[BlockStatus],
+    ) -> None:
+        """Evict the released victims of a store that goes ahead (idle again by now): out of
+        the policy and the released list; the caller handles them as the policy's victims."""
+        remove = self._policy.remove
+        released = self._released
+        for key, block in chosen:
+            remove(key)  # the caller drops the evicted keys from its own table
+            del released[key]
+            evicted_keys.append(key)
+            recycled.append(block)
+        self._released_evictions += len(chosen)
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Free the idle blocks of ``keys`` now: the caller knows nobody will ask for them
@@ -484,6 +560,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Drop every block; fenced slots stay fenced (their writers may still be running)."""
         self._policy.clear()
         self._blocks.clear()
+        self._released.clear()
         self._free_list.clear()
         self._num_allocated = 0
         self._writing = 0

@@ -85,6 +85,7 @@ async def test_openapi_documents_every_route() -> None:
         "/v1/lookup",
         "/v1/touch",
         "/v1/discard",
+        "/v1/release",
         "/v1/store/prepare",
         "/v1/store/complete",
         "/v1/load/prepare",

@@ -79,3 +79,40 @@ async def test_discard_over_http_and_through_the_client() -> None:
         assert r.status_code == 422
         metrics = (await s.client.get("/metrics")).text
         assert "kvcache_offload_discarded_blocks_total 2.0" in metrics
+
+
+async def test_released_blocks_go_first_when_room_is_needed_unless_used_again() -> None:
+    async with make_engine(num_blocks=3) as engine:
+        await engine.store(keys(1, 2, 3), [0, 1, 2])
+        assert await engine.release(keys(1, 2, 9)) == 2  # 9 is absent
+        assert (await engine.lookup(keys(1, 2))).hits == 2  # still loadable meanwhile
+        await engine.touch(keys(1))  # asked for again: not dead after all
+        result = await engine.store(keys(4, 5), [0, 1])
+        # 2 (released) goes, and the policy's own choice among 1 and 3 (LRU: 3).
+        assert sorted(key_ids(result.evicted_keys)) == [2, 3]
+        assert engine.manager.stats().released_evictions == 1  # type: ignore[attr-defined]
+
+
+def test_a_refused_store_leaves_the_released_blocks_it_would_have_taken() -> None:
+    manager = CPUOffloadingManager(2, "lru", enable_events=True)
+    manager.prepare_store(keys(1, 2))
+    manager.complete_store(keys(1, 2))
+    manager.release(keys(1))
+    list(manager.take_events())
+    # Two slots needed: the released 1 goes, then the policy may not take 2 (this store's).
+    assert manager.prepare_store(keys(2, 3, 4)) is None
+    assert list(manager.take_events()) == []  # a refused store changes nothing
+    assert manager.lookup(keys(1)[0]) is True
+    out = manager.prepare_store(keys(3))  # one slot needed: the released block gives it
+    assert out is not None and out.evicted_keys == keys(1)
+
+
+async def test_release_over_http_and_through_the_client() -> None:
+    async with served() as s:
+        await store(s.client, [hex_key(1), hex_key(2)])
+        r = await s.client.post("/v1/release", json={"keys": [hex_key(1), hex_key(7)]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"released": 1}
+        transport = httpx.ASGITransport(app=s.app)
+        async with OffloadClient("http://test", transport=transport) as client:
+            assert await client.release([hex_key(2)]) == 1

@@ -105,6 +105,15 @@ class ManagerModel(RuleBasedStateMachine):
         self.m.touch([key(i) for i in ids])
 
     @rule(ids=key_ids)
+    def release(self, ids: list[int]) -> None:
+        # A hint only: no state changes now; the eviction checks above hold for what it
+        # makes the manager evict first.
+        before = self.m.stats()
+        present = {key(i) for i in ids} & (set(self.ready) | set(self.writing))
+        assert 0 <= self.m.release([key(i) for i in ids]) <= len(present)
+        assert self.m.stats() == before
+
+    @rule(ids=key_ids)
     def discard(self, ids: list[int]) -> None:
         # Only idle blocks go (each once, in the order named); writes and reads in flight
         # stay, and the freed slots are reusable (the invariants below check the counts).

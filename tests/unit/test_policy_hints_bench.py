@@ -23,5 +23,7 @@ def test_a_request_continues_the_one_whose_full_blocks_it_extends() -> None:
 def test_hints_on_the_shipped_sample_beat_the_same_policy_without_them() -> None:
     out = main(["--trace", str(sample_trace_path()), "--capacities", "5%", "--policies", "lru",
                 "--delays-s", "0", "--no-json"])  # fmt: skip
-    (row,) = out["rows"]
-    assert row["lru"] == row["none"] < row["0 s"] <= row["belady"]
+    rows = {row["mode"]: row for row in out["rows"]}
+    assert set(rows) == {"discard", "release"}
+    for row in rows.values():
+        assert row["lru"] == row["none"] < row["0 s"] <= row["belady"]
