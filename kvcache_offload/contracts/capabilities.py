@@ -100,8 +100,9 @@ class FencesSlots(Protocol):
 
 @runtime_checkable
 class DiscardsBlocks(Protocol):
-    """A manager that frees idle blocks on the caller's word that they are dead (a closed
-    session's own blocks): see ``CPUOffloadingManager.discard``."""
+    """A manager that takes the caller's word that blocks are dead (a closed session's own
+    blocks): ``release`` evicts them first when room is needed, ``discard`` frees them now
+    (see ``CPUOffloadingManager``)."""
 
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]: ...
 
