@@ -130,6 +130,11 @@ class EngineCollector(Collector):
             "evicted_blocks", "Blocks evicted.", "policy", {s.policy: s.evicted_blocks}
         )
         yield _counter(
+            "released_evictions",
+            "Evictions that took a released block (a session's end) before the policy chose.",
+            s.released_evictions,
+        )
+        yield _counter(
             "discarded_blocks",
             "Blocks freed on a caller's word that nobody needs them again (session ends).",
             s.discarded_blocks,

@@ -37,6 +37,7 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
         blocks_reading=int(snap.reading) if snap is not None else 0,
         # managers without fences report none
         blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
+        released_evictions=int(getattr(snap, "released_evictions", 0)),
         block_nbytes=(
             int(e.spec.kv_bytes_per_offloaded_block or 0)
             if isinstance(e.spec, SizesOffloadedBlocks)

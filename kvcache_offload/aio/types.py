@@ -263,6 +263,9 @@ class EngineStats(WireShape):
     """Blocks the eviction policy dropped to make room."""
     discarded_blocks: int = 0
     """Blocks freed because a caller said nobody needs them again (``discard``)."""
+    released_evictions: int = 0
+    """Evictions that took a block a caller had released (``release``) before asking the
+    policy; also counted in ``evicted_blocks``."""
     reuse_filter_skipped_blocks: int = 0
     """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)

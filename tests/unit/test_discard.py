@@ -90,7 +90,7 @@ async def test_released_blocks_go_first_when_room_is_needed_unless_used_again() 
         result = await engine.store(keys(4, 5), [0, 1])
         # 2 (released) goes, and the policy's own choice among 1 and 3 (LRU: 3).
         assert sorted(key_ids(result.evicted_keys)) == [2, 3]
-        assert engine.manager.stats().released_evictions == 1  # type: ignore[attr-defined]
+        assert engine.stats().released_evictions == 1
 
 
 def test_a_refused_store_leaves_the_released_blocks_it_would_have_taken() -> None:
@@ -116,3 +116,5 @@ async def test_release_over_http_and_through_the_client() -> None:
         transport = httpx.ASGITransport(app=s.app)
         async with OffloadClient("http://test", transport=transport) as client:
             assert await client.release([hex_key(2)]) == 1
+        metrics = (await s.client.get("/metrics")).text
+        assert "kvcache_offload_released_evictions_total 0.0" in metrics
