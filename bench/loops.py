@@ -35,6 +35,7 @@ from bench.serving import (
     MiB,
     Rig,
     StreamResult,
+    device_and_layouts,
     floors_max,
     pct,
     single_jobs,
@@ -168,12 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--no-json", action="store_true", help="do not write bench/out/*.json")
     args = parser.parse_args(argv)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = args.layouts.split(",") if args.layouts else (
-        ["llama8b", "tp4_70b", "cross_layer"] if device == "cuda" else ["cpu_small"]
-    )  # fmt: skip
+    device, names = device_and_layouts(args.device, args.layouts)
     floors = Floors(device, 1024 * MiB if device == "cuda" else 256 * MiB)
     loops = available_loops()
     layouts = []

@@ -720,13 +720,19 @@ async def warm_up(layout: Layout, device: str, args: argparse.Namespace) -> None
         torch.cuda.empty_cache()
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    device = args.device
+def device_and_layouts(device: str, layouts: str) -> tuple[str, list[str]]:
+    """The device (``auto``: CUDA when present) and the layout names (default: the three
+    GPU layouts on CUDA, ``cpu_small`` on the CPU)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = args.layouts.split(",") if args.layouts else (
+    names = layouts.split(",") if layouts else (
         ["llama8b", "tp4_70b", "cross_layer"] if device == "cuda" else ["cpu_small"]
     )  # fmt: skip
+    return device, names
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    device, names = device_and_layouts(args.device, args.layouts)
     mechanisms = args.mechanisms.split(",")
     if device != "cuda":  # the CPU backend has one path: only auto's columns apply
         mechanisms = [m for m in mechanisms if m.split("+")[0] == "auto"] or ["auto"]
