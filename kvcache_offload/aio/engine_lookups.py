@@ -135,6 +135,5 @@ class Lookups(ManagerSteps):
         """:meth:`discard` for callers already on the loop thread."""
         self._check_open()
         dropped = self._discarding_manager().discard(keys)
-        self._totals.discarded_blocks += len(dropped)
         self._publish_manager_events()
         return dropped

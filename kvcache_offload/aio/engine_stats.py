@@ -37,6 +37,8 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
         blocks_reading=int(snap.reading) if snap is not None else 0,
         # managers without fences report none
         blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
+        # the manager counts its hints' effects (a manager without hints reports none)
+        discarded_blocks=int(getattr(snap, "discarded_blocks", 0)),
         released_evictions=int(getattr(snap, "released_evictions", 0)),
         block_nbytes=(
             int(e.spec.kv_bytes_per_offloaded_block or 0)
