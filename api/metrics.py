@@ -157,6 +157,11 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             P + "capacity_blocks", "CPU tier capacity.", value=s.capacity_blocks
         )
+        yield GaugeMetricFamily(
+            P + "released_blocks",
+            "Blocks released (a session's end) and still held: evicted first when room is needed.",
+            value=s.blocks_released,
+        )
         yield _labelled_counter(
             "transfer_bytes", "Bytes moved.", "direction", s.transfer_bytes, DIRECTIONS
         )

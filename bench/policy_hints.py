@@ -8,7 +8,7 @@ No eviction policy can tell a finished conversation's blocks from a paused one's
 lab's dead-block oracle is worth more than any policy on the conversation trace
 (``docs/policy-lab.md``). A serving engine knows when a session ends (the client closes it,
 or it times out); ``OffloadEngine.discard`` / ``POST /v1/discard`` let it say so. This
-replays a Mooncake trace through the real manager with the lab driver's call sequence and,
+replays a Mooncake trace through the real manager with the lab driver (``replay_trace``) and,
 ``delay`` seconds of trace time after a conversation's last request, discards the keys that
 conversation's own stores returned: what a serving engine would pass. The trace has no
 session ids, so conversations are inferred: a request continues the earlier request whose
@@ -33,10 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench._common import write_json
-from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.lab.belady import belady_hits
+from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import Trace, default_trace_paths, load_trace
 
@@ -70,36 +70,27 @@ def replay_with_hints(
     needed, unless used again)."""
     manager = CPUOffloadingManager(capacity, policy)
     hint = manager.release if mode == "release" else manager.discard
-    ctx = ReqContext("hints")
     last = {c: j for j, c in enumerate(conv)}
     stored_by: dict[int, list[OffloadKey]] = collections.defaultdict(list)
     due: collections.deque[tuple[float, int]] = collections.deque()
-    hits = total = 0
-    for j, keys in enumerate(trace.keys):
+
+    def before_request(j: int) -> None:
         now = trace.timestamps[j]
         while due and due[0][0] <= now:
             hint(stored_by.pop(due.popleft()[1], []))
-        n = len(keys)
-        h = 0
-        for key in keys:
-            if manager.lookup(key, ctx) is not True:
-                break
-            h += 1
-        manager.touch(keys, ctx)
-        if h:
-            manager.prepare_load(keys[:h], ctx)
-            manager.complete_load(keys[:h], ctx)
-        if h < n:
-            out = manager.prepare_store(keys[h:], ctx)
-            if out is not None and out.keys_to_store:
-                manager.complete_store(out.keys_to_store, ctx)
-                stored_by[conv[j]].extend(out.keys_to_store)
-        hits += h
-        total += n
         if delay_s is not None and last[conv[j]] == j:
-            # Trace timestamps are milliseconds, sorted, so the queue stays in order.
+            # Trace timestamps are milliseconds, sorted, so the queue stays in order. The
+            # hint fires before a later request and names this request's stores too.
             due.append((now + delay_s * 1000.0, conv[j]))
-    return 100.0 * hits / max(1, total)
+
+    def on_stored(j: int, keys: list[OffloadKey]) -> None:
+        stored_by[conv[j]].extend(keys)
+
+    counts = replay_trace(  # the lab's call sequence, one touch per request
+        manager, trace, touch_after_store=False, before_request=before_request,
+        on_stored=on_stored,
+    )  # fmt: skip
+    return 100.0 * counts.block_hit_rate
 
 
 def _default_trace() -> Path:

@@ -40,6 +40,7 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
         # the manager counts its hints' effects (a manager without hints reports none)
         discarded_blocks=int(getattr(snap, "discarded_blocks", 0)),
         released_evictions=int(getattr(snap, "released_evictions", 0)),
+        blocks_released=int(getattr(snap, "released", 0)),
         block_nbytes=(
             int(e.spec.kv_bytes_per_offloaded_block or 0)
             if isinstance(e.spec, SizesOffloadedBlocks)

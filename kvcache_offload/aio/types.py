@@ -266,6 +266,8 @@ class EngineStats(WireShape):
     released_evictions: int = 0
     """Evictions that took a block a caller had released (``release``) before asking the
     policy; also counted in ``evicted_blocks``."""
+    blocks_released: int = 0
+    """Blocks released (``release``) and still held: the first to go when room is needed."""
     reuse_filter_skipped_blocks: int = 0
     """Blocks not stored because the reuse filter had not seen them often enough yet."""
     transfer_bytes: dict[str, int] = field(default_factory=dict)

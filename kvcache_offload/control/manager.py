@@ -81,6 +81,8 @@ class CPUManagerStats:
     """Blocks freed on a caller's word that nobody needs them again (see ``discard``)."""
     released_evictions: int = 0
     """Evictions that took a released block before asking the policy (see ``release``)."""
+    released: int = 0
+    """Blocks released and not evicted yet: at most the blocks held (a gauge)."""
 
     @property
     def used(self) -> int:
@@ -196,6 +198,7 @@ class CPUOffloadingManager(OffloadingManager):
             fenced=len(self._fenced),
             discarded_blocks=self._discarded_blocks,
             released_evictions=self._released_evictions,
+            released=len(self._released),
         )
 
     # -- lookups and loads ---------------------------------------------------------------
@@ -417,19 +420,28 @@ class CPUOffloadingManager(OffloadingManager):
             self._writing -= count
             self._stored_blocks += count
             return
-        remove = self._policy.remove
         free_list = self._free_list
         failed = 0
         for key in keys:
             block = table.get(key)
             if block is not None and block.ref_cnt == -1:
-                remove(key)
-                if not self._shared_table:
-                    del table[key]
+                self._forget(key, block)
                 free_list.append(block)
                 failed += 1
         self._writing -= failed
         self._failed_store_blocks += failed
+
+    def _forget(self, key: OffloadKey, block: BlockStatus) -> None:
+        """Drop ``key`` from the policy, the table and the released marks, its slot left as
+        a new store needs it (``ref_cnt`` -1): the one way a key leaves outside an eviction
+        (a failed store, a discard, a fence), so no route forgets one of the three. The
+        caller frees or fences the slot."""
+        self._policy.remove(key)
+        if not self._shared_table:
+            del self._blocks[key]
+        block.ref_cnt = -1
+        if self._released:
+            self._released.pop(key, None)
 
     def release(self, keys: Sequence[OffloadKey]) -> int:
         """Mark ``keys`` as probably dead (a closed session's own blocks): when room is
@@ -449,8 +461,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _released_victims(self, needed: int) -> list[tuple[OffloadKey, BlockStatus]]:
         """Up to ``needed`` idle released blocks, oldest release first, pinned (``ref_cnt``
-        + 1) until the caller knows the store goes ahead; released keys that left by another
-        route meanwhile are forgotten here."""
+        + 1) until the caller knows the store goes ahead; released keys that the policy evicted
+        meanwhile are forgotten here (every other route out goes through :meth:`_forget`)."""
         table = self._blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         gone: list[OffloadKey] = []
@@ -495,17 +507,13 @@ class CPUOffloadingManager(OffloadingManager):
         """
         _check_keys(keys)
         table = self._blocks
-        remove = self._policy.remove
         free_list = self._free_list
         dropped: list[OffloadKey] = []
         for key in keys:
             block = table.get(key)
             if block is None or block.ref_cnt != 0:
                 continue
-            remove(key)
-            if not self._shared_table:
-                del table[key]
-            block.ref_cnt = -1  # a free slot waits in the state a new store needs
+            self._forget(key, block)
             free_list.append(block)
             dropped.append(key)
         self._discarded_blocks += len(dropped)
@@ -529,7 +537,6 @@ class CPUOffloadingManager(OffloadingManager):
         land in that key's ready block. :meth:`release_fenced` makes them free again.
         """
         _check_keys(keys)
-        remove = self._policy.remove
         table = self._blocks
         fenced: list[int] = []
         for key in keys:
@@ -541,10 +548,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._failed_store_blocks += 1
             elif block.ref_cnt > 0:
                 self._reading -= 1
-            remove(key)
-            if not self._shared_table:
-                del table[key]
-            block.ref_cnt = -1
+            self._forget(key, block)
             self._fenced[block.block_id] = block
             fenced.append(block.block_id)
         return fenced

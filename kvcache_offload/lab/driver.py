@@ -29,16 +29,22 @@ from kvcache_offload.contracts.manager import (
     OffloadingManager,
     ReqContext,
 )
+from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.lab._ratio import Ratio
 from kvcache_offload.lab.trace import (
     BLOCK_TOKENS,
     Trace,
 )
 
-__all__ = ["ReplayCounts", "replay_trace"]
+__all__ = ["BeforeRequestFn", "ReplayCounts", "StoredFn", "replay_trace"]
 
 ProgressFn = Callable[[int], None]
 """Called with the number of requests replayed since the previous call."""
+BeforeRequestFn = Callable[[int], None]
+"""Called with a request's index before its manager calls: where a caller's own calls go
+(a hint, a fault), in trace order and outside the timed windows."""
+StoredFn = Callable[[int, list[OffloadKey]], None]
+"""Called with a request's index and the keys its store prepared (and completed)."""
 
 _PROGRESS_EVERY = 1024
 
@@ -86,11 +92,16 @@ def replay_trace(
     progress: ProgressFn | None = None,
     block_tokens: int = BLOCK_TOKENS,
     touch_after_store: bool = True,
+    *,
+    before_request: BeforeRequestFn | None = None,
+    on_stored: StoredFn | None = None,
 ) -> ReplayCounts:
     """Replay every request of ``trace`` through ``manager``; see the module docstring.
 
     ``touch_after_store=False`` drops the second ``touch`` (step 4) for comparisons with
-    drivers that touch only once per request.
+    drivers that touch only once per request. ``before_request`` and ``on_stored`` let a
+    caller act between requests on what the requests stored (``bench.policy_hints`` sends
+    session-end hints) without repeating this call sequence.
     """
     lookup = manager.lookup
     touch = manager.touch
@@ -110,7 +121,9 @@ def replay_trace(
     rejected = 0
     deferred_requests = 0
     since_progress = 0
-    for keys, input_length in zip(trace.keys, trace.input_lengths, strict=True):
+    for index, (keys, input_length) in enumerate(zip(trace.keys, trace.input_lengths, strict=True)):
+        if before_request is not None:
+            before_request(index)
         n = len(keys)
         t0 = clock()
         hits = 0
@@ -146,6 +159,8 @@ def replay_trace(
             complete_store(out.keys_to_store, ctx)
         t1 = clock()
         elapsed += t1 - t0
+        if on_stored is not None and out is not None and out.keys_to_store:
+            on_stored(index, out.keys_to_store)
 
         if loadable:
             ops += 2

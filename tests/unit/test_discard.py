@@ -118,3 +118,26 @@ async def test_release_over_http_and_through_the_client() -> None:
             assert await client.release([hex_key(2)]) == 1
         metrics = (await s.client.get("/metrics")).text
         assert "kvcache_offload_released_evictions_total 0.0" in metrics
+        assert "kvcache_offload_released_blocks 2.0" in metrics
+
+
+def test_release_marks_leave_with_their_blocks_however_they_go() -> None:
+    # Marks are bounded by the blocks held: a block discarded, fenced or whose store failed
+    # takes its mark along (a loop of release + discard over new keys kept every mark).
+    manager = CPUOffloadingManager(4, "lru")
+    manager.prepare_store(keys(1, 2, 3, 4))
+    manager.complete_store(keys(1, 2, 3))  # 4 is still being written
+    assert manager.release(keys(1, 2, 3, 4)) == 4
+    assert manager.stats().released == 4
+    assert manager.discard(keys(1)) == keys(1)
+    manager.fence(keys(2))
+    manager.complete_store(keys(4), success=False)
+    assert manager.stats().released == 1  # only 3 is still held
+    manager.touch(keys(3))  # used again: unmarked
+    assert manager.stats().released == 0
+    for i in range(10, 200):  # the abuse: release and discard new keys, forever
+        manager.prepare_store(keys(i))
+        manager.complete_store(keys(i))
+        manager.release(keys(i))
+        manager.discard(keys(i))
+    assert manager.stats().released == 0

@@ -120,3 +120,24 @@ def test_a_block_still_being_written_defers_the_request_and_is_not_loaded() -> N
     assert counts.block_hits == 0
     assert counts.stored_blocks == 1  # block 2; block 1 is already present
     assert manager.stats().reading == 0
+
+
+def test_callbacks_see_each_request_and_its_stores_and_can_act_between_requests() -> None:
+    # A caller discards what R1 stored before R2 runs: R2 then misses where it would hit.
+    a, b, c = 1, 2, 3
+    trace = _trace(([a, b], 1024), ([a, c], 1024), ([c], 512))
+    manager = CPUOffloadingManager(10, "lru")
+    seen: list[int] = []
+    stored: dict[int, list[object]] = {}
+
+    def before(index: int) -> None:
+        seen.append(index)
+        if index == 1:
+            manager.discard(stored[0])
+
+    counts = replay_trace(
+        manager, trace, before_request=before, on_stored=lambda i, ks: stored.update({i: ks})
+    )
+    assert seen == [0, 1, 2]
+    assert stored == {0: [mooncake_key(a), mooncake_key(b)], 1: [mooncake_key(a), mooncake_key(c)]}
+    assert counts.block_hits == 1  # only R3's c; R2's a was discarded before it asked
