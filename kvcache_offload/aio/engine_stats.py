@@ -6,7 +6,7 @@ counters are read, never written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcache_offload.aio.types import EngineStats, Histogram
 from kvcache_offload.contracts.capabilities import (
@@ -19,7 +19,29 @@ from kvcache_offload.contracts.capabilities import (
 if TYPE_CHECKING:
     from kvcache_offload.aio.engine import OffloadEngine
 
-__all__ = ["collect_stats"]
+__all__ = ["collect_stats", "tier_counts"]
+
+
+def tier_counts(snap: Any, policy: str) -> dict[str, Any]:
+    """The ``EngineStats`` fields a manager's own ``stats()`` snapshot gives (None: a manager
+    without one reports its configured ``policy`` and zeros); shared by the engine and the
+    vLLM plug-in's read-only view, so both export the same block counts."""
+    if snap is None:
+        return {"policy": policy}
+    return {
+        "policy": str(snap.policy),
+        "capacity_blocks": int(snap.num_blocks),
+        "blocks_free": int(snap.free),
+        "blocks_writing": int(snap.writing),
+        "blocks_idle": int(snap.idle),
+        "blocks_reading": int(snap.reading),
+        # managers without fences report none
+        "blocks_fenced": int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
+        # the manager counts its hints' effects (a manager without hints reports none)
+        "discarded_blocks": int(getattr(snap, "discarded_blocks", 0)),
+        "released_evictions": int(getattr(snap, "released_evictions", 0)),
+        "blocks_released": int(getattr(snap, "released", 0)),
+    }
 
 
 def collect_stats(engine: OffloadEngine) -> EngineStats:
@@ -29,18 +51,7 @@ def collect_stats(engine: OffloadEngine) -> EngineStats:
     snap = manager.stats() if isinstance(manager, ReportsStats) else None
     capacity = int(snap.num_blocks) if snap is not None else 0
     stats = EngineStats(
-        policy=str(snap.policy) if snap is not None else e.config.eviction_policy,
-        capacity_blocks=capacity,
-        blocks_free=int(snap.free) if snap is not None else 0,
-        blocks_writing=int(snap.writing) if snap is not None else 0,
-        blocks_idle=int(snap.idle) if snap is not None else 0,
-        blocks_reading=int(snap.reading) if snap is not None else 0,
-        # managers without fences report none
-        blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
-        # the manager counts its hints' effects (a manager without hints reports none)
-        discarded_blocks=int(getattr(snap, "discarded_blocks", 0)),
-        released_evictions=int(getattr(snap, "released_evictions", 0)),
-        blocks_released=int(getattr(snap, "released", 0)),
+        **tier_counts(snap, e.config.eviction_policy),
         block_nbytes=(
             int(e.spec.kv_bytes_per_offloaded_block or 0)
             if isinstance(e.spec, SizesOffloadedBlocks)

@@ -188,10 +188,18 @@ class Engine:
     def connector_scheduler(self) -> Any:
         return self.scheduler.connector.connector_scheduler
 
-    def add_request(self, prompt: list[int], max_tokens: int = 2) -> str:
+    def add_request(
+        self,
+        prompt: list[int],
+        max_tokens: int = 2,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
+        """Queue a request; ``kv_transfer_params`` travel as vLLM's OpenAI server passes a
+        request body's field of that name (``SamplingParams.extra_args``)."""
         req_id = f"req-{self._next_id}"
         self._next_id += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         request = Request(
             request_id=req_id,
             prompt_token_ids=prompt,
@@ -282,6 +290,14 @@ class Engine:
             outputs.append(self.step())
             self.wait_transfers()
         raise AssertionError(f"the engine did not go idle in {max_steps} steps")
+
+    def signal_finished(self) -> None:
+        """One more step when requests finished since the last one: a live engine steps on,
+        and its next schedule tells the connector (and, from vLLM 0.33, the manager) which
+        requests finished; :meth:`run_until_idle` stops before that step."""
+        if self.scheduler.finished_req_ids:
+            self.step()
+            self.wait_transfers()
 
     def wait_transfers(self) -> None:
         """Block until the worker's in-flight jobs finished (the CPU backend copies on threads)."""

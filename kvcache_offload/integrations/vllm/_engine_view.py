@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from kvcache_offload.aio.engine_stats import tier_counts
 from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.types import (
     EngineStats,
@@ -25,7 +26,6 @@ from kvcache_offload.aio.types import (
     LookupResult,
 )
 from kvcache_offload.config import OffloadConfig
-from kvcache_offload.contracts.capabilities import CountsFencedSlots
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import OffloadError
@@ -121,13 +121,7 @@ class EngineView:
         counters, snap, skipped = self._observed.snapshot()
         hub = self._hub
         return EngineStats(
-            policy=str(snap.policy) if snap is not None else self.config.eviction_policy,
-            capacity_blocks=int(snap.num_blocks) if snap is not None else 0,
-            blocks_free=int(snap.free) if snap is not None else 0,
-            blocks_writing=int(snap.writing) if snap is not None else 0,
-            blocks_idle=int(snap.idle) if snap is not None else 0,
-            blocks_reading=int(snap.reading) if snap is not None else 0,
-            blocks_fenced=int(snap.fenced) if isinstance(snap, CountsFencedSlots) else 0,
+            **tier_counts(snap, self.config.eviction_policy),
             block_nbytes=self._block_nbytes,
             **vars(counters),
             reuse_filter_skipped_blocks=skipped,

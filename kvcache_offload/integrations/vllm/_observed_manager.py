@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION, EngineTotals
 from kvcache_offload.aio.types import EventType, Histogram
-from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
+from kvcache_offload.contracts.capabilities import DiscardsBlocks, ReportsStats, SkipsStores
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
 from kvcache_offload.contracts.manager import (
     OffloadingEvent,
@@ -138,6 +138,14 @@ class ObservedManager(OffloadingManager):
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         with self.lock:
             self.manager.touch(keys, req_context)
+
+    def release(self, keys: Sequence[OffloadKey]) -> int:
+        """The manager's ``release`` (a session-end hint), under the lock; 0 where the
+        manager takes no hints."""
+        with self.lock:
+            if not isinstance(self.manager, DiscardsBlocks):
+                return 0
+            return self.manager.release(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         with self.lock:

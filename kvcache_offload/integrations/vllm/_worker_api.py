@@ -29,6 +29,7 @@ from kvcache_offload.config import KVCacheLayout
 from kvcache_offload.contracts.handler import OffloadingHandler
 from kvcache_offload.contracts.handler import TransferResult as OurResult
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.integrations.vllm import _request_keys as request_keys
 from kvcache_offload.integrations.vllm._backend import OffloadBackend
 from kvcache_offload.integrations.vllm._manager_bridge import ManagerBridge
 from kvcache_offload.integrations.vllm._observed_manager import LOAD_DIRECTION, STORE_DIRECTION
@@ -105,6 +106,26 @@ class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
 
     def on_new_request(self, req_context: Any) -> Any:
         return RequestOffloadingContext()
+
+    # This generation's scheduler never calls ``touch``: recency comes from the request's
+    # end, with the keys it loaded or offered to store (see ``_request_keys``).
+
+    def prepare_load(self, keys: Any, req_context: Any) -> Any:
+        keys = list(keys)
+        spec = super().prepare_load(keys, req_context)
+        request_keys.record(req_context, keys)
+        return spec
+
+    def prepare_store(self, keys: Any, req_context: Any) -> Any:
+        keys = list(keys)
+        output = super().prepare_store(keys, req_context)
+        request_keys.record(req_context, keys)  # stored or already held; absent ones are no-ops
+        return output
+
+    def on_request_finished(self, req_context: Any) -> None:
+        keys = request_keys.finish(req_context)
+        if keys:
+            self.touch(keys, req_context)  # a session-end hint releases them after
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self._manager.take_events():
