@@ -1,5 +1,5 @@
 """The vLLM plug-in's per-request helpers, without vLLM: the session-end hint read from
-``kv_transfer_params`` and the keys a request used, touched at its end (vLLM 0.33+)."""
+``kv_transfer_params`` and the touches replayed from the keys a request used (vLLM 0.33+)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ class Context:
 
     req_id: str = "r"
     kv_transfer_params: dict[str, Any] | None = None
-    positions: dict[Any, int] = field(default_factory=dict)
     _state: dict[type, Any] = field(default_factory=dict)
 
     def get_state(self, kind: type) -> Any:
@@ -28,9 +27,6 @@ class Context:
 
     def set_state(self, value: Any) -> None:
         self._state[type(value)] = value
-
-    def get_offload_key_position(self, k: Any) -> int | None:
-        return self.positions.get(k)
 
 
 @pytest.mark.parametrize(
@@ -55,21 +51,44 @@ def test_a_malformed_hint_is_ignored_with_one_warning_per_request(
 
 def test_a_context_without_params_or_scratch_space_is_fine() -> None:
     assert session_ends(object()) is False
-    request_keys.record(object(), [key(1)])  # nothing to record in: no error
-    assert request_keys.finish(object()) == []
+    touched: list[list[Any]] = []
+    request_keys.loaded(object(), [key(1)])  # nothing to record in: no error
+    assert request_keys.storing(object(), [key(2)], lambda k, c: touched.append(k), lambda: 7) == 7
+    request_keys.finished(object(), lambda k, c: touched.append(k))
+    assert touched == []
 
 
-def test_the_keys_come_back_once_in_prompt_order_each_once() -> None:
-    context = Context(positions={key(1): 16, key(2): 32, key(3): 48})
-    request_keys.record(context, [key(2), key(3)])  # loaded later blocks first
-    request_keys.record(context, [key(1), key(2)])
-    assert request_keys.finish(context) == [key(1), key(2), key(3)]
-    assert request_keys.finish(context) == []  # a second end answers nothing
-    request_keys.record(context, [key(4)])  # after the end: not recorded
-    assert request_keys.finish(context) == []
+@dataclass
+class Stored:
+    keys_to_store: list[Any]
 
 
-def test_without_every_position_the_order_is_first_use() -> None:
-    context = Context(positions={key(1): 16})
-    request_keys.record(context, [key(3), key(1)])
-    assert request_keys.finish(context) == [key(3), key(1)]
+def test_touches_come_as_vllm_021s_scheduler_makes_them() -> None:
+    context = Context()
+    touched: list[list[Any]] = []
+
+    def touch(keys: list[Any], _context: Any) -> None:
+        touched.append(list(keys))
+
+    request_keys.loaded(context, [key(1), key(2)])
+    assert touched == []  # the first touch waits for the whole request (its first store)
+    out = request_keys.storing(context, [key(2), key(3)], touch, lambda: Stored([key(3)]))
+    assert out == Stored([key(3)])
+    # first touch (all keys so far, before the store), then the one after the store
+    assert touched == [[key(1), key(2), key(3)]] * 2
+    request_keys.storing(context, [key(4)], touch, lambda: None)  # refused: no touch after
+    request_keys.storing(context, [key(5)], touch, lambda: Stored([key(5)]))
+    assert touched[2:] == [[key(1), key(2), key(3), key(4), key(5)]]
+    request_keys.finished(context, touch)  # touched already: nothing more
+    assert len(touched) == 3
+    request_keys.loaded(context, [key(6)])  # after the end: not recorded
+    assert request_keys.of(context) is None
+
+
+def test_a_request_that_only_loaded_is_touched_once_at_its_end() -> None:
+    context = Context()
+    touched: list[list[Any]] = []
+    request_keys.loaded(context, [key(1), key(2)])
+    request_keys.finished(context, lambda k, c: touched.append(list(k)))
+    request_keys.finished(context, lambda k, c: touched.append(list(k)))  # once
+    assert touched == [[key(1), key(2)]]

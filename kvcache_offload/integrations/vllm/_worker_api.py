@@ -107,25 +107,24 @@ class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     def on_new_request(self, req_context: Any) -> Any:
         return RequestOffloadingContext()
 
-    # This generation's scheduler never calls ``touch``: recency comes from the request's
-    # end, with the keys it loaded or offered to store (see ``_request_keys``).
+    # This generation's scheduler never calls ``touch``: the bridge replays 0.21's touches
+    # from the keys each request loads or offers to store (see ``_request_keys``).
 
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         keys = list(keys)
         spec = super().prepare_load(keys, req_context)
-        request_keys.record(req_context, keys)
+        request_keys.loaded(req_context, keys)
         return spec
 
     def prepare_store(self, keys: Any, req_context: Any) -> Any:
         keys = list(keys)
-        output = super().prepare_store(keys, req_context)
-        request_keys.record(req_context, keys)  # stored or already held; absent ones are no-ops
-        return output
+        prepare = super().prepare_store
+        return request_keys.storing(
+            req_context, keys, self.touch, lambda: prepare(keys, req_context)
+        )
 
     def on_request_finished(self, req_context: Any) -> None:
-        keys = request_keys.finish(req_context)
-        if keys:
-            self.touch(keys, req_context)  # a session-end hint releases them after
+        request_keys.finished(req_context, self.touch)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self._manager.take_events():
