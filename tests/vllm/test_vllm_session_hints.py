@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvcache_offload.integrations.vllm._hints import SESSION_END
-from tests.vllm._engine import Engine
+from tests.vllm._engine import HANDLERS_API, Engine
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 2  # layers x K,V x tokens x heads x head size x bf16/fp16
 CAPACITY = 16  # offloaded blocks
@@ -110,5 +110,34 @@ def test_a_prefix_loaded_again_outlives_one_stored_after_it() -> None:
         assert engine.scheduler.reset_prefix_cache()
         assert _loaded_tokens(engine, reused) == 96
         assert _loaded_tokens(engine, other) == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(HANDLERS_API, reason="vLLM 0.21 has no offloading metrics to report")
+def test_vllm_own_cpu_tier_metrics_are_reported_under_vllm_033() -> None:
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
+
+    engine = Engine({"cpu_bytes_to_use": CAPACITY * BLOCK_BYTES, "store_threshold": 2})
+    try:
+        spec_cls = type(engine.worker.connector_worker.spec)
+        names = set(spec_cls.build_metric_definitions({"store_threshold": 2}))
+        assert {M.CPU_CACHE_USAGE_PERC, M.CPU_ALLOCATION_SIZE, M.STORES_SKIPPED} <= names
+        # vLLM's scheduler collects the stats every step (log_stats): keep what it got.
+        manager = engine.connector_scheduler.manager
+        reported: list[dict] = []
+        collect = manager.get_stats
+        manager.get_stats = lambda: reported.append(collect().data["data"]) or None  # type: ignore[method-assign]
+        prompt = _prompt(9, 6)
+        engine.add_request(prompt)  # offered once: the reuse filter skips its 6 blocks
+        _run(engine)
+        engine.add_request(prompt)  # offered again: stored
+        _run(engine)
+        assert reported
+        assert sum(r[M.STORES_SKIPPED][()] for r in reported) == 6
+        sizes = [s for r in reported for s in r.get(M.CPU_ALLOCATION_SIZE, {}).get((), [])]
+        assert sizes == [6]
+        assert reported[-1][M.CPU_CACHE_USAGE_PERC][()] == 0.0  # nothing in flight at the end
+        assert manager.get_load_source(b"k", None).value == "host"
     finally:
         engine.shutdown()

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,
@@ -23,9 +26,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache_offload import base as ours
 from kvcache_offload.config import KVCacheLayout
+from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
 from kvcache_offload.contracts.handler import OffloadingHandler
 from kvcache_offload.contracts.handler import TransferResult as OurResult
 from kvcache_offload.errors import ConfigError
@@ -43,6 +50,13 @@ _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.
 
 class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
     """kvcache-offload's manager, policies and handlers as a vLLM 0.33 offloading spec."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's own CPU tier metrics (``vllm:kv_offload_cpu_cache_usage_perc``, ...), with
+        vLLM's names and help texts: a dashboard built on them keeps working after the
+        switch. The manager reports them (:meth:`_Manager.get_stats`)."""
+        return dict(CPUOffloadingSpec.build_metric_definitions(extra_config))
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -101,6 +115,12 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     """vLLM's manager API over ours: same keys and semantics, vLLM's result classes."""
 
+    def __init__(self, manager: ours.OffloadingManager) -> None:
+        super().__init__(manager)
+        self._allocations: list[int] = []
+        """Blocks each successful ``prepare_store`` allocated since the last ``get_stats``."""
+        self._skipped_reported = 0
+
     def lookup(self, key: bytes, req_context: Any) -> Any:
         return _LOOKUP[self._manager.lookup(ours.OffloadKey(key), req_context)]
 
@@ -119,12 +139,41 @@ class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     def prepare_store(self, keys: Any, req_context: Any) -> Any:
         keys = list(keys)
         prepare = super().prepare_store
-        return request_keys.storing(
+        output = request_keys.storing(
             req_context, keys, self.touch, lambda: prepare(keys, req_context)
         )
+        if output is not None and output.keys_to_store:
+            self._allocations.append(len(output.keys_to_store))
+        return output
 
     def on_request_finished(self, req_context: Any) -> None:
         request_keys.finished(req_context, self.touch)
+
+    def get_load_source(self, key: Any, req_context: Any) -> Any:
+        return CacheHitSource.HOST  # the tier is host memory, as vLLM's own CPU tier
+
+    def get_stats(self) -> Any:
+        """vLLM's CPU tier metrics from our manager: the shares of the tier pinned by stores
+        and loads in flight, the blocks each successful store allocated since the last call,
+        and the stores the reuse filter skipped (with ``store_threshold`` 2 or more)."""
+        stats = OffloadingConnectorStats()
+        manager = self._manager
+        snap = manager.stats() if isinstance(manager, ReportsStats) else None
+        if snap is not None and snap.num_blocks > 0:
+            writing, reading = snap.writing / snap.num_blocks, snap.reading / snap.num_blocks
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, writing + reading)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing)
+            stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, reading)
+        for size in self._allocations:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        self._allocations.clear()
+        if isinstance(manager, SkipsStores):
+            skipped = int(manager.stores_skipped)
+            stats.increase_counter(
+                CPUOffloadingMetrics.STORES_SKIPPED, skipped - self._skipped_reported
+            )
+            self._skipped_reported = skipped
+        return stats
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for event in self._manager.take_events():
