@@ -139,5 +139,9 @@ def test_vllm_own_cpu_tier_metrics_are_reported_under_vllm_033() -> None:
         assert sizes == [6]
         assert reported[-1][M.CPU_CACHE_USAGE_PERC][()] == 0.0  # nothing in flight at the end
         assert manager.get_load_source(b"k", None).value == "host"
+        (info,) = manager.config_info()
+        assert set(info) == set(spec_cls.config_info_keys({}))
+        assert info["cpu_num_chunks"] == CAPACITY
+        assert info["cpu_kv_cache_size_bytes"] == CAPACITY * BLOCK_BYTES
     finally:
         engine.shutdown()

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     TransferResult,
 )
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -57,6 +57,11 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         vLLM's names and help texts: a dashboard built on them keeps working after the
         switch. The manager reports them (:meth:`_Manager.get_stats`)."""
         return dict(CPUOffloadingSpec.build_metric_definitions(extra_config))
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of ``vllm:kv_offload_config_info``: vLLM's CPU tier facts."""
+        return tuple(CPUOffloadingSpec.config_info_keys(extra_config))
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -93,12 +98,16 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             ours_config, side_port=side_port, vllm_events=vllm_events, engine_id=config.engine_id
         )
         self.num_chunks = self.backend.num_blocks
+        bytes_per_chunk = int(getattr(self.backend.spec, "kv_bytes_per_offloaded_block", 0) or 0)
+        # vLLM's own facts about a CPU tier (slots, bytes, tokens at max_model_len), computed
+        # by vLLM from our sizes for its info metric.
+        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, bytes_per_chunk)
         self._manager: _Manager | None = None
         self._worker: _Worker | None = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = _Manager(self.backend.manager())
+            self._manager = _Manager(self.backend.manager(), self.cpu_info.as_config_info())
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
@@ -115,8 +124,9 @@ class KVCacheOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
     """vLLM's manager API over ours: same keys and semantics, vLLM's result classes."""
 
-    def __init__(self, manager: ours.OffloadingManager) -> None:
+    def __init__(self, manager: ours.OffloadingManager, info: Any = None) -> None:
         super().__init__(manager)
+        self._info = dict(info) if info else {}
         self._allocations: list[int] = []
         """Blocks each successful ``prepare_store`` allocated since the last ``get_stats``."""
         self._skipped_reported = 0
@@ -148,6 +158,9 @@ class _Manager(ManagerBridge, OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: Any) -> None:
         request_keys.finished(req_context, self.touch)
+
+    def config_info(self) -> list[Any]:
+        return [self._info]
 
     def get_load_source(self, key: Any, req_context: Any) -> Any:
         return CacheHitSource.HOST  # the tier is host memory, as vLLM's own CPU tier
