@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvcache_offload.integrations.vllm import _request_keys as request_keys
-from kvcache_offload.integrations.vllm._hints import SESSION_END, session_ends
+from kvcache_offload.integrations.vllm._hints import SESSION_END, SESSION_END_ACTION, session_ends
 from tests.unit._keys import key
 
 
@@ -92,3 +92,34 @@ def test_a_request_that_only_loaded_is_touched_once_at_its_end() -> None:
     request_keys.finished(context, lambda k, c: touched.append(list(k)))
     request_keys.finished(context, lambda k, c: touched.append(list(k)))  # once
     assert touched == [[key(1), key(2)]]
+
+
+@dataclass
+class Action:
+    action_type: str
+    action_version: str
+    action_id: str = "a1"
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Envelope:
+    actions: list[Action]
+    protocol_version: str = "1"
+    message_id: str = "m1"
+
+
+@dataclass
+class HintedContext(Context):
+    kv_hints: Envelope | None = None
+
+
+def test_the_hint_also_comes_as_a_kv_hints_action(caplog: pytest.LogCaptureFixture) -> None:
+    assert session_ends(HintedContext(kv_hints=Envelope([Action(SESSION_END_ACTION, "1")])))
+    other = Envelope([Action("router.prefetch", "1")])
+    assert not session_ends(HintedContext(kv_hints=other))
+    assert not session_ends(HintedContext(kv_hints=Envelope([])))
+    with caplog.at_level(logging.WARNING):
+        unknown = Envelope([Action(SESSION_END_ACTION, "9")])
+        assert not session_ends(HintedContext(req_id="v9", kv_hints=unknown))
+    assert any("v9" in r.getMessage() and "'9'" in r.getMessage() for r in caplog.records)

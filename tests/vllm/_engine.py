@@ -193,9 +193,11 @@ class Engine:
         prompt: list[int],
         max_tokens: int = 2,
         kv_transfer_params: dict[str, Any] | None = None,
+        kv_hints: Any = None,
     ) -> str:
         """Queue a request; ``kv_transfer_params`` travel as vLLM's OpenAI server passes a
-        request body's field of that name (``SamplingParams.extra_args``)."""
+        request body's field of that name (``SamplingParams.extra_args``); ``kv_hints`` (vLLM
+        0.33+) as ``AsyncLLM`` passes an orchestrator's envelope."""
         req_id = f"req-{self._next_id}"
         self._next_id += 1
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
@@ -206,6 +208,7 @@ class Engine:
             sampling_params=params,
             pooling_params=None,
             block_hasher=self._hasher,
+            **({"kv_hints": kv_hints} if kv_hints is not None else {}),
         )
         self.prompts[req_id] = prompt
         self.scheduler.add_request(request)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvcache_offload.integrations.vllm._hints import SESSION_END
+from kvcache_offload.integrations.vllm._hints import SESSION_END, SESSION_END_ACTION
 from tests.vllm._engine import HANDLERS_API, Engine
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 2  # layers x K,V x tokens x heads x head size x bf16/fp16
@@ -143,5 +143,23 @@ def test_vllm_own_cpu_tier_metrics_are_reported_under_vllm_033() -> None:
         assert set(info) == set(spec_cls.config_info_keys({}))
         assert info["cpu_num_chunks"] == CAPACITY
         assert info["cpu_kv_cache_size_bytes"] == CAPACITY * BLOCK_BYTES
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(HANDLERS_API, reason="vLLM 0.21 has no kv_hints")
+def test_an_orchestrators_kv_hints_action_ends_the_session_too() -> None:
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    action = KvHintAction(
+        action_id="end-1", action_type=SESSION_END_ACTION, action_version="1", payload={}
+    )
+    envelope = KvHintsEnvelope(protocol_version="1", message_id="m-1", actions=[action])
+    engine = Engine({"cpu_bytes_to_use": CAPACITY * BLOCK_BYTES, "eviction_policy": "lru"})
+    try:
+        manager = engine.connector_scheduler.manager._manager
+        engine.add_request(_prompt(10, 6), kv_hints=envelope)
+        _run(engine)
+        assert manager.stats().released == 6
     finally:
         engine.shutdown()
