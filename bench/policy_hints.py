@@ -2,23 +2,26 @@
 
     python -m bench.policy_hints [--trace PATH] [--policies lru,adaptive]
                                  [--capacities 1%,2%,5%,10%,20%,3%,7%,15%]
-                                 [--delays-s 0,10,30,60,120]
+                                 [--delays-s 0,10,30,60,120] [--modes discard,release]
+                                 [--scope stores|request]
 
 No eviction policy can tell a finished conversation's blocks from a paused one's, and the
 lab's dead-block oracle is worth more than any policy on the conversation trace
 (``docs/policy-lab.md``). A serving engine knows when a session ends (the client closes it,
 or it times out); ``OffloadEngine.discard`` / ``POST /v1/discard`` let it say so. This
-replays a Mooncake trace through the real manager with the lab driver (``replay_trace``) and,
-``delay`` seconds of trace time after a conversation's last request, discards the keys that
-conversation's own stores returned: what a serving engine would pass. The trace has no
-session ids, so conversations are inferred: a request continues the earlier request whose
-full blocks (all but its last, possibly partial, block) are the longest prefix of its keys,
-at least ``--min-depth`` blocks deep (shallower shared prefixes are system prompts, not a
-conversation). The hint knows only that no further request of that chain comes; a key
-shared with another conversation is still discarded (a wrong hint costs a miss, measured
-here), and a later request that restarts a chain below ``--min-depth`` counts as a new
-conversation. Prints block hit rates and the share of the LRU -> Belady gap closed, next to
-the same policy without hints, and writes JSON under ``bench/out/``.
+replays a Mooncake trace through the real manager with the lab driver (``replay_trace``)
+and, ``delay`` seconds of trace time after a conversation's last request, discards (or
+releases) the keys that conversation's own stores returned: what a serving engine would
+pass. With ``--scope request`` it names every key of the conversation's last request
+instead, shared prefixes included: what the vLLM plug-in releases when that request carries
+the hint. The trace has no session ids, so conversations are inferred: a request continues
+the earlier request whose full blocks (all but its last, possibly partial, block) are the
+longest prefix of its keys, at least ``--min-depth`` blocks deep (shallower shared prefixes
+are system prompts, not a conversation). The hint knows only that no further request of that
+chain comes; a key shared with another conversation is still discarded (a wrong hint costs a
+miss, measured here), and a later request that restarts a chain below ``--min-depth`` counts
+as a new conversation. Prints block hit rates and the share of the LRU -> Belady gap closed,
+next to the same policy without hints, and writes JSON under ``bench/out/``.
 """
 
 from __future__ import annotations
@@ -64,10 +67,14 @@ def replay_with_hints(
     conv: list[int],
     delay_s: float | None,
     mode: str = "discard",
+    scope: str = "stores",
 ) -> float:
     """Block hit rate (%) of ``policy``; ``delay_s`` None: no hints. ``mode``: the
     manager's ``discard`` (freed at once) or ``release`` (evicted first when room is
-    needed, unless used again)."""
+    needed, unless used again). ``scope``: the keys the conversation's stores returned
+    (what an embedding server passes), or every key of its last request (``request``: what
+    the vLLM plug-in releases when that request carries the hint, shared prefixes stored by
+    other conversations included)."""
     manager = CPUOffloadingManager(capacity, policy)
     hint = manager.release if mode == "release" else manager.discard
     last = {c: j for j, c in enumerate(conv)}
@@ -77,7 +84,9 @@ def replay_with_hints(
     def before_request(j: int) -> None:
         now = trace.timestamps[j]
         while due and due[0][0] <= now:
-            hint(stored_by.pop(due.popleft()[1], []))
+            c = due.popleft()[1]
+            keys = stored_by.pop(c, [])
+            hint(list(trace.keys[last[c]]) if scope == "request" else keys)
         if delay_s is not None and last[conv[j]] == j:
             # Trace timestamps are milliseconds, sorted, so the queue stays in order. The
             # hint fires before a later request and names this request's stores too.
@@ -108,6 +117,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--modes", default="discard,release", help="discard (free at once), release (evict first)"
     )
+    parser.add_argument(
+        "--scope",
+        choices=("stores", "request"),
+        default="stores",
+        help="stores: the keys the conversation stored; request: every key of its last "
+        "request (the vLLM plug-in's hint)",
+    )
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
     trace = load_trace(args.trace or _default_trace())
@@ -130,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        "none": none}  # fmt: skip
                 for delay in delays:
                     row[f"{delay:g} s"] = replay_with_hints(
-                        trace, policy, capacity, conv, delay, mode
+                        trace, policy, capacity, conv, delay, mode, args.scope
                     )
                 rows.append(row)
-    table = Table(title=f"{trace.name}: block hit % (share of the LRU -> Belady gap) with "
-                  f"session-end discards; {len(set(conv))} conversations inferred")  # fmt: skip
+    table = Table(title=f"{trace.name}: block hit % (share of the LRU -> Belady gap), "
+                  f"session-end hints ({args.scope}); {len(set(conv))} conversations")  # fmt: skip
     for column in ("capacity", "policy", "hint", "Belady", "no hints",
                    *[f"{d:g} s" for d in delays]):  # fmt: skip
         table.add_column(column, justify="right")

@@ -27,3 +27,13 @@ def test_hints_on_the_shipped_sample_beat_the_same_policy_without_them() -> None
     assert set(rows) == {"discard", "release"}
     for row in rows.values():
         assert row["lru"] == row["none"] < row["0 s"] <= row["belady"]
+
+
+def test_a_hint_naming_the_whole_last_request_pays_too() -> None:
+    # The vLLM plug-in releases every key of the hinted request, shared prefixes included.
+    out = main(["--trace", str(sample_trace_path()), "--capacities", "5%", "--policies", "lru",
+                "--delays-s", "0", "--modes", "release", "--scope", "request",
+                "--no-json"])  # fmt: skip
+    (row,) = out["rows"]
+    assert row["lru"] == row["none"] < row["0 s"] <= row["belady"]
+    assert out["args"]["scope"] == "request"
