@@ -22,8 +22,15 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+
+try:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
+except ImportError as exc:  # vLLM absent, or a release without this manager API
+    raise SystemExit(
+        f"bench.vllm_policies needs vLLM 0.33 ({exc}); ./scripts/vllm-tests.sh 0.33.0 builds "
+        ".venv-vllm/0.33.0, then run .venv-vllm/0.33.0/bin/python -m bench.vllm_policies"
+    ) from None
 
 from bench._common import write_json
 from kvcache_offload.contracts.offload_key import OffloadKey
