@@ -159,8 +159,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._discarded_blocks = 0
         self._released_evictions = 0
         # Keys the caller released (``release``), oldest first: evicted before the policy
-        # is asked, unless used again meanwhile. May hold keys that left by another route;
-        # those are dropped when met.
+        # is asked, unless used again meanwhile. Every key here is held: a released key
+        # leaves only through ``_take_released`` or ``_forget``, which drop its mark (the
+        # policy is never asked to evict one: ``_released_victims`` pins them all first).
         self._released: dict[OffloadKey, None] = {}
 
     # -- introspection -------------------------------------------------------------------
@@ -461,22 +462,17 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _released_victims(self, needed: int) -> list[tuple[OffloadKey, BlockStatus]]:
         """Up to ``needed`` idle released blocks, oldest release first, pinned (``ref_cnt``
-        + 1) until the caller knows the store goes ahead; released keys that the policy evicted
-        meanwhile are forgotten here (every other route out goes through :meth:`_forget`)."""
+        + 1) until the caller knows the store goes ahead. With fewer than ``needed``, every
+        idle released block is pinned, so the policy, asked for the rest, takes none."""
         table = self._blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
-        gone: list[OffloadKey] = []
         for key in self._released:
             if len(chosen) == needed:
                 break
             block = table.get(key)
-            if block is None:
-                gone.append(key)
-            elif block.ref_cnt == 0:  # not being read, nor pinned for this store
+            if block is not None and block.ref_cnt == 0:  # idle: not read, not pinned here
                 block.ref_cnt = 1
                 chosen.append((key, block))
-        for key in gone:
-            del self._released[key]
         return chosen
 
     def _take_released(
