@@ -33,9 +33,9 @@ except ImportError as exc:  # vLLM absent, or a release without this manager API
     ) from None
 
 from bench._common import write_json
+from bench.vllm_touches import replay_as_vllm_033
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.manager import CPUOffloadingManager
-from kvcache_offload.integrations.vllm import _request_keys as request_keys
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import BLOCK_TOKENS, Trace, default_trace_paths, load_trace
 
@@ -71,33 +71,9 @@ def replay_vllm(manager: Any, trace: Trace) -> int:
 
 
 def replay_ours(manager: CPUOffloadingManager, trace: Trace) -> int:
-    """Hit blocks of our manager under the same calls, through the 0.33 adapter's logic."""
-
-    def touch(keys: list[OffloadKey], context: Any) -> None:
-        manager.touch(keys, context)
-
-    hits = 0
-    for index, keys in enumerate(trace.keys):
-        context = _context(index, keys)
-        h = 0
-        for key in keys:
-            if manager.lookup(key, context) is not True:
-                break
-            h += 1
-        if h:
-            manager.prepare_load(keys[:h], context)
-            request_keys.loaded(context, keys[:h])
-            manager.complete_load(keys[:h], context)
-        if h < len(keys):
-            tail = keys[h:]
-            out = request_keys.storing(
-                context, tail, touch, lambda t=tail, c=context: manager.prepare_store(t, c)
-            )
-            if out is not None and out.keys_to_store:
-                manager.complete_store(out.keys_to_store, context)
-        request_keys.finished(context, touch)
-        hits += h
-    return hits
+    """Hit blocks of our manager under the same calls, through the 0.33 adapter's logic
+    (``bench.vllm_touches``' replay: the adapter does not read key positions)."""
+    return replay_as_vllm_033(manager, trace, "replayed")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
