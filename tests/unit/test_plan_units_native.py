@@ -81,3 +81,51 @@ def test_native_and_python_planners_agree_on_every_job(
     with pytest.MonkeyPatch.context() as m:
         native, python = _plan_both_ways(m, builder, src_ids, dst_ids, size, start)
     assert native == python
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    factor=st.sampled_from([1, 2, 3]),
+    gpu_to_cpu=st.booleans(),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_a_held_batch_plan_from_its_units_equals_the_merge_of_its_jobs_plans(
+    factor, gpu_to_cpu, sizes, seed
+):
+    """What a handler's flush builds from the units its held jobs wrote (one plan, none per
+    job) copies the same fragments, in the same order, as merging the jobs' own plans."""
+    from kvcache_offload.dataplane.copy.plan import TransferPlan
+
+    builder = _builders(factor, gpu_to_cpu)
+    rng = np.random.default_rng(seed)
+    plans, src_parts, dst_parts = [], [], []
+    for size in sizes:
+        start = int(rng.integers(0, factor))
+        cpu_n = -(-(size + start % factor) // factor)
+        gpu_n = size
+        src_n, dst_n = (gpu_n, cpu_n) if gpu_to_cpu else (cpu_n, gpu_n)
+        src_ids = rng.integers(0, GPU_BLOCKS if gpu_to_cpu else CPU_BLOCKS, src_n)
+        dst_ids = rng.integers(0, CPU_BLOCKS if gpu_to_cpu else GPU_BLOCKS, dst_n)
+        src_ids, dst_ids = src_ids.astype(np.int64), dst_ids.astype(np.int64)
+        plans.append(builder.build(src_ids, dst_ids, (size,), (start,)))
+        units = np.empty(2 * size, dtype=np.int64)
+        assert builder.write_single_units(src_ids, dst_ids, size, start, units)
+        src_parts.append(units[:size])
+        dst_parts.append(units[size:])
+    merged = TransferPlan.merge(plans)
+    direct = builder.units_plan(np.concatenate(src_parts), np.concatenate(dst_parts))
+    assert [
+        (g.src_units.tolist(), g.dst_units.tolist(), g.ref_tensors.tolist(), g.index)
+        for g in direct.groups
+    ] == [
+        (g.src_units.tolist(), g.dst_units.tolist(), g.ref_tensors.tolist(), g.index)
+        for g in merged.groups
+    ]
+    assert (direct.num_fragments, direct.num_bytes, direct.max_size, direct.alignment) == (
+        merged.num_fragments,
+        merged.num_bytes,
+        merged.max_size,
+        merged.alignment,
+    )
+    assert direct.uniform_size == merged.uniform_size

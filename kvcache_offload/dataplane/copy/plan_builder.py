@@ -268,6 +268,15 @@ class PlanBuilder:
             alignment=alignment_of(align_bits),
         )
 
+    def units_plan(self, s_units: np.ndarray, d_units: np.ndarray) -> TransferPlan:
+        """The plan of one-group jobs from their units, already checked (the units a
+        handler wrote with :meth:`write_single_units`, several jobs' concatenated): a held
+        batch that leaves as one plan then builds no plan per job and merges none."""
+        single = self._single
+        if single is None:
+            raise TransferError("units_plan needs a handler of one KV-cache group with refs")
+        return self._single_plan(single, s_units, d_units)
+
     def _single_plan(
         self, single: _GroupFacts, s_units: np.ndarray, d_units: np.ndarray
     ) -> TransferPlan:

@@ -546,11 +546,30 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             # What choose_mechanism would pick for their plan: the kernel.
             self._issue_units(jobs, units, prev)
             return
+        if len(units) == len(held):
+            # Another path (the staged one, behind copies in flight): one plan straight
+            # from the units already written, none built per job and merged.
+            self._issue(jobs, self._units_plan(units), busy)
+            return
         planned = [
             (job_id, job if isinstance(job, TransferPlan) else self.plan(job.spec))
             for job_id, job in held
         ]
         self._issue(jobs, HeldJobs.merged(planned), busy)
+
+    def _units_plan(self, held: list[_HeldUnits]) -> TransferPlan:
+        """The one plan of held :class:`_HeldUnits` jobs, from the unit scratch (read
+        before anything writes to it again), in submission order."""
+        units = self._units
+        if len(held) == 1:
+            job = held[0]
+            offset, size = job.offset, job.size
+            src = units[offset : offset + size].copy()
+            dst = units[offset + size : offset + 2 * size].copy()
+        else:
+            src = np.concatenate([units[j.offset : j.offset + j.size] for j in held])
+            dst = np.concatenate([units[j.offset + j.size : j.offset + 2 * j.size] for j in held])
+        return self._planner.units_plan(src, dst)
 
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
         """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
