@@ -79,7 +79,11 @@ def make_base(rev: str, dest: Path) -> str:
     """The library of ``rev`` in ``dest`` with this tree's ``bench``, and extensions matching
     this tree's build; returns how the extensions were provided."""
     _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    archive = _git("archive", "--format=tar", rev, *LIBRARY, *BUILD_FILES)
+    present = set(_git("ls-tree", "--name-only", rev).decode().split("\n"))
+    if "kvcache_offload" not in present:
+        raise ABError(f"{rev} holds no kvcache_offload package")
+    wanted = [name for name in (*LIBRARY, *BUILD_FILES) if name in present]
+    archive = _git("archive", "--format=tar", rev, *wanted)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     shutil.copytree(ROOT / "bench", dest / "bench", ignore=shutil.ignore_patterns("out"))
     extensions = built_extensions()
@@ -94,6 +98,10 @@ def make_base(rev: str, dest: Path) -> str:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dest / rel)
         return f"copied from this tree ({len(extensions)} files: same sources)"
+    if not (dest / "setup.py").is_file():
+        raise ABError(
+            f"{rev} has other extension sources than this tree and no setup.py to build them"
+        )
     built = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--inplace"],
         cwd=dest,

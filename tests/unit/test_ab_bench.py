@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,20 @@ def test_every_round_runs_both_trees_on_every_layout_with_both_orders_alternatin
 def test_a_base_that_is_not_a_revision_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ab.ABError, match="no-such-revision"):
         ab.make_base("no-such-revision", tmp_path)
+
+
+def test_a_base_without_the_library_is_a_clear_error(tmp_path: Path) -> None:
+    empty_tree = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree
+    who = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    commit = subprocess.run(
+        ["git", "commit-tree", empty_tree, "-m", "empty"],
+        cwd=ab.ROOT, capture_output=True, text=True, env={**os.environ, **who},
+    )  # fmt: skip
+    if commit.returncode:
+        pytest.skip("not a git checkout")
+    with pytest.raises(ab.ABError, match="no kvcache_offload package"):
+        ab.make_base(commit.stdout.strip(), tmp_path)
 
 
 @pytest.mark.skipif(
