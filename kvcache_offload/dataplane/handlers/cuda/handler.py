@@ -560,15 +560,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _units_plan(self, held: list[_HeldUnits]) -> TransferPlan:
         """The one plan of held :class:`_HeldUnits` jobs, from the unit scratch (read
         before anything writes to it again), in submission order."""
-        units = self._units
-        if len(held) == 1:
-            job = held[0]
-            offset, size = job.offset, job.size
-            src = units[offset : offset + size].copy()
-            dst = units[offset + size : offset + 2 * size].copy()
-        else:
-            src = np.concatenate([units[j.offset : j.offset + j.size] for j in held])
-            dst = np.concatenate([units[j.offset + j.size : j.offset + 2 * j.size] for j in held])
+        units = self._units  # concatenate copies, also a single job's slices
+        src = np.concatenate([units[j.offset : j.offset + j.size] for j in held])
+        dst = np.concatenate([units[j.offset + j.size : j.offset + 2 * j.size] for j in held])
         return self._planner.units_plan(src, dst)
 
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
