@@ -233,10 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(r.layout, r.measure, r.unit, f"{r.base:.2f}", f"{r.new:.2f}",
                       "-" if r.new_ahead is None else f"{r.new_ahead}/{r.rounds}")  # fmt: skip
     console.print(table)
-    head = _git("rev-parse", "HEAD").decode().strip()
-    if _git("status", "--porcelain", "--untracked-files=no").strip():
-        head += " with uncommitted changes"
-    path = write_json("ab", {"base": args.base, "new": head, "rounds": args.rounds,
+    # The new tree's commit is in write_json's machine info; say whether it was edited.
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+    path = write_json("ab", {"base": args.base, "new_uncommitted": dirty, "rounds": args.rounds,
                              "layouts": layouts, "serving_args": extra, "extensions": extensions,
                              "rows": [asdict(r) for r in rows]})  # fmt: skip
     console.print(f"wrote {path}")
