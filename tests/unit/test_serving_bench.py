@@ -76,6 +76,8 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
         } == {(d, n) for d in ("load", "store") for n in (1, 8, 64)}
     # The floor took its turn with the engines: every single-job row has one.
     assert all(r["floor_p50_s"] > 0 for r in layout["single"])
+    # Each row also says how long the copy itself took, which the wall time includes.
+    assert all(0 < r["copy_p50_s"] <= r["p50_s"] for r in layout["single"])
     names = {s["stream"] for s in layout["streams"]}
     assert {"loads 4-block", "mixed 4-block", "loads 2-block", "stores 2-block"} <= names
     assert all(s["reloads"] == 0 and s["jobs"] > 0 for s in layout["streams"])
