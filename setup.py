@@ -32,6 +32,8 @@ def _compiled_sources() -> list[str]:
 HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
 NATIVE_DUEL = "kvcache_offload.control.policies._native_duel"
 KERNEL_ISSUE = "kvcache_offload.dataplane.copy._kernel_issue"
+UNITS_HEADER = "kvcache_offload/dataplane/copy/_units.h"
+"""The one-group unit planner both C extensions include."""
 STANDALONE = (HOSTCOPY, NATIVE_DUEL, KERNEL_ISSUE)
 """C extensions of their own: each one that fails to build is simply missing (its module's
 Python code is the fallback), unlike mypyc's, which all need mypyc's shared runtime."""
@@ -57,6 +59,7 @@ def _hostcopy_extension() -> Any:
     return Extension(
         HOSTCOPY,
         ["kvcache_offload/dataplane/copy/_hostcopy.c"],
+        depends=[UNITS_HEADER],
         extra_compile_args=["-O3", "-pthread"],  # its copy queue runs a thread of its own
         extra_link_args=["-pthread"],
     )
@@ -82,6 +85,7 @@ def _kernel_issue_extension() -> Any:
     return Extension(
         KERNEL_ISSUE,
         ["kvcache_offload/dataplane/copy/_kernel_issue.c"],
+        depends=[UNITS_HEADER],
         extra_compile_args=["-O3"],
     )
 

@@ -45,6 +45,7 @@ C_SOURCES = (
     "kvcache_offload/dataplane/copy/_hostcopy.c",
     "kvcache_offload/dataplane/copy/_kernel_issue.c",
     "kvcache_offload/control/policies/_native_duel.c",
+    "kvcache_offload/dataplane/copy/_units.h",
 )
 TREES = ("base", "new")
 

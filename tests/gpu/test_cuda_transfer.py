@@ -55,18 +55,28 @@ def _one_group_caches(seed: int):
     )
 
 
-def _record_lone_kernel_calls(h) -> list[object]:
-    """The ``prev`` copy of every ``lone_kernel`` issue of both directions (None: issued on
-    an idle direction), in call order."""
+def _record_lone_kernel_calls(h, planned_in_c: list[int] | None = None) -> list[object]:
+    """The ``prev`` copy of every ``lone_kernel`` or ``lone_units`` issue of both directions
+    (None: issued on an idle direction, as ``lone_units`` always is), in call order;
+    ``planned_in_c`` gets one entry per job ``lone_units`` planned and issued in C."""
     calls: list[object] = []
     for one in (h.gpu_to_cpu_handler._launcher, h.cpu_to_gpu_handler._launcher):
-        issue = one.lone_kernel
+        issue, units = one.lone_kernel, one.lone_units
 
         def recorded(*args, _issue=issue, **kw):
             calls.append(args[5] if len(args) > 5 else kw.get("prev"))
             return _issue(*args, **kw)
 
+        def recorded_units(*args, _units=units, **kw):
+            lane = _units(*args, **kw)
+            if lane is not None:
+                calls.append(None)
+                if planned_in_c is not None:
+                    planned_in_c.append(1)
+            return lane
+
         one.lone_kernel = recorded
+        one.lone_units = recorded_units
     return calls
 
 
@@ -473,7 +483,8 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
     skip_unless_available("kernel")
     kv = _one_group_caches(21 + factor)
     h = _handlers(kv, factor, 32, mechanism)
-    calls = _record_lone_kernel_calls(h)
+    planned_in_c: list[int] = []
+    calls = _record_lone_kernel_calls(h, planned_in_c)
     try:
         rng = np.random.default_rng(factor)
         for i, blocks in enumerate((1, 8, 5)):
@@ -491,6 +502,11 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.transfer_time > 0 and load.transfer_time > 0
         assert len(calls) == 6  # every job of this test went through the lane
         _assert_issued_from_c(h)
+        if h.gpu_to_cpu_handler._launcher._issue is not None:
+            # After each direction's first copy (which compiles and binds the kernel) the
+            # jobs were planned in the issuer's C call, with the lane's own copy objects.
+            assert len(planned_in_c) == 4
+            assert len(h.gpu_to_cpu_handler._pools.lane_copies) == 1
         bad = random_job(
             rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,
             num_cpu_blocks=32,

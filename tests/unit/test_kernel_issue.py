@@ -35,6 +35,9 @@ _LAUNCH = ctypes.CFUNCTYPE(
     ctypes.c_void_p,
 )
 
+_GET_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+_SET_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+
 FUNCTION, STREAM, BEFORE, MARK, PREV, START, END = 0xF00, 0x51, 0xB4, 0x3A, 0x9E, 0x57, 0xE4
 REF_PTR = 0x7000_0000
 
@@ -46,12 +49,27 @@ class FakeCuda:
     param_sizes: list[int]
     fail: dict[str, int] = field(default_factory=dict)
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    current_device: int = 0
 
     def __post_init__(self) -> None:
         self._memcpy = _MEMCPY(self.memcpy)
         self._record = _RECORD(self.record)
         self._wait = _WAIT(self.wait)
         self._launch = _LAUNCH(self.launch)
+        self._get_device = _GET_DEVICE(self.get_device)
+        self._set_device = _SET_DEVICE(self.set_device)
+
+    def get_device(self, out: Any) -> int:
+        out[0] = self.current_device
+        self.calls.append(("get_device",))
+        return self.fail.get("get_device", 0)
+
+    def set_device(self, device: int) -> int:
+        self.calls.append(("set_device", device))
+        code = self.fail.get("set_device", 0)
+        if not code:
+            self.current_device = device
+        return code
 
     def address(self, name: str) -> int:
         return int(ctypes.cast(getattr(self, "_" + name), ctypes.c_void_p).value or 0)
@@ -416,3 +434,132 @@ def test_a_kernel_is_bound_once_compiled_and_never_where_triton_launches_itself(
         ref_table=SimpleNamespace(data_ptr=lambda: REF_PTR), config=KernelConfig(), grid=264,
     )  # fmt: skip
     assert bind(refused, FakeRuntime()) == (None, False)  # compiled, not bindable: never again
+
+
+# -- lone one-group jobs planned in the issuer's call (issue_units) -------------------------
+
+
+def _units_issuer(cuda: FakeCuda, *, device: int = 0, **kw: int) -> Any:
+    """An issuer (source factor 2, destination factor 1) told the one group's geometry."""
+    issuer = cuda.issuer(**kw)
+    issuer.set_units(
+        10, 6, 3, 4, 65536, device, cuda.address("get_device"), cuda.address("set_device")
+    )
+    return issuer
+
+
+def _ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def _issue_units(
+    issuer: Any, host: np.ndarray, dev: np.ndarray, src: Any, dst: Any, size: int,
+    start: int = 0, capacity: int = 64, before: int = 0,
+) -> int:  # fmt: skip
+    mark = MARK if before else 0
+    return int(issuer.issue_units(
+        host.ctypes.data, dev.ctypes.data, capacity, src, dst, size, start, STREAM, before,
+        mark, 0, START, END,
+    ))  # fmt: skip
+
+
+def test_a_lone_job_is_planned_into_its_table_and_issued_in_one_call() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    # Three pieces from the second sub-block of the request: source blocks of two pieces
+    # (factor 2) skip one, destination blocks hold one piece each.
+    code = _issue_units(_units_issuer(cuda), host, dev, _ids(4, 7), _ids(5, 0, 2), 3, start=1)
+    assert code == 0
+    assert [c[0] for c in cuda.calls] == ["get_device", "memcpy", "record", "launch", "record"]
+    uploaded = cuda.calls[1][6]
+    assert uploaded.tolist() == [0, 3, 3, 0, 9, 14, 15, 5, 0, 2]
+    values = cuda.calls[3][6]
+    chunks = 4  # 64 KiB fragments in 16 KiB work items
+    assert values[:7] == [REF_PTR, dev.ctypes.data, 1, 3, 3 * 4 * chunks, 1, chunks]
+
+
+def test_a_lone_store_waits_for_the_models_stream_on_the_kernels_device() -> None:
+    cuda = FakeCuda(TRITON_SIZES, current_device=1)
+    host, dev = _tables([])
+    issuer = _units_issuer(cuda, device=2)
+    assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=BEFORE) == 0
+    names = [c[0] for c in cuda.calls]
+    assert names == ["get_device", "set_device", "memcpy", "record", "wait", "record", "launch",
+                     "record", "set_device"]  # fmt: skip
+    assert cuda.calls[1] == ("set_device", 2) and cuda.calls[-1] == ("set_device", 1)
+    assert cuda.calls[3][:3] == ("record", MARK, BEFORE)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "size", "capacity", "why"),
+    [
+        (_ids(10), _ids(0, 1), 2, 64, "a source block past its rows"),
+        (_ids(1), _ids(0, -1), 2, 64, "a negative destination block"),
+        (_ids(1, 2), _ids(0, 1), 2, 64, "a source block the pieces do not need"),
+        (_ids(1), _ids(0), 2, 64, "too few destination blocks"),
+        (np.array([1], dtype=np.int32), _ids(0, 1), 2, 64, "ids that are not int64"),
+        (_ids(1, 2, 3, 4)[::2], _ids(0, 1, 2, 3), 4, 64, "a strided id view"),
+        ([1], _ids(0, 1), 2, 64, "a list"),
+        (_ids(1), _ids(0, 1), 2, 7, "a table too small for the units"),
+        (_ids(1), _ids(0, 1), 0, 64, "no pieces"),
+    ],
+)
+def test_a_job_the_lane_does_not_take_issues_nothing(
+    src: Any, dst: Any, size: int, capacity: int, why: str
+) -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    assert _issue_units(_units_issuer(cuda), host, dev, src, dst, size, capacity=capacity) == -1
+    assert cuda.calls == [], why
+    wrapped = kernel_issue.KernelIssue(_units_issuer(cuda), FakeRuntime())
+    wrapped.units_ready = True
+    args = (host.ctypes.data, dev.ctypes.data, capacity, src, dst, size, 0, STREAM, 0, 0, 0)
+    assert wrapped.issue_units(*args, START, END) is False  # the general path plans it
+    assert cuda.calls == []
+
+
+def test_the_lane_takes_nothing_before_it_knows_the_groups_geometry() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    assert _issue_units(cuda.issuer(), host, dev, _ids(1), _ids(0, 1), 2) == -1
+    assert cuda.calls == []
+
+
+def test_a_value_a_parameter_cannot_hold_leaves_the_table_as_it_was() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    issuer = cuda.issuer(block_bytes=1)
+    get, put = cuda.address("get_device"), cuda.address("set_device")
+    issuer.set_units(10, 6, 3, 4, 2**31, 0, get, put)  # 2**31 one-byte chunks per fragment
+    before = host.copy()
+    code = _issue_units(issuer, host, dev, _ids(1), _ids(0, 1), 2)
+    assert code == kernel_issue.STAGE_RANGE << 16
+    assert cuda.calls == [] and host.tolist() == before.tolist()
+
+
+@pytest.mark.parametrize(("fail", "made"), [("get_device", 1), ("set_device", 2)])
+def test_a_device_that_cannot_be_made_current_stops_the_job_and_is_named(
+    fail: str, made: int
+) -> None:
+    cuda = FakeCuda(TRITON_SIZES, fail={fail: 101}, current_device=1)
+    host, dev = _tables([])
+    wrapped = kernel_issue.KernelIssue(_units_issuer(cuda, device=0), FakeRuntime())
+    wrapped.units_ready = True
+    args = (host.ctypes.data, dev.ctypes.data, 64, _ids(1), _ids(0, 1), 2, 0, STREAM, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="device current") as info:
+        wrapped.issue_units(*args, START, END)
+    assert "101" in str(info.value)
+    assert len(cuda.calls) == made  # nothing enqueued
+
+
+def test_set_units_refuses_a_geometry_it_cannot_plan() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    issuer = cuda.issuer()
+    get, put = cuda.address("get_device"), cuda.address("set_device")
+    with pytest.raises(ValueError, match="set_units"):
+        issuer.set_units(10, 6, 3, 0, 65536, 0, get, put)
+    with pytest.raises(ValueError, match="set_units"):
+        issuer.set_units(10, 6, 3, 4, 65536, 0, 0, put)
+    host, dev = _tables([])
+    with pytest.raises(TypeError, match="13 arguments"):
+        issuer.issue_units(host.ctypes.data, dev.ctypes.data, 64)

@@ -24,6 +24,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "_units.h"
 #ifdef __linux__
 #include <sys/eventfd.h>
 #endif
@@ -193,27 +195,8 @@ done:
  * -> bool: the units of a one-group job of ``size`` pieces starting ``start`` pieces into the
  * request, written to ``out`` (int64, source units then destination units), when the job is
  * well formed: every id in its side's rows, and each side naming exactly the blocks the
- * pieces need. False otherwise, and the caller's general planner then says what is wrong.
- * A unit is block * factor + sub-block, so with factor f piece i of a side whose first block
- * is skipped ``start % f`` sub-blocks into lies at ids[(i + skip) / f] * f + (i + skip) % f. */
-static int units_of_side(const int64_t *ids, Py_ssize_t n_ids, Py_ssize_t size, Py_ssize_t start,
-                         Py_ssize_t factor, Py_ssize_t rows, int64_t *out) {
-    Py_ssize_t skip = start % factor;
-    if ((size + skip + factor - 1) / factor != n_ids) return 0;
-    for (Py_ssize_t j = 0; j < n_ids; j++) {
-        if (ids[j] < 0 || ids[j] >= rows) return 0;
-    }
-    if (factor == 1) {
-        memcpy(out, ids, (size_t)size * 8);
-        return 1;
-    }
-    for (Py_ssize_t i = 0; i < size; i++) {
-        Py_ssize_t k = i + skip;
-        out[i] = ids[k / factor] * factor + k % factor;
-    }
-    return 1;
-}
-
+ * pieces need (units_of_side, _units.h). False otherwise, and the caller's general planner
+ * then says what is wrong. */
 static PyObject *plan_units(PyObject *self, PyObject *args) {
     Py_buffer src, dst, out;
     Py_ssize_t size, start, sf, df, src_rows, dst_rows;

@@ -1,5 +1,6 @@
 /* One kernel copy enqueued in one call: the job table's upload, the waits that order it, its
- * start event, the copy kernel's launch and its end event.
+ * start event, the copy kernel's launch and its end event; for a lone one-group job also its
+ * units, planned from the block ids in the same call (issue_units).
  *
  * A serving engine's lone 1- or 8-block job spends as much host time issuing its copy as the
  * copy itself takes on the link. Issued from Python, each of those steps is a ctypes or torch
@@ -25,11 +26,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_units.h"
+
 typedef int (*memcpy_fn)(void *, const void *, size_t, int, void *);
 typedef int (*record_fn)(void *, void *);
 typedef int (*wait_fn)(void *, void *, unsigned int);
 typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsigned int,
                          unsigned int, unsigned int, unsigned int, void *, void **, void **);
+typedef int (*get_device_fn)(int *);
+typedef int (*set_device_fn)(int);
 
 enum { MAX_PARAMS = 16, KERNEL_ARGS = 9, GROUP_ROW = 4, MEMCPY_DEFAULT = 4 };
 
@@ -45,6 +50,7 @@ enum {
     STAGE_READY = 8,
     STAGE_RING = 9,
     STAGE_PIECE = 10,
+    STAGE_DEVICE = 11,
 };
 
 enum { MAX_PIECES = 16 };
@@ -65,6 +71,12 @@ typedef struct {
     int64_t dst_factor;
     int n_params;
     int param_size[MAX_PARAMS];
+    /* The one group's geometry for issue_units (set_units; units_ready until then 0). */
+    int units_ready;
+    int device;
+    get_device_fn get_device;
+    set_device_fn set_device;
+    int64_t src_rows, dst_rows, ref_row, pairs_per_unit, max_size;
 } KernelIssuer;
 
 static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -194,40 +206,19 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
  * if prev_end: waits for it (the previous copy of this direction); records start; launches
  * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
  * records end. Stops at the first call that fails. */
-static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_Format(PyExc_TypeError, "issue() takes 12 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    uint64_t host, dev, stream, before, mark, prev_end, start, end;
-    int64_t n_units, ref_row, pairs, max_size;
-    if (!as_u64(args[0], &host) || !as_u64(args[1], &dev) || !as_i64(args[2], &n_units) ||
-        !as_i64(args[3], &ref_row) || !as_i64(args[4], &pairs) || !as_i64(args[5], &max_size) ||
-        !as_u64(args[6], &stream) || !as_u64(args[7], &before) || !as_u64(args[8], &mark) ||
-        !as_u64(args[9], &prev_end) || !as_u64(args[10], &start) || !as_u64(args[11], &end)) {
-        return NULL;
-    }
-    if (host == 0 || dev == 0 || n_units < 0 || pairs < 0 || max_size < 0 ||
-        (pairs > 0 && max_size == 0) || (before != 0 && mark == 0) || start == 0 || end == 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "issue() needs both tables, events, counts >= 0 and a mark with before");
-        return NULL;
-    }
-    int64_t values[MAX_PARAMS];
-    void *params[MAX_PARAMS];
-    int64_t programs = kernel_params(self, dev, 1, n_units, pairs, max_size, values, params);
-    if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
+/* The calls of one kernel copy over the job table at host (pinned; its units written after
+ * the group row) and dev (its device copy), on stream s; see issue(). Writes the group row.
+ * Returns 0, or (stage << 16) | the failing call's code. Called with the GIL released. */
+static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64_t n_units,
+                    int64_t ref_row, int64_t programs, void **params, void *s, uint64_t before,
+                    uint64_t mark, uint64_t prev_end, uint64_t start, uint64_t end) {
     int64_t *row = (int64_t *)(uintptr_t)host;
     row[0] = 0;
     row[1] = n_units;
     row[2] = ref_row;
     row[3] = 0;
     size_t table_bytes = (size_t)(GROUP_ROW + 2 * n_units) * 8;
-    void *s = (void *)(uintptr_t)stream;
     int code = 0, stage = 0;
-    /* Released as ctypes and Triton's launcher release it: an enqueue blocks while the
-     * stream's queue is full. Holding it measured the same on the H200 host. */
-    Py_BEGIN_ALLOW_THREADS
     do {
         stage = STAGE_UPLOAD;
         code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
@@ -257,10 +248,166 @@ static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssiz
         stage = STAGE_END;
         code = self->event_record((void *)(uintptr_t)end, s);
     } while (0);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(code ? ((long)stage << 16) | (long)(code & 0xFFFF) : 0);
+    return code ? ((long)stage << 16) | (long)(code & 0xFFFF) : 0;
 }
 
+/* issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, start,
+ *       end) -> 0, or (stage << 16) | the failing call's code
+ *
+ * host/dev: the job table (pinned host and its device copy); its units (n_units sources then
+ * n_units destinations after the group row) are already written at host. Writes the one
+ * group row (0, n_units, ref_row, 0), then on stream: uploads the 4 + 2 * n_units entries;
+ * if before: records mark on before and waits for it (a store copies what the model wrote);
+ * if prev_end: waits for it (the previous copy of this direction); records start; launches
+ * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
+ * records end. Stops at the first call that fails. */
+static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "issue() takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t host, dev, stream, before, mark, prev_end, start, end;
+    int64_t n_units, ref_row, pairs, max_size;
+    if (!as_u64(args[0], &host) || !as_u64(args[1], &dev) || !as_i64(args[2], &n_units) ||
+        !as_i64(args[3], &ref_row) || !as_i64(args[4], &pairs) || !as_i64(args[5], &max_size) ||
+        !as_u64(args[6], &stream) || !as_u64(args[7], &before) || !as_u64(args[8], &mark) ||
+        !as_u64(args[9], &prev_end) || !as_u64(args[10], &start) || !as_u64(args[11], &end)) {
+        return NULL;
+    }
+    if (host == 0 || dev == 0 || n_units < 0 || pairs < 0 || max_size < 0 ||
+        (pairs > 0 && max_size == 0) || (before != 0 && mark == 0) || start == 0 || end == 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "issue() needs both tables, events, counts >= 0 and a mark with before");
+        return NULL;
+    }
+    int64_t values[MAX_PARAMS];
+    void *params[MAX_PARAMS];
+    int64_t programs = kernel_params(self, dev, 1, n_units, pairs, max_size, values, params);
+    if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    long result;
+    /* Released as ctypes and Triton's launcher release it: an enqueue blocks while the
+     * stream's queue is full. Holding it measured the same on the H200 host. */
+    Py_BEGIN_ALLOW_THREADS
+    result = enqueue(self, host, dev, n_units, ref_row, programs, params, (void *)(uintptr_t)stream,
+                     before, mark, prev_end, start, end);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* set_units(src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device,
+ *           set_device) -> None
+ *
+ * The one KV-cache group's geometry, for issue_units: each side's rows (its block ids must
+ * lie below), the group's row in the ref table, its fragments per unit and their largest
+ * size; and the device the kernel was compiled for, made current around each issue_units
+ * (cudaGetDevice / cudaSetDevice addresses) where another one is. */
+static PyObject *issuer_set_units(KernelIssuer *self, PyObject *args) {
+    long long src_rows, dst_rows, ref_row, pairs_per_unit, max_size;
+    int device;
+    unsigned long long get_device, set_device;
+    if (!PyArg_ParseTuple(args, "LLLLLiKK", &src_rows, &dst_rows, &ref_row, &pairs_per_unit,
+                          &max_size, &device, &get_device, &set_device)) {
+        return NULL;
+    }
+    if (src_rows < 0 || dst_rows < 0 || ref_row < 0 || pairs_per_unit < 1 || max_size < 1 ||
+        device < 0 || get_device == 0 || set_device == 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "set_units needs rows >= 0, a ref row >= 0, fragments and a size >= 1, "
+                        "a device >= 0 and both device functions");
+        return NULL;
+    }
+    self->src_rows = src_rows;
+    self->dst_rows = dst_rows;
+    self->ref_row = ref_row;
+    self->pairs_per_unit = pairs_per_unit;
+    self->max_size = max_size;
+    self->device = device;
+    self->get_device = (get_device_fn)(uintptr_t)get_device;
+    self->set_device = (set_device_fn)(uintptr_t)set_device;
+    self->units_ready = 1;
+    Py_RETURN_NONE;
+}
+
+static int int64_ids(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if (view->itemsize != 8 || (f[0] != 'l' && f[0] != 'q') || f[1] != 0) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* issue_units(host, dev, capacity, src_ids, dst_ids, size, start, stream, before, mark,
+ *             prev_end, start_event, end_event) -> 0, -1, or (stage << 16) | code
+ *
+ * A one-group job planned and issued in one call (the lone lane): the units of size pieces
+ * starting start pieces into the request (units_of_side on each side's ids, int64) written
+ * after the group row of the job table at host, then issue()'s calls. -1, with nothing
+ * enqueued, where the job is not one this call takes: set_units not called, ids that are not
+ * C-contiguous int64 or do not name the job's blocks within the rows, or a job of more units
+ * than a table of capacity entries holds; the caller's general path then plans it and names
+ * any error (the table may hold some units by then: it is the caller's scratch until a copy
+ * reads it). STAGE_RANGE, with nothing written, as issue(). The device of set_units is made
+ * current around the calls where another one is. */
+static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "issue_units() takes 13 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t host, dev, stream, before, mark, prev_end, start, end;
+    int64_t capacity, size, first;
+    if (!as_u64(args[0], &host) || !as_u64(args[1], &dev) || !as_i64(args[2], &capacity) ||
+        !as_i64(args[5], &size) || !as_i64(args[6], &first) || !as_u64(args[7], &stream) ||
+        !as_u64(args[8], &before) || !as_u64(args[9], &mark) || !as_u64(args[10], &prev_end) ||
+        !as_u64(args[11], &start) || !as_u64(args[12], &end)) {
+        return NULL;
+    }
+    if (host == 0 || dev == 0 || (before != 0 && mark == 0) || start == 0 || end == 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "issue_units() needs both tables, both events and a mark with before");
+        return NULL;
+    }
+    if (!self->units_ready || size <= 0 || first < 0 || GROUP_ROW + 2 * size > capacity) {
+        return PyLong_FromLong(-1);
+    }
+    int64_t values[MAX_PARAMS];
+    void *params[MAX_PARAMS];
+    int64_t programs = kernel_params(self, dev, 1, size, self->pairs_per_unit * size,
+                                     self->max_size, values, params);
+    if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    Py_buffer src, dst;
+    if (!int64_ids(args[3], &src)) return PyLong_FromLong(-1);
+    if (!int64_ids(args[4], &dst)) {
+        PyBuffer_Release(&src);
+        return PyLong_FromLong(-1);
+    }
+    int64_t *units = (int64_t *)(uintptr_t)host + GROUP_ROW;
+    int ok = units_of_side(src.buf, src.len / 8, size, first, self->src_factor, self->src_rows,
+                           units) &&
+             units_of_side(dst.buf, dst.len / 8, size, first, self->dst_factor, self->dst_rows,
+                           units + size);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!ok) return PyLong_FromLong(-1);
+    long result = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int current = -1, code = self->get_device(&current);
+    if (code == 0 && current != self->device) code = self->set_device(self->device);
+    if (code) {
+        result = ((long)STAGE_DEVICE << 16) | (long)(code & 0xFFFF);
+    } else {
+        result = enqueue(self, host, dev, size, self->ref_row, programs, params,
+                         (void *)(uintptr_t)stream, before, mark, prev_end, start, end);
+        if (current >= 0 && current != self->device) self->set_device(current);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
 
 static int int64_view(PyObject *obj, Py_buffer *view) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
@@ -414,6 +561,12 @@ static PyMethodDef issuer_methods[] = {
     {"issue", (PyCFunction)(void (*)(void))issuer_issue, METH_FASTCALL,
      "issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, "
      "start, end) -> 0 or (stage << 16) | code"},
+    {"set_units", (PyCFunction)issuer_set_units, METH_VARARGS,
+     "set_units(src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device, "
+     "set_device) -> None"},
+    {"issue_units", (PyCFunction)(void (*)(void))issuer_issue_units, METH_FASTCALL,
+     "issue_units(host, dev, capacity, src_ids, dst_ids, size, start, stream, before, mark, "
+     "prev_end, start_event, end_event) -> 0, -1 (not taken) or (stage << 16) | code"},
     {"issue_staged", (PyCFunction)(void (*)(void))issuer_issue_staged, METH_FASTCALL,
      "issue_staged(gpu_to_cpu, kernel_stream, dma_stream, ready, prev_end, start, end, host, "
      "dev, table_entries, job_offset, n_groups, n_units, pairs, max_size, freed, freed_used, "

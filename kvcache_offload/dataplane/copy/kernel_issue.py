@@ -63,6 +63,7 @@ _STAGES = {
     8: "ordering the copy after the model's work (cudaStreamWaitEvent)",
     9: "handing over the staging buffer (cudaEventRecord / cudaStreamWaitEvent)",
     10: "copying a staged piece (cudaMemcpyAsync)",
+    11: "making the kernel's device current (cudaGetDevice / cudaSetDevice)",
 }
 _KERNEL_ARGS = 9
 """The copy kernel's own parameters: two table pointers and seven ints."""
@@ -92,6 +93,65 @@ class KernelIssue:
     def __init__(self, issuer: Any, runtime: CudaRuntime) -> None:
         self._issuer = issuer
         self._runtime = runtime
+        self.units_ready = False
+        """Whether :meth:`issue_units` can take jobs (after :meth:`set_units`)."""
+
+    def set_units(
+        self,
+        *,
+        src_rows: int,
+        dst_rows: int,
+        ref_row: int,
+        pairs_per_unit: int,
+        max_size: int,
+        device: int,
+    ) -> bool:
+        """Let :meth:`issue_units` plan the one KV-cache group's jobs: each side's rows, the
+        group's row in the ref table, its fragments per unit and their largest size, and the
+        device the kernel belongs to. False (logged at debug level) where the runtime lacks
+        the device calls; the caller then plans in Python."""
+        lib = self._runtime.lib
+        try:
+            get_device, set_device = _address(lib.cudaGetDevice), _address(lib.cudaSetDevice)
+            self._issuer.set_units(
+                src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device,
+                set_device,
+            )  # fmt: skip
+        except (AttributeError, ValueError, TypeError) as exc:
+            logger.debug("one-group jobs planned in Python: %s", exc)
+            return False
+        self.units_ready = True
+        return True
+
+    def issue_units(
+        self,
+        host_ptr: int,
+        dev_ptr: int,
+        capacity: int,
+        src_ids: Any,
+        dst_ids: Any,
+        size: int,
+        start: int,
+        stream: int,
+        before: int,
+        mark: int,
+        prev_end: int,
+        start_event: int,
+        end_event: int,
+    ) -> bool:
+        """Plan a one-group job of ``size`` pieces from ``start`` (its int64 block ids on
+        each side) into the job table at ``host_ptr`` (``capacity`` entries) and issue it as
+        :meth:`issue` does, in one C call. False, having written and enqueued nothing, where
+        the job is not one it takes (ids it refuses, a table too small, launch hooks, a value
+        a parameter cannot hold): the caller's general path then plans it and names any
+        error. Raises RuntimeError naming the call that failed."""
+        if not self.units_ready or launch_hooks_installed():
+            return False
+        code = self._issuer.issue_units(
+            host_ptr, dev_ptr, capacity, src_ids, dst_ids, size, start, stream, before, mark,
+            prev_end, start_event, end_event,
+        )  # fmt: skip
+        return code >= 0 and self._outcome(code)
 
     def issue(
         self,

@@ -253,6 +253,14 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 max_staging_bytes=max_staging_bytes,
             )
         self._lone_limit = self._lone_kernel_limit()
+        single = self._planner.single_group
+        if self._lone_limit and single is not None:
+            self._launcher.plan_lone_units(
+                src_rows=self.src_geom.num_rows,
+                dst_rows=self.dst_geom.num_rows,
+                pairs_per_unit=len(single.tensors),
+                max_size=single.max_size,
+            )
 
     def _lone_kernel_limit(self) -> int:
         """Jobs below this many bytes that find the direction idle take the lone-kernel lane
@@ -315,6 +323,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         src_ids, dst_ids, size, start, nbytes = job
         if nbytes >= self._lone_limit or self._mixed_job(nbytes, 1):
             return False
+        jobs = [(job_id, nbytes)]
+        lane = self._launcher.lone_units(jobs, src_ids, dst_ids, size, start)
+        if lane is not None:
+            self._track(lane, jobs, "kernel")
+            return True
         entries = GROUP_ROW + 2 * size
         slot = self._pools.slot()
         table = slot.ensure(entries, need_device=True)
@@ -323,7 +336,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         ):
             self._pools.return_slot(slot)
             return False
-        jobs = [(job_id, nbytes)]
         single = self._planner.single_group
         assert single is not None
         transfer = self._launcher.lone_kernel(

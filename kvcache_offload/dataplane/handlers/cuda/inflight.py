@@ -20,7 +20,15 @@ import torch
 
 from kvcache_offload.dataplane.copy.staged import StagedJob
 
-__all__ = ["CompletionWatcher", "CopyPools", "CopyWatch", "InFlightCopy", "TableSlot"]
+__all__ = [
+    "LANE_TABLE_ENTRIES",
+    "CompletionWatcher",
+    "CopyPools",
+    "CopyWatch",
+    "InFlightCopy",
+    "LaneCopy",
+    "TableSlot",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +97,22 @@ class InFlightCopy:
         self.end_event.synchronize()
 
 
+LANE_TABLE_ENTRIES = 16384
+"""A lone-lane copy's job table (int64 entries, pinned and on the GPU): jobs of up to 8,190
+units; larger ones take the general path."""
+
+
+@dataclass
+class LaneCopy(InFlightCopy):
+    """A lone one-group kernel copy's stream, events and table, kept whole between copies:
+    a lone request then takes nothing from the pools and builds nothing, and its raw
+    handles are read once (:meth:`CopyLauncher.lone_units`)."""
+
+    raw_stream: int = 0
+    raw_start: int = 0
+    raw_end: int = 0
+
+
 class CompletionWatcher:
     """One thread that waits on each job's end, in submission order, and reports it.
 
@@ -150,6 +174,7 @@ class CopyPools:
         self.timing_events: list[torch.cuda.Event] = []
         self.sync_events: list[torch.cuda.Event] = []
         self.slots: list[TableSlot] = []
+        self.lane_copies: list[LaneCopy] = []
 
     def stream(self) -> torch.cuda.Stream:
         return self.streams.pop() if self.streams else torch.cuda.Stream(self.device)
@@ -180,6 +205,9 @@ class CopyPools:
 
     def recycle(self, t: InFlightCopy) -> None:
         """Take back what a finished copy held."""
+        if type(t) is LaneCopy:
+            self.lane_copies.append(t)
+            return
         if t.stream is not None:
             self.streams.append(t.stream)
         self.timing_events.extend((t.start_event, t.end_event))
@@ -196,6 +224,7 @@ class CopyPools:
         for pool in (self.streams, self.side_streams, self.timing_events, self.sync_events):
             pool.clear()
         self.slots.clear()
+        self.lane_copies.clear()
 
 
 class CopyWatch:

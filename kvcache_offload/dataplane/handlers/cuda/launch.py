@@ -35,7 +35,13 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     KernelConfig,
     on_device,
 )
-from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, InFlightCopy, TableSlot
+from kvcache_offload.dataplane.handlers.cuda.inflight import (
+    LANE_TABLE_ENTRIES,
+    CopyPools,
+    InFlightCopy,
+    LaneCopy,
+    TableSlot,
+)
 
 __all__ = ["CopyLauncher"]
 
@@ -91,6 +97,9 @@ class CopyLauncher:
         self._issue_unbound = kernel_issue_available() and runtime is not None
         """Whether to try binding it at the next lone copy."""
         self._ref_row = 0
+        self._units_geometry: dict[str, int] | None = None
+        """The one group's geometry for :meth:`lone_units` (see :meth:`plan_lone_units`)."""
+        self._lane_stream: torch.cuda.Stream | None = None
 
     def close(self) -> None:
         """Release the raw event and the tables (the handler's shutdown, after its copies
@@ -258,6 +267,69 @@ class CopyLauncher:
             end.record(stream)
         return InFlightCopy(jobs, stream, start, end, slot, "kernel")
 
+    def plan_lone_units(
+        self, *, src_rows: int, dst_rows: int, pairs_per_unit: int, max_size: int
+    ) -> None:
+        """Let lone one-group jobs be planned in the issuer's C call (:meth:`lone_units`)
+        once the kernel is bound: each side's rows, the group's fragments per unit and their
+        largest size."""
+        self._units_geometry = {
+            "src_rows": src_rows,
+            "dst_rows": dst_rows,
+            "pairs_per_unit": pairs_per_unit,
+            "max_size": max_size,
+        }
+
+    def lone_units(
+        self,
+        jobs: list[tuple[int, int]],
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        size: int,
+        start: int,
+    ) -> InFlightCopy | None:
+        """A lone one-group job on an idle direction, planned and issued in one C call
+        (the issuer's ``issue_units``: the ids checked and turned into units in the job
+        table, then :meth:`lone_kernel`'s CUDA calls) with a :class:`LaneCopy` kept whole
+        between copies. None, having issued nothing, before the kernel is bound or where
+        the call does not take the job; :meth:`lone_kernel` then issues it (and names any
+        error). On the H200 host the Python steps this skips (a table, a stream and events
+        from the pools, the units' own C call, the device guard, raw handles, a new
+        :class:`InFlightCopy`) are half of a lone job's host time before its copy starts."""
+        issue = self._issue if self._issue is not None or not self._issue_unbound else self._bind()
+        if issue is None or not issue.units_ready:
+            return None
+        pools = self.pools
+        lane = pools.lane_copies.pop() if pools.lane_copies else self._new_lane_copy()
+        slot = lane.slot
+        assert slot is not None
+        before, mark = self._store_order()
+        if not issue.issue_units(
+            slot.host_ptr, slot.dev_ptr, slot.capacity, src_ids, dst_ids, size, start,
+            lane.raw_stream, before, mark, 0, lane.raw_start, lane.raw_end,
+        ):  # fmt: skip
+            pools.lane_copies.append(lane)
+            return None
+        lane.jobs = jobs
+        lane.watched = False
+        return lane
+
+    def _new_lane_copy(self) -> LaneCopy:
+        """A lane copy's stream (one per direction: its copies run one after another
+        anyway), events and table, with their raw handles."""
+        with on_device(self.device):
+            if self._lane_stream is None:
+                self._lane_stream = torch.cuda.Stream(self.device)
+            stream = self._lane_stream
+            start, end = self.pools.timing_pair()
+            slot = TableSlot(self.device)
+            slot.ensure(LANE_TABLE_ENTRIES, need_device=True)
+            return LaneCopy(
+                jobs=[], stream=stream, start_event=start, end_event=end, slot=slot,
+                mechanism="kernel", raw_stream=int(stream.cuda_stream),
+                raw_start=raw_event(start, stream), raw_end=raw_event(end, stream),
+            )  # fmt: skip
+
     def _bind(self) -> KernelIssue | None:
         """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
         launches through Triton); a store also needs the raw ordering event."""
@@ -267,6 +339,14 @@ class CopyLauncher:
             self._issue_unbound = False
             return None
         self._issue, self._issue_unbound = bind_when_compiled(kernel, runtime)
+        geometry = self._units_geometry
+        if self._issue is not None and geometry is not None:
+            index = self.device.index
+            self._issue.set_units(
+                ref_row=self._ref_row,
+                device=index if index is not None else torch.cuda.current_device(),
+                **geometry,
+            )
         return self._issue
 
     def _store_order(self) -> tuple[int, int]:
