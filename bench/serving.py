@@ -471,7 +471,12 @@ def _jobs_by_mechanism(rig: Rig) -> dict[str, Any]:
         }
     poller = rig.engine._poller
     if poller is not None:  # how often it stopped looking with copies queued behind
-        out["poller"] = {"polls": poller.polls, "deep_sleeps": poller.deep_sleeps}
+        out["poller"] = {
+            "polls": poller.polls,
+            "deep_sleeps": poller.deep_sleeps,
+            "close_finds": poller.close_finds,
+            "caller_finds": poller.caller_finds,
+        }
     return out
 
 

@@ -127,6 +127,7 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
                 spin_s=poll_spin_s,
                 backoff_s=poll_backoff_s,
                 sleep_behind_s=config.completion_sleep_behind_s,
+                caller_looks=config.completion_caller_looks,
             )
         self._block_memory: BlockMemory | None = None
         self._tiers: EngineTiers | None = self._build_tiers()

@@ -2,11 +2,13 @@
 
 Pins never outlive an operation: a transfer's completion callback (run by the poller, not by
 the awaiting coroutine) completes the store or load even if the caller was cancelled; a
-refused or failed transfer completes the store with ``success=False``.
+refused or failed transfer completes the store with ``success=False``. (A lone job's caller
+may look for the end itself, through the poller; a cancelled one hands it back.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import types
 from collections.abc import Generator, Sequence
 
@@ -15,7 +17,7 @@ import numpy as np
 from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
 from kvcache_offload.aio.engine_lifecycle import Lifecycle
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
-from kvcache_offload.aio.poller import TransferPoller
+from kvcache_offload.aio.poller import COLLECT, LOOK, TransferPoller
 from kvcache_offload.aio.types import LoadResult, StoreResult, job_load_result, job_store_result
 from kvcache_offload.contracts.handler import TransferResult
 from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
@@ -38,6 +40,24 @@ def one_loop_turn() -> Generator[None, None, None]:
     turn rather than by the poller task: the caller still yields once, as before (the
     poller's turn came after it in the same loop iteration), and the task is not woken."""
     yield
+
+
+async def _settle(
+    poller: TransferPoller, future: asyncio.Future[TransferResult], mode: int
+) -> None:
+    """What :meth:`TransferPoller.submit_job` asked the caller to do before it awaits its
+    job's future."""
+    if mode == COLLECT:  # the copy finished during submission (a small one, done inline)
+        try:
+            await one_loop_turn()
+        finally:  # cancelled or not: the job completes now, on this turn
+            poller.collect_now()
+    elif mode == LOOK:  # a lone job: look for its end on this task's turns
+        try:
+            while not future.done() and poller.caller_look():
+                await one_loop_turn()
+        finally:  # done, given up or cancelled: a job still in flight goes to the poller
+            poller.caller_stop(future)
 
 
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
@@ -101,18 +121,15 @@ class TransferJobs(Lifecycle):
             if self._runner is None:
                 self._ensure_started()
             try:
-                future, collect = poller.submit_job((gpu_spec, out.store_spec), on_done, True)
+                future, mode = poller.submit_job((gpu_spec, out.store_spec), on_done, True)
             except BaseException:
                 self._publish_manager_events()
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
         finally:
             self._publish_manager_events()  # a no-op when published above
-        if collect:  # the copy finished during submission (a small one, done inline)
-            try:
-                await one_loop_turn()
-            finally:  # cancelled or not: the job completes now, on this turn
-                poller.collect_now()
+        if mode:
+            await _settle(poller, future, mode)
         result = await future
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
@@ -166,15 +183,12 @@ class TransferJobs(Lifecycle):
         if self._runner is None:
             self._ensure_started()
         try:
-            future, collect = poller.submit_job((cpu_spec, gpu_spec), on_done, True)
+            future, mode = poller.submit_job((cpu_spec, gpu_spec), on_done, True)
         except BaseException:
             self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
             raise
-        if collect:  # the copy finished during submission (a small one, done inline)
-            try:
-                await one_loop_turn()
-            finally:  # cancelled or not: the job completes now, on this turn
-                poller.collect_now()
+        if mode:
+            await _settle(poller, future, mode)
         result = await future
         if not result.success:
             raise TransferError(f"loading {len(keys)} blocks failed (job {result.job_id})")

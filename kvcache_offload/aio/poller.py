@@ -61,11 +61,17 @@ from kvcache_offload.contracts.handler import (
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 from kvcache_offload.errors import TransferError
 
-__all__ = ["TransferPoller"]
+__all__ = ["AWAIT", "COLLECT", "LOOK", "TransferPoller"]
 
 logger = logging.getLogger(__name__)
 
 OnDone = Callable[[TransferResult], None]
+
+AWAIT, COLLECT, LOOK = 0, 1, 2
+"""What :meth:`TransferPoller.submit_job` asks its caller to do before awaiting the future:
+nothing; give the loop one turn, then :meth:`~TransferPoller.collect_now`; or look for the
+job's end itself (:meth:`~TransferPoller.caller_look`, then
+:meth:`~TransferPoller.caller_stop`)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +110,7 @@ class TransferPoller:
         close_look_s: float = 2e-5,
         sleep_behind_s: float = 0.003,
         batch: bool = True,
+        caller_looks: bool = True,
     ) -> None:
         self.worker = worker
         self._transfer_async = worker.transfer_async
@@ -157,6 +164,10 @@ class TransferPoller:
         self._wake_per_job = not self.pushed or self.on_demand
         """Whether every submission wakes the task (it polls, or looks by itself), not only
         one that finds it asleep."""
+        self._caller_may_look = self.on_demand and caller_looks
+        """Whether the caller of a lone job looks for its end itself (see :meth:`submit_job`)."""
+        self.caller_finds = 0
+        """Jobs whose caller found their end itself."""
 
     @property
     def in_flight(self) -> int:
@@ -185,15 +196,25 @@ class TransferPoller:
 
     def submit_job(
         self, spec: TransferSpec, on_done: OnDone, collect: bool
-    ) -> tuple[asyncio.Future[TransferResult], bool]:
-        """:meth:`submit`, for a caller that may collect its own job: with ``collect`` True,
-        a job that its handler finished during the submission (a small copy done inline,
-        announced by the completion callback on the loop thread) wakes nobody and the
-        answer's second item is True; the caller then gives the loop one turn and calls
-        :meth:`collect_now` (also when cancelled meanwhile), which runs ``on_done`` and
-        resolves the future, instead of the poller task's next turn. Handlers that push
-        every end only (the CPU backend); a poller that looks or polls by itself is woken
-        as before."""
+    ) -> tuple[asyncio.Future[TransferResult], int]:
+        """:meth:`submit`, for a caller that may collect its own job; the answer's second
+        item says what the caller does before awaiting the future (:data:`AWAIT`: nothing).
+
+        With ``collect`` True:
+
+        * :data:`COLLECT`: its handler finished the job during the submission (a small copy
+          done inline, announced by the completion callback on the loop thread; handlers
+          that push every end only, the CPU backend). Nobody was woken; the caller gives
+          the loop one turn and calls :meth:`collect_now` (also when cancelled meanwhile),
+          which runs ``on_done`` and resolves the future, instead of the poller task's next
+          turn.
+        * :data:`LOOK`: a lone job on a poller that looks by itself (the CUDA handlers),
+          with nothing else in flight. The task stays asleep and the caller looks for the
+          end: ``while not future.done() and poller.caller_look(): await <one loop turn>``,
+          then :meth:`caller_stop` (also when cancelled). The end is then collected on the
+          caller's own turn, so the future it awaits is resolved before it awaits it: no
+          wake-up of the poller task at the submission, and no second task woken (one more
+          loop iteration) at the end. A job submitted meanwhile wakes the task as usual."""
         loop = get_running_loop()
         waker = self._waker
         waker.bind(loop)
@@ -234,17 +255,37 @@ class TransferPoller:
             # polls) is woken as usual, so a callback that came for another reason can never
             # leave a job unwatched.
             if collect and not self._wake_per_job:
-                return future, True
+                return future, COLLECT
             self._asleep = False  # the swallowed announcement's wake-up, as it would have
             waker.wake()
-            return future, False
+            return future, AWAIT
+        if collect and self._caller_may_look and self._asleep and len(self._jobs) == 1:
+            return future, LOOK  # the task sleeps on: nothing else is in flight
         if self._asleep or self._wake_per_job:
             # A task that sleeps with jobs in flight is woken by their ends (or its
             # backstop), so only an idle one needs this job's wake-up; one that looks by
             # itself or polls hears of every job.
             self._asleep = False
             waker.wake()
-        return future, False
+        return future, AWAIT
+
+    def caller_look(self) -> bool:
+        """One look by the caller of a :data:`LOOK` job: collect what finished (closely, in a
+        tight loop, when its end is predicted within ``close_look_s``). True: look again
+        after one loop turn; False: stop (jobs finished, or nothing is predicted to end
+        before the looking window closes: the task then sleeps on the watchers as it would
+        have)."""
+        if self.poll_once() or self._look_closely():
+            self.caller_finds += 1
+            return False
+        return bool(self._jobs) and time.perf_counter() < self._look_until
+
+    def caller_stop(self, future: asyncio.Future[TransferResult]) -> None:
+        """The caller of a :data:`LOOK` job stopped looking: a job still in flight goes back
+        to the task, which is woken if it sleeps."""
+        if not future.done() and self._asleep and self._jobs:
+            self._asleep = False
+            self._waker.wake()
 
     def _look_closely(self) -> bool:
         """A lone job predicted to end within ``close_look_s``: look for its end without

@@ -68,6 +68,30 @@ async def test_concurrent_stores_then_loads_restore_the_exact_bytes() -> None:
         assert stats.transfer_duration["cpu_to_gpu"].count >= 1
 
 
+@pytest.mark.parametrize("caller_looks", [True, False])
+async def test_lone_jobs_one_after_another_restore_the_exact_bytes(caller_looks: bool) -> None:
+    # One job at a time, as a lone request: its caller looks for the end itself (or, turned
+    # off, the poller task does); either way the bytes and the pins come out right.
+    engine, tensors = build(completion_caller_looks=caller_looks)
+    async with engine:
+        expected = {i: block(tensors, i) for i in range(8)}
+        async with asyncio.timeout(60):
+            for i in range(8):
+                await engine.store(keys(i), [i])
+            for t in tensors:
+                t[32:].zero_()
+            for i in range(8):
+                await engine.load(keys(i), [32 + i])
+        for i in range(8):
+            for got, want in zip(block(tensors, 32 + i), expected[i], strict=True):
+                assert torch.equal(got, want), f"block {i} differs"
+        stats = engine.stats()
+        assert stats.blocks_reading == 0 and stats.blocks_writing == 0
+        poller = engine._poller
+        assert poller is not None
+        assert (poller.caller_finds > 0) is caller_looks
+
+
 async def test_cancelled_load_still_unpins_when_the_copy_ends() -> None:
     engine, _ = build()
     async with engine:
