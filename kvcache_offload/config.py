@@ -153,11 +153,14 @@ class OffloadConfig(BaseSettings):
     job in flight waits (80-175 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
     if the process later drops large cyclic structures that existed before the engine
     started and needs them collected while the engine runs."""
-    completion_caller_looks: bool = True
-    """CUDA handlers: a lone ``store``/``load`` (nothing else in flight) looks for its own
-    copy's end on its caller's turns, instead of the engine's poller task, so the result it
-    awaits is ready when it awaits it: the poller task is not woken at the submission nor
-    the caller at the end (one loop iteration less). False: the poller task always looks."""
+    completion_caller_looks: bool = False
+    """CUDA handlers, experimental: a lone ``store``/``load`` (nothing else in flight) looks
+    for its own copy's end on its caller's turns, instead of the engine's poller task, so
+    the result it awaits is ready when it awaits it (on an H200, 5-12 us less per lone
+    1-block job). Off by default: with it on, the GPU stream stress test
+    (tests/gpu/test_stream_cuda.py) failed on an H200, a load finding a key absent that its
+    task had stored just before, and the cause is not found yet (docs/transfers.md,
+    twenty-first session)."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with

@@ -54,6 +54,11 @@ async def _settle(
             poller.collect_now()
     elif mode == LOOK:  # a lone job: look for its end on this task's turns
         try:
+            # Yield first, as every job's await did: a small copy is often done by the
+            # first look, and a caller that never yields starves every other coroutine (an
+            # H200 stress run: 16 tasks, one ran jobs back to back while another's keys
+            # aged out of the tier before its next step).
+            await one_loop_turn()
             while not future.done() and poller.caller_look():
                 await one_loop_turn()
         finally:  # done, given up or cancelled: a job still in flight goes to the poller

@@ -110,7 +110,7 @@ class TransferPoller:
         close_look_s: float = 2e-5,
         sleep_behind_s: float = 0.003,
         batch: bool = True,
-        caller_looks: bool = True,
+        caller_looks: bool = False,
     ) -> None:
         self.worker = worker
         self._transfer_async = worker.transfer_async
@@ -282,8 +282,10 @@ class TransferPoller:
 
     def caller_stop(self, future: asyncio.Future[TransferResult]) -> None:
         """The caller of a :data:`LOOK` job stopped looking: a job still in flight goes back
-        to the task, which is woken if it sleeps."""
-        if not future.done() and self._asleep and self._jobs:
+        to the task, which is woken whatever it is doing. Not only when it sleeps with
+        nothing in flight: a task that sleeps on the watchers has not handed them this
+        job's copy (it was issued unwatched), and would find it only at its backstop."""
+        if not future.done() and self._jobs:
             self._asleep = False
             self._waker.wake()
 

@@ -503,9 +503,10 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         assert len(calls) == 6  # every job of this test went through the lane
         _assert_issued_from_c(h)
         if h.gpu_to_cpu_handler._launcher._issue is not None:
-            # After each direction's first copy (which compiles and binds the kernel) the
-            # jobs were planned in the issuer's C call, with the lane's own copy objects.
-            assert len(planned_in_c) == 4
+            # At least after each direction's first copy (which compiles and binds the
+            # kernel, unless an earlier test compiled it) the jobs were planned in the
+            # issuer's C call, with the lane's own copy objects.
+            assert len(planned_in_c) >= 4
             assert len(h.gpu_to_cpu_handler._pools.lane_copies) == 1
         bad = random_job(
             rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,

@@ -26,6 +26,7 @@ from tests.unit.test_aio_leases_poller import SPEC, TimedCopies, _worker
 async def _poller(handler: TimedCopies, **kw: Any) -> AsyncIterator[TransferPoller]:
     """A running poller over ``handler`` whose task has gone to sleep (backstop 30 s: a
     missed end would hang the test)."""
+    kw.setdefault("caller_looks", True)
     poller = TransferPoller(_worker(handler), backstop_s=30.0, **kw)
     task = asyncio.create_task(poller.run())
     await asyncio.sleep(0.01)
@@ -113,3 +114,20 @@ async def test_callers_do_not_look_when_turned_off() -> None:
         assert mode == AWAIT
         assert (await asyncio.wait_for(future, 5)).success
         assert poller.caller_finds == 0
+
+
+async def test_a_caller_whose_copy_is_done_at_once_still_yields_to_the_others() -> None:
+    # A copy done by the first look must not let its caller run on without yielding: every
+    # await of a job gives the other coroutines a turn, as the future's await always did.
+    from kvcache_offload.aio.engine_jobs import _settle
+
+    handler = TimedCopies(0.0)
+    async with _poller(handler, completion_spin_s=0.05) as poller:
+        for _ in range(3):
+            others: list[int] = []
+            asyncio.get_running_loop().call_soon(others.append, 1)
+            future, mode = poller.submit_job(SPEC, lambda r: None, True)
+            assert mode == LOOK
+            await _settle(poller, future, mode)
+            assert future.done() and others == [1]
+        assert poller.caller_finds == 3
