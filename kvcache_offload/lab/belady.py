@@ -29,6 +29,7 @@ Cost: one backward pass for next-use positions, then O(accesses x log capacity) 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcache_offload.lab._ratio import Ratio
@@ -77,12 +78,23 @@ def belady_hits(
     capacity: int,
     admit_all: bool = False,
     block_tokens: int = BLOCK_TOKENS,
+    predicted_next_use: Sequence[int] | None = None,
 ) -> BeladyResult:
-    """Hits of MIN with ``capacity`` blocks on ``trace`` (see the module docstring)."""
+    """Hits of MIN with ``capacity`` blocks on ``trace`` (see the module docstring).
+
+    ``predicted_next_use`` (one position per access, as :func:`next_use_positions` gives the
+    true ones) makes it MIN driven by a predictor instead of the future: every admission and
+    eviction follows the predictions, and hits are counted as they happen. It measures how
+    good a return-time predictor must be (``bench/noisy_oracle.py``)."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
     accesses = [b for ids in trace.block_ids for b in ids]
-    nxt = next_use_positions(accesses)
+    if predicted_next_use is not None and len(predicted_next_use) != len(accesses):
+        raise ValueError(
+            f"predicted_next_use has {len(predicted_next_use)} entries for "
+            f"{len(accesses)} accesses"
+        )
+    nxt = next_use_positions(accesses) if predicted_next_use is None else predicted_next_use
     never = len(accesses)
     cached: dict[int, int] = {}  # block -> its next use (the heap entry that is current)
     heap: list[tuple[int, int]] = []  # (-next_use, block), lazily deleted
