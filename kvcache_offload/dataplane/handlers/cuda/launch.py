@@ -293,9 +293,9 @@ class CopyLauncher:
         table, then :meth:`lone_kernel`'s CUDA calls) with a :class:`LaneCopy` kept whole
         between copies. None, having issued nothing, before the kernel is bound or where
         the call does not take the job; :meth:`lone_kernel` then issues it (and names any
-        error). On the H200 host the Python steps this skips (a table, a stream and events
-        from the pools, the units' own C call, the device guard, raw handles, a new
-        :class:`InFlightCopy`) are half of a lone job's host time before its copy starts."""
+        error). What it skips per job: a table, a stream and events from the pools, the
+        units' own C call, the device guard, four raw handles and a new
+        :class:`InFlightCopy` (docs/transfers.md, twenty-first session)."""
         issue = self._issue if self._issue is not None or not self._issue_unbound else self._bind()
         if issue is None or not issue.units_ready:
             return None
