@@ -91,8 +91,7 @@ def belady_hits(
     accesses = [b for ids in trace.block_ids for b in ids]
     if predicted_next_use is not None and len(predicted_next_use) != len(accesses):
         raise ValueError(
-            f"predicted_next_use has {len(predicted_next_use)} entries for "
-            f"{len(accesses)} accesses"
+            f"predicted_next_use has {len(predicted_next_use)} entries for {len(accesses)} accesses"
         )
     nxt = next_use_positions(accesses) if predicted_next_use is None else predicted_next_use
     never = len(accesses)
