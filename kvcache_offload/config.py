@@ -157,10 +157,11 @@ class OffloadConfig(BaseSettings):
     """CUDA handlers, experimental: a lone ``store``/``load`` (nothing else in flight) looks
     for its own copy's end on its caller's turns, instead of the engine's poller task, so
     the result it awaits is ready when it awaits it (on an H200, 5-12 us less per lone
-    1-block job). Off by default: with it on, the GPU stream stress test
-    (tests/gpu/test_stream_cuda.py) failed on an H200, a load finding a key absent that its
-    task had stored just before, and the cause is not found yet (docs/transfers.md,
-    twenty-first session)."""
+    1-block job). Off by default until a GPU run confirms its fix: with it on, the GPU stream
+    stress test failed on an H200 because a caller whose copy was done by its first look
+    returned without yielding and starved the other tasks; callers now yield once first,
+    which a CPU reproduction of that failure confirms (docs/transfers.md, twenty-first
+    session)."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with

@@ -40,8 +40,11 @@ def snapshot(tensors: list[torch.Tensor], blocks: list[int]) -> list[torch.Tenso
     return [t[b].clone() for b in blocks for t in tensors]
 
 
-def build(device: str, mechanism: str = "auto") -> tuple[OffloadEngine, list[torch.Tensor]]:
-    """Per-layer blocks-first int8 tensors: 8 layers x 8 KiB fragments per block."""
+def build(
+    device: str, mechanism: str = "auto", **config: Any
+) -> tuple[OffloadEngine, list[torch.Tensor]]:
+    """Per-layer blocks-first int8 tensors: 8 layers x 8 KiB fragments per block; ``config``:
+    more :class:`OffloadConfig` fields."""
     num_gpu_blocks = 2 * TASKS * JOB_BLOCKS
     tensors = [
         torch.zeros((num_gpu_blocks, 2, 16, 8, 32), dtype=torch.int8, device=device)
@@ -52,6 +55,7 @@ def build(device: str, mechanism: str = "auto") -> tuple[OffloadEngine, list[tor
     config = OffloadConfig(
         cpu_bytes_to_use=3 * TASKS * JOB_BLOCKS * page,
         transfer_mechanism=mechanism,  # type: ignore[arg-type]
+        **config,
         layout=KVCacheLayout(
             gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=num_gpu_blocks
         ),
