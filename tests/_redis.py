@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests._ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -29,12 +30,6 @@ requires_redis = pytest.mark.skipif(REDIS_SERVER is None or REDIS_CLI is None, r
 def skip_without_redis() -> None:
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip(_MISSING)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _cli(port: int, *args: str, timeout: float = 5.0) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from kvcache_offload.dataplane.memory.region_files import run_files
+from tests._ports import free_port
 from tests._regions import region_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,12 +24,6 @@ BLOCK_BYTES = 4096
 CAPACITY_BLOCKS = 32
 
 SERVE = "import typer; from kvcache_offload_service.cli import serve; typer.run(serve)"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

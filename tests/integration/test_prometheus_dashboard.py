@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import httpx
 import pytest
 import yaml
 
+from tests._ports import free_port
 from tests._regions import region_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,13 +62,6 @@ STARTUP_TIMEOUT_S = 30.0
 DATA_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_for(

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests._ports import free_port
 from tests.vllm._engine import Engine
 from tests.vllm._side_port_client import port_is_free, read_events, sample, scrape
 
@@ -16,15 +17,8 @@ BLOCKS = 96 // 16
 BLOCK_BYTES = 2048  # 2 layers x K/V x 16 tokens x 2 heads x 8 dims x 2 bytes
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return int(sock.getsockname()[1])
-
-
 def test_vllms_offloading_shows_on_the_side_port_and_the_port_is_freed_at_shutdown() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine = Engine({"cpu_bytes_to_use": 1 << 20, "observability_port": port})
     try:
