@@ -161,7 +161,7 @@ class OffloadConfig(BaseSettings):
     stress test failed on an H200 because a caller whose copy was done by its first look
     returned without yielding and starved the other tasks; callers now yield once first,
     which a CPU reproduction of that failure confirms (docs/transfers.md, twenty-first
-    session)."""
+    session). ``tests/gpu/test_stream_cuda.py`` runs that stress with it on."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with
