@@ -155,6 +155,9 @@ def _measures(report: dict[str, Any]) -> Iterable[tuple[str, str, float, int]]:
         if s.get("copy_p50_s"):  # what the host and the completion path add to the copy
             yield name, "us over copy", (s["p50_s"] - s["copy_p50_s"]) * 1e6, LOWER
             yield name, "copy us", s["copy_p50_s"] * 1e6, LOWER
+    for s in report.get("paced", ()):  # 1-block jobs after the loop idled (a lone request)
+        name = f"{s['direction']} 1 paced"
+        yield name, "us over floor", (s["p50_s"] - s["floor_p50_s"]) * 1e6, LOWER
     for s in report["streams"]:
         yield s["stream"], "share of link", s["ratio_to_one_way_bulk"], HIGHER
         yield s["stream"], "CPU us/job", s["cpu_s_per_job"] * 1e6, LOWER

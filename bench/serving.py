@@ -21,6 +21,12 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
    adds one-way load and store streams of other job sizes (where the kernel and the copy
    engines cross over).
 3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
+4. **Paced single jobs** (``--pace-ms``, 1 by default; 0: none): 1-block loads and stores
+   with the event loop idle for that long before each, and the floor paced alike. Back to
+   back, the host path runs on a core kept busy by the job before; a lone request at low
+   load finds the loop thread asleep, and its path then runs slower (on a 2-vCPU VM, a
+   1-block load of the CPU backend 117-124 us over a paced floor against 88-98 us back to
+   back). A secondary row: the goals are stated for back-to-back jobs.
 
 The columns' engines are open together and take turns on every measurement, the single-job
 floor with them, the order reversed every pass (``bench_layout``): the host's speed drifts
@@ -139,10 +145,13 @@ class Floors:
             self.src = np.random.default_rng(0).integers(0, 256, max_bytes, dtype=np.uint8)
             self.dst = np.empty_like(self.src)
 
-    def job(self, nbytes: int, to_gpu: bool, reps: int) -> list[float]:
-        """Wall seconds of one contiguous copy of ``nbytes`` (+ event wait on CUDA)."""
+    def job(self, nbytes: int, to_gpu: bool, reps: int, gap_s: float = 0.0) -> list[float]:
+        """Wall seconds of one contiguous copy of ``nbytes`` (+ event wait on CUDA), each
+        after the thread slept ``gap_s`` (as the paced jobs' loop does)."""
         out = []
         for _ in range(reps + 5):
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter()
             if self.device == "cuda":
                 with torch.cuda.stream(self.stream):
@@ -227,19 +236,25 @@ class Rig:
 
 
 async def single_jobs(
-    rig: Rig, n: int, reps: int, copies: dict[str, list[float]] | None = None
+    rig: Rig,
+    n: int,
+    reps: int,
+    copies: dict[str, list[float]] | None = None,
+    gap_s: float = 0.0,
 ) -> tuple[list[float], list[float]]:
     """Wall times of ``reps`` single loads, then of ``reps`` single stores, of ``n`` blocks
     (after five unmeasured ones each). ``copies``, when given, gets each measured job's copy
     time as the public result reports it (``transfer_seconds``: the GPU's start-to-end time
     of the copy on CUDA) under "load" and "store": the wall time minus it is what the host
-    and the completion path added."""
+    and the completion path added. ``gap_s``: the loop idles that long before each job."""
     engine = rig.engine
     keys = rig.fresh_keys(n)
     blocks = list(range(n))
     await engine.store(keys, blocks)
     loads, load_copies = [], []
     for _ in range(reps + 5):
+        if gap_s:
+            await asyncio.sleep(gap_s)
         t0 = time.perf_counter()
         loaded = await engine.load(keys, blocks)
         loads.append(time.perf_counter() - t0)
@@ -247,6 +262,8 @@ async def single_jobs(
     stores, store_copies = [], []
     for _ in range(reps + 5):
         fresh = rig.fresh_keys(n)
+        if gap_s:
+            await asyncio.sleep(gap_s)
         t0 = time.perf_counter()
         stored = await engine.store(fresh, blocks)
         stores.append(time.perf_counter() - t0)
@@ -496,7 +513,7 @@ async def bench_layout(
         rig.mechanism: [
             {"mechanism": rig.mechanism, "block_bytes": rig.block_bytes,
              "single": {"load": {}, "store": {}}, "copy": {"load": {}, "store": {}},
-             "streams": []}
+             "paced": {"load": [], "store": []}, "streams": []}
             for _ in range(args.passes)
         ]
         for rig in rigs
@@ -504,6 +521,7 @@ async def bench_layout(
     orders = [(index, rigs if index % 2 == 0 else rigs[::-1]) for index in range(args.passes)]
     block_bytes = rigs[0].block_bytes
     floor: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
+    paced_floor: dict[str, dict[int, list[float]]] = {"load": {}, "store": {}}
     async with contextlib.AsyncExitStack() as stack:
         for rig in rigs:
             await stack.enter_async_context(rig.engine)
@@ -521,6 +539,17 @@ async def bench_layout(
                         run["copy"][d][n] = copies[d]
                 if index % 2 == 1:
                     _floor_turn(floors, floor, n, block_bytes, args.reps)
+        gap_s = args.pace_ms / 1e3
+        for index, order in orders if gap_s > 0 else ():
+            if index % 2 == 0:
+                _floor_turn(floors, paced_floor, 1, block_bytes, args.reps, gap_s)
+            for rig in order:
+                loads, stores = await single_jobs(rig, 1, args.reps, gap_s=gap_s)
+                paced = runs[rig.mechanism][index]["paced"]
+                paced["load"].extend(loads)
+                paced["store"].extend(stores)
+            if index % 2 == 1:
+                _floor_turn(floors, paced_floor, 1, block_bytes, args.reps, gap_s)
         for name, blocks, loaders in stream_specs(args):
             for index, order in orders:
                 for rig in order:
@@ -529,15 +558,20 @@ async def bench_layout(
         for rig in rigs:
             for run in runs[rig.mechanism]:
                 run["jobs_by_mechanism"] = _jobs_by_mechanism(rig)
-    return runs, floor
+    return runs, floor, {d: paced_floor[d].get(1, []) for d in ("load", "store")}
 
 
 def _floor_turn(
-    floors: Floors, out: dict[str, dict[int, list[float]]], n: int, block_bytes: int, reps: int
+    floors: Floors,
+    out: dict[str, dict[int, list[float]]],
+    n: int,
+    block_bytes: int,
+    reps: int,
+    gap_s: float = 0.0,
 ) -> None:
     """One pass of the floor's single jobs of ``n`` blocks, both ways, added to ``out``."""
     for direction in ("load", "store"):
-        times = floors.job(n * block_bytes, direction == "load", reps)
+        times = floors.job(n * block_bytes, direction == "load", reps, gap_s)
         out[direction].setdefault(n, []).extend(times)
 
 
@@ -570,7 +604,9 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 _pooled_cores(parts, seconds),
             )
         )
-    return {**first, "single": single, "copy": copy, "streams": streams, "passes": len(runs)}
+    paced = {d: [t for r in runs for t in r["paced"][d]] for d in first["paced"]}
+    return {**first, "single": single, "copy": copy, "paced": paced, "streams": streams,
+            "passes": len(runs)}  # fmt: skip
 
 
 def _pooled_cores(parts: list[StreamResult], seconds: float) -> dict[str, float]:
@@ -617,9 +653,45 @@ def _kernel_shares(s: StreamResult) -> str:
     )
 
 
+def _report_paced(
+    layout: Layout,
+    device: str,
+    runs: list[dict[str, Any]],
+    floor: dict[str, list[float]] | None,
+    pace_ms: float,
+    block_bytes: int,
+) -> list[dict[str, Any]]:
+    """The paced 1-block jobs' table (each after the loop idled ``pace_ms``) and JSON rows."""
+    if not floor or not floor["load"]:
+        return []
+    table = Table(
+        title=f"{layout.name} on {device}: 1-block jobs after the loop idled {pace_ms:g} ms "
+        "(a lone request at low load; the floor paced alike), p50 / p99"
+    )
+    table.add_column("job")
+    table.add_column("floor p50")
+    for run in runs:
+        table.add_column(run["mechanism"])
+    rows = []
+    for d in ("load", "store"):
+        f50 = pct(floor[d], 50)
+        cells = []
+        for run in runs:
+            t = run["paced"][d]
+            p50, p99 = pct(t, 50), pct(t, 99)
+            cells.append(f"{_us(p50)} (+{_us(p50 - f50)}) / {_us(p99)}")
+            rows.append({"direction": d, "blocks": 1, "mechanism": run["mechanism"],
+                         "pace_s": pace_ms / 1e3, "p50_s": p50, "p99_s": p99,
+                         "floor_p50_s": f50, "jobs": len(t)})  # fmt: skip
+        table.add_row(f"{d} 1 ({block_bytes / MiB:g} MiB)", _us(f50), *cells)
+    console.print(table)
+    return rows
+
+
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
            args: argparse.Namespace,
-           floor_single: dict[str, dict[int, list[float]]]) -> dict[str, Any]:  # fmt: skip
+           floor_single: dict[str, dict[int, list[float]]],
+           floor_paced: dict[str, list[float]] | None = None) -> dict[str, Any]:  # fmt: skip
     block_bytes = runs[0]["block_bytes"]
     one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
         floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
@@ -651,6 +723,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                                   "ratio_p50": p50 / f50, "copy_p50_s": copy50})  # fmt: skip
             table.add_row(f"{d} {n} ({n * block_bytes / MiB:g} MiB)", _us(f50), *cells)
     console.print(table)
+    paced_json = _report_paced(layout, device, runs, floor_paced, args.pace_ms, block_bytes)
     st = Table(title=f"{layout.name} on {device}: {args.tasks} concurrent tasks, GB/s (ratio)")
     st.add_column("stream")
     for run in runs:
@@ -719,6 +792,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
         "bulk_one_way_gb_s": one_way / 1e9,
         "bulk_both_ways_gb_s": both_ways / 1e9,
         "single": rows_json,
+        "paced": paced_json,
         "streams": stream_json,
         "jobs_by_mechanism": {r["mechanism"]: r["jobs_by_mechanism"] for r in runs},
         "goals": [{"goal": g.goal, "value": g.value, "met": g.met} for g in goals],
@@ -766,11 +840,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         layout = LAYOUTS[name]
         if args.warmup_s > 0:
             await warm_up(layout, device, args)
-        passes, floor_single = await bench_layout(layout, device, mechanisms, args, floors)
+        passes, floor_single, floor_paced = await bench_layout(
+            layout, device, mechanisms, args, floors
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
         runs = [pooled(passes[m]) for m in mechanisms]
-        results.append(report(layout, device, runs, floors, args, floor_single))
+        results.append(report(layout, device, runs, floors, args, floor_single, floor_paced))
     return {"device": device, "machine": machine_info(), "args": vars(args), "layouts": results}
 
 
@@ -808,10 +884,19 @@ def main(argv: list[str] | None = None) -> None:
         default="asyncio",
         help="the event loop (the HTTP service runs on uvloop; a library user brings theirs)",
     )
+    parser.add_argument(
+        "--pace-ms",
+        type=float,
+        default=1.0,
+        help="also 1-block jobs with the loop idle this long before each (a lone request at "
+        "low load), the floor paced alike; 0: none",
+    )
     parser.add_argument("--out", default=str(OUT_DIR / "serving.json"))
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes must be at least 1")
+    if args.pace_ms < 0:
+        parser.error("--pace-ms must be 0 or more")
     try:
         args.sweep_blocks = [int(n) for n in args.sweep.split(",") if n.strip()]
     except ValueError:

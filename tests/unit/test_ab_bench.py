@@ -46,6 +46,21 @@ def test_each_measure_counts_the_rounds_the_new_tree_did_better_in_its_own_direc
     assert rows[("mixed 4-block", "host probe us")].new_ahead is None  # the host, not the code
 
 
+def test_paced_jobs_are_scored_over_their_own_paced_floor() -> None:
+    def report(p50_us: float) -> dict[str, Any]:
+        paced = [{"direction": "store", "blocks": 1, "p50_s": p50_us * 1e-6,
+                  "floor_p50_s": 100e-6}]  # fmt: skip
+        return {**_report(30, 1.5, 300), "paced": paced}
+
+    runs = {("base", "llama8b", 1): report(180), ("new", "llama8b", 1): report(150)}
+    row = {(r.measure, r.unit): r for r in ab.summarize(runs)}[("store 1 paced", "us over floor")]
+    assert (row.base, row.new, row.new_ahead) == (pytest.approx(80), pytest.approx(50), 1)
+    # A base whose bench.serving had no paced rows: those are left out, the rest scored.
+    mixed = {("base", "x", 1): _report(30, 1.5, 300), ("new", "x", 1): report(150)}
+    measures = {r.measure for r in ab.summarize(mixed)}
+    assert "load 1" in measures and "store 1 paced" not in measures
+
+
 def test_every_round_runs_both_trees_on_every_layout_with_both_orders_alternating() -> None:
     order = ab.schedule(2, ["a", "b"])
     assert order == [

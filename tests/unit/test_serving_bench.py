@@ -64,7 +64,7 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     out = tmp_path / "serving.json"
     main(["--device", "cpu", "--reps", "3", "--stream-s", "0.05", "--passes", "2",
           "--mechanisms", "auto,auto+gc_freeze=0", "--warmup-s", "0", "--sweep", "2",
-          "--out", str(out)])  # fmt: skip
+          "--pace-ms", "0.2", "--out", str(out)])  # fmt: skip
     payload: dict[str, Any] = json.loads(out.read_text())
     (layout,) = payload["layouts"]
     # Both columns' engines ran every measurement (interleaved), both passes pooled.
@@ -86,6 +86,14 @@ def test_bench_serving_runs_on_the_cpu_and_writes_its_goals(tmp_path: Path) -> N
     assert all(isinstance(s["paths"], dict) for s in layout["streams"])
     # ... and which threads spent it: the event loop's own share is named.
     assert all(s["thread_cores"].get("loop", -1) >= 0 for s in layout["streams"])
+    # Paced 1-block jobs (the loop idle before each, the floor paced alike), every column,
+    # both ways, both passes pooled; not among the goals' rows.
+    paced = layout["paced"]
+    assert {(r["mechanism"], r["direction"]) for r in paced} == {
+        (m, d) for m in ("auto", "auto+gc_freeze=0") for d in ("load", "store")
+    }
+    assert all(r["jobs"] == 3 * 2 and r["pace_s"] == 0.0002 for r in paced)
+    assert all(r["floor_p50_s"] > 0 and 0 < r["p50_s"] <= r["p99_s"] for r in paced)
     (goal,) = layout["goals"]
     assert goal["goal"] == "every stream at 0.7 of a one-thread copy"
 
