@@ -24,9 +24,10 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
 4. **Paced single jobs** (``--pace-ms``, 1 by default; 0: none): 1-block loads and stores
    with the event loop idle for that long before each, and the floor paced alike. Back to
    back, the host path runs on a core kept busy by the job before; a lone request at low
-   load finds the loop thread asleep, and its path then runs slower (on a 2-vCPU VM, a
-   1-block load of the CPU backend 117-124 us over a paced floor against 88-98 us back to
-   back). A secondary row: the goals are stated for back-to-back jobs.
+   load finds the loop thread asleep, and its path then runs slower (``--device cpu`` on a
+   2-vCPU VM, three runs: 1-block loads +67 to +89 us over a paced floor of 49-56 us,
+   against +33 to +54 us over 13-19 us back to back). A secondary row: the goals are
+   stated for back-to-back jobs.
 
 The columns' engines are open together and take turns on every measurement, the single-job
 floor with them, the order reversed every pass (``bench_layout``): the host's speed drifts
