@@ -2,7 +2,7 @@
 
     python -m bench.serving [--device auto|cuda|cpu] [--layouts llama8b,tp4_70b,cross_layer]
                             [--mechanisms auto,kernel,dma,staged] [--reps 200] [--stream-s 3]
-                            [--sweep 2,8]
+                            [--sweep 2,8] [--pace-ms 1]
 
 Uses the public API the way a serving engine does: one ``OffloadEngine`` built from the
 default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-default rows),
