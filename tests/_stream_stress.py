@@ -11,6 +11,7 @@ import contextlib
 import random
 from typing import Any
 
+import pytest
 import torch
 
 from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
@@ -112,3 +113,20 @@ def assert_quiescent(engine: OffloadEngine) -> dict[str, Any]:
     assert stats.blocks_reading == 0
     assert stats.blocks_writing == 0
     return {"idle": stats.blocks_idle}
+
+
+def record_looks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Patch ``TransferPoller.submit_job`` (for the test's duration) to record, per job,
+    whether its caller was asked to look for the copy's end itself (``LOOK``)."""
+    from kvcache_offload.aio.poller import LOOK, TransferPoller
+
+    submit_job = TransferPoller.submit_job
+    looked: list[bool] = []
+
+    def counted(self: TransferPoller, *args: Any) -> Any:
+        future, mode = submit_job(self, *args)
+        looked.append(mode == LOOK)
+        return future, mode
+
+    monkeypatch.setattr(TransferPoller, "submit_job", counted)
+    return looked

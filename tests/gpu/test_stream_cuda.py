@@ -3,15 +3,18 @@ loads and stores, cancellations, every byte checked, nothing pinned or in flight
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests._stream_stress import assert_quiescent, build, run_stream  # noqa: E402
+from tests._stream_stress import (  # noqa: E402
+    assert_quiescent,
+    build,
+    record_looks,
+    run_stream,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -35,17 +38,7 @@ async def test_callers_that_look_for_their_own_ends_keep_the_stream_byte_exact(
     # stress once failed on an H200 for every mechanism (a caller whose small copy was done
     # by its first look never yielded, and another task's keys aged out of the tier). Three
     # seeds, as the CPU reproduction in tests/integration/test_stream_cpu_backend.py runs.
-    from kvcache_offload.aio.poller import LOOK, TransferPoller
-
-    submit_job = TransferPoller.submit_job
-    looked: list[bool] = []
-
-    def counted(self: TransferPoller, *args: Any) -> Any:
-        future, mode = submit_job(self, *args)
-        looked.append(mode == LOOK)
-        return future, mode
-
-    monkeypatch.setattr(TransferPoller, "submit_job", counted)
+    looked = record_looks(monkeypatch)
     for seed in range(3):
         looked.clear()
         engine, tensors = build("cuda", mechanism, completion_caller_looks=True)

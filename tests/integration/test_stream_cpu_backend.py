@@ -3,14 +3,12 @@ byte checked, nothing left pinned or in flight."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 pytest.importorskip("torch")
 
 from kvcache_offload.dataplane.copy.host_copy import native_available
-from tests._stream_stress import assert_quiescent, build, run_stream
+from tests._stream_stress import assert_quiescent, build, record_looks, run_stream
 
 
 async def test_concurrent_mixed_stream_loads_every_byte_back_and_leaves_nothing_pinned() -> None:
@@ -31,17 +29,9 @@ async def test_callers_looking_for_their_own_ends_still_give_every_task_its_turn
     # completion_caller_looks on. A caller that then returned without yielding ran its jobs
     # back to back while another task's just-stored keys aged out of the tier (the GPU
     # stress failed so on an H200; this reproduced it key for key). Every await yields once.
-    from kvcache_offload.aio.poller import LOOK, TransferPoller
     from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 
     set_callback = OffloadingWorker.set_completion_callback
-    submit_job = TransferPoller.submit_job
-    looked: list[int] = []
-
-    def counted(self: TransferPoller, *args: Any) -> Any:
-        future, mode = submit_job(self, *args)
-        looked.append(mode == LOOK)
-        return future, mode
 
     def ends_seen_only_by_looking(self: OffloadingWorker, callback: object) -> bool:
         set_callback(self, (lambda: None) if callback is not None else None)
@@ -50,7 +40,7 @@ async def test_callers_looking_for_their_own_ends_still_give_every_task_its_turn
     monkeypatch.setattr(OffloadingWorker, "set_completion_callback", ends_seen_only_by_looking)
     monkeypatch.setattr(OffloadingWorker, "completion_fds", lambda self: [])
     monkeypatch.setattr(OffloadingWorker, "enable_watch_on_demand", lambda self: True)
-    monkeypatch.setattr(TransferPoller, "submit_job", counted)
+    looked = record_looks(monkeypatch)
     for seed in range(3):
         looked.clear()
         engine, tensors = build("cpu", completion_caller_looks=True)
