@@ -654,25 +654,32 @@ def _kernel_shares(s: StreamResult) -> str:
     )
 
 
-def _report_paced(
-    layout: Layout,
-    device: str,
-    runs: list[dict[str, Any]],
-    floor: dict[str, list[float]] | None,
-    pace_ms: float,
-    block_bytes: int,
-) -> list[dict[str, Any]]:
-    """The paced 1-block jobs' table (each after the loop idled ``pace_ms``) and JSON rows."""
-    if not floor or not floor["load"]:
-        return []
-    table = Table(
-        title=f"{layout.name} on {device}: 1-block jobs after the loop idled {pace_ms:g} ms "
-        "(a lone request at low load; the floor paced alike), p50 / p99"
-    )
+def _job_table(title: str, runs: list[dict[str, Any]]) -> Table:
+    """A single-job table's head: the job, the floor's p50, then one column per engine."""
+    table = Table(title=title)
     table.add_column("job")
     table.add_column("floor p50")
     for run in runs:
         table.add_column(run["mechanism"])
+    return table
+
+
+def _report_paced(
+    layout: Layout,
+    device: str,
+    runs: list[dict[str, Any]],
+    floor: dict[str, list[float]],
+    pace_ms: float,
+    block_bytes: int,
+) -> list[dict[str, Any]]:
+    """The paced 1-block jobs' table (each after the loop idled ``pace_ms``) and JSON rows."""
+    if not floor["load"]:
+        return []
+    table = _job_table(
+        f"{layout.name} on {device}: 1-block jobs after the loop idled {pace_ms:g} ms "
+        "(a lone request at low load; the floor paced alike), p50 / p99",
+        runs,
+    )
     rows = []
     for d in ("load", "store"):
         f50 = pct(floor[d], 50)
@@ -692,7 +699,7 @@ def _report_paced(
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
            args: argparse.Namespace,
            floor_single: dict[str, dict[int, list[float]]],
-           floor_paced: dict[str, list[float]] | None = None) -> dict[str, Any]:  # fmt: skip
+           floor_paced: dict[str, list[float]]) -> dict[str, Any]:  # fmt: skip
     block_bytes = runs[0]["block_bytes"]
     one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
         floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
@@ -700,14 +707,11 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
     both_ways = (
         floors.bulk(min(1024 * MiB, floors_max(floors)), both=True) if device == "cuda" else one_way
     )
-    table = Table(
-        title=f"{layout.name} ({layout.describe}) on {device}: single job, p50 / p99, "
-        "and the copy's own p50 (its transfer_seconds)"
+    table = _job_table(
+        f"{layout.name} ({layout.describe}) on {device}: single job, p50 / p99, "
+        "and the copy's own p50 (its transfer_seconds)",
+        runs,
     )
-    table.add_column("job")
-    table.add_column("floor p50")
-    for run in runs:
-        table.add_column(run["mechanism"])
     rows_json = []
     for d in ("load", "store"):
         for n in SINGLE_SIZES:
