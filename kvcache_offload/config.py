@@ -153,15 +153,15 @@ class OffloadConfig(BaseSettings):
     job in flight waits (80-175 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
     if the process later drops large cyclic structures that existed before the engine
     started and needs them collected while the engine runs."""
-    completion_caller_looks: bool = False
-    """CUDA handlers, experimental: a lone ``store``/``load`` (nothing else in flight) looks
-    for its own copy's end on its caller's turns, instead of the engine's poller task, so
-    the result it awaits is ready when it awaits it (on an H200, 5-12 us less per lone
-    1-block job). Off by default until a GPU run confirms its fix: with it on, the GPU stream
-    stress test failed on an H200 because a caller whose copy was done by its first look
-    returned without yielding and starved the other tasks; callers now yield once first,
-    which a CPU reproduction of that failure confirms (docs/transfers.md, twenty-first
-    session). ``tests/gpu/test_stream_cuda.py`` runs that stress with it on."""
+    completion_caller_looks: bool = True
+    """CUDA handlers: a lone ``store``/``load`` (nothing else in flight) looks for its own
+    copy's end on its caller's turns, instead of waking the engine's poller task, so the
+    result it awaits is ready when it awaits it. The caller yields to the loop once before
+    its first look, so a copy done by then does not let one task run job after job while
+    others wait. On an H200 (twenty-third session, two in-process A/B runs, three layouts)
+    lone 1-block jobs came out 1-8 us faster (11 of 12 rows 5-8 us), 8-block jobs 2-15 us,
+    and the streams moved within their run-to-run spread (docs/transfers.md). Off: every
+    end is found by the poller task."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with

@@ -34,10 +34,11 @@ async def test_concurrent_mixed_stream_is_byte_exact_for_every_mechanism(mechani
 async def test_callers_that_look_for_their_own_ends_keep_the_stream_byte_exact(
     mechanism: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # completion_caller_looks (off by default until this passes on a GPU): with it on, this
-    # stress once failed on an H200 for every mechanism (a caller whose small copy was done
-    # by its first look never yielded, and another task's keys aged out of the tier). Three
-    # seeds, as the CPU reproduction in tests/integration/test_stream_cpu_backend.py runs.
+    # completion_caller_looks (on by default since it passed here on an H200): with it on,
+    # this stress once failed on an H200 for every mechanism (a caller whose small copy was
+    # done by its first look never yielded, and another task's keys aged out of the tier).
+    # Three seeds, as the CPU reproduction in tests/integration/test_stream_cpu_backend.py
+    # runs, and asked for explicitly so that the default can change without losing it.
     looked = record_looks(monkeypatch)
     for seed in range(3):
         looked.clear()

@@ -194,6 +194,14 @@ def test_completion_sleep_behind_is_three_milliseconds_by_default_and_zero_turns
         OffloadConfig.from_dict({"completion_sleep_behind_s": -1})
 
 
+def test_callers_look_for_their_own_ends_by_default_and_the_env_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OffloadConfig().completion_caller_looks is True
+    monkeypatch.setenv("KVCACHE_OFFLOAD_COMPLETION_CALLER_LOOKS", "false")
+    assert OffloadConfig().completion_caller_looks is False
+
+
 def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
