@@ -318,9 +318,11 @@ class StreamResult:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds each thread of this process has used, by thread name (digits dropped, so
-    a pool's threads add up), the calling thread as ``loop``; from ``/proc`` (empty where
-    there is none). Tells the event-loop thread's share of a stream's cores from the
-    watchers', copy threads' and the runtime's own."""
+    a pool's threads add up), the calling thread as ``loop``, a thread not started from
+    Python as ``native:`` and its kernel name (``native:cuda-EvtHandlr``: the CUDA driver's
+    event thread); from
+    ``/proc`` (empty where there is none). Tells the event-loop thread's share of a
+    stream's cores from the watchers', copy threads' and the runtime's own."""
     task_dir = "/proc/self/task"
     if not os.path.isdir(task_dir):
         return {}
@@ -335,9 +337,24 @@ def thread_cpu() -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         tid = int(entry)
-        name = "loop" if tid == me else names.get(tid, "").rstrip("0123456789-_ ") or "native"
+        if tid == me:
+            name = "loop"
+        elif tid in names:
+            name = names[tid].rstrip("0123456789-_ ") or "native"
+        else:
+            name = "native:" + _kernel_name(task_dir, entry).rstrip("0123456789-_ ")
+            name = name.rstrip(":")
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def _kernel_name(task_dir: str, entry: str) -> str:
+    """A thread's name as the kernel knows it ("" when it ended meanwhile)."""
+    try:
+        with open(f"{task_dir}/{entry}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _cores_between(
