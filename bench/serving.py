@@ -320,9 +320,9 @@ def thread_cpu() -> dict[str, float]:
     """CPU seconds each thread of this process has used, by thread name (digits dropped, so
     a pool's threads add up), the calling thread as ``loop``, a thread not started from
     Python as ``native:`` and its kernel name (``native:cuda-EvtHandlr``: the CUDA driver's
-    event thread); from
-    ``/proc`` (empty where there is none). Tells the event-loop thread's share of a
-    stream's cores from the watchers', copy threads' and the runtime's own."""
+    event thread); from ``/proc`` (empty where there is none). Tells the event-loop
+    thread's share of a stream's cores from the watchers', copy threads' and the runtime's
+    own."""
     task_dir = "/proc/self/task"
     if not os.path.isdir(task_dir):
         return {}
@@ -342,8 +342,8 @@ def thread_cpu() -> dict[str, float]:
         elif tid in names:
             name = names[tid].rstrip("0123456789-_ ") or "native"
         else:
-            name = "native:" + _kernel_name(task_dir, entry).rstrip("0123456789-_ ")
-            name = name.rstrip(":")
+            kernel = _kernel_name(task_dir, entry).rstrip("0123456789-_ ")
+            name = f"native:{kernel}" if kernel else "native"
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
