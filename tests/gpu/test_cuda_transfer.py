@@ -637,6 +637,15 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
     calls = _record_lone_kernel_calls(h)
     planned = {"n": 0}
     plan = SingleDirectionOffloadingHandler.plan
+    from kvcache_offload.dataplane.handlers.cuda import handler as handler_module
+
+    native_hold = handler_module._hold_units_native
+    held_in_c: list[int] = []
+
+    def counted_hold(*args):
+        outcome = native_hold(*args)
+        held_in_c.append(outcome)
+        return outcome
 
     def counted_plan(self, spec):
         planned["n"] += 1
@@ -644,6 +653,8 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
 
     try:
         SingleDirectionOffloadingHandler.plan = counted_plan
+        if native_hold is not None:  # the extension's one-call hold, where it is built
+            handler_module._hold_units_native = counted_hold
         rng = np.random.default_rng(factor)
         store, load = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
         store.set_batching(True)
@@ -706,8 +717,12 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
         assert len(calls) == 4 and calls[3] is not None
         assert planned["n"] == 2
         _assert_issued_from_c(h)  # the held batches behind a copy included
+        if native_hold is not None:
+            # b, c, d, e (refused: b's slots), g behind a; c, d, g behind a's load.
+            assert held_in_c == [1, 1, 1, 0, 1, 1, 1, 1]
     finally:
         SingleDirectionOffloadingHandler.plan = plan
+        handler_module._hold_units_native = native_hold
         h.shutdown()
 
 

@@ -3,6 +3,7 @@
  *
  *  - copy_fragments / copy_units: one job's fragments in one call, GIL released;
  *  - plan_units: the ids checked and both sides' units written for a one-group job;
+ *  - hold_units: the same, for a job held for a batch, its destination blocks marked;
  *  - staged_small_tables: the staged path's kernel tables and DMA pieces of a serving job;
  *  - issue_copies: a few DMA pieces enqueued through cudaMemcpyAsync's address in one call;
  *  - CopyQueue: a direction's copies in order on a native thread (see its section).
@@ -216,6 +217,72 @@ static PyObject *plan_units(PyObject *self, PyObject *args) {
     PyBuffer_Release(&dst);
     PyBuffer_Release(&out);
     return PyBool_FromLong(ok);
+}
+
+/* hold_units(src_ids, dst_ids, size, start, src_factor, dst_factor, src_rows, dst_rows,
+ *            src_units, dst_units, used, marks, mark) -> int: a one-group job held for a
+ * batch, in one call (the CUDA handlers' _hold_units). Writes the job's source units to
+ * src_units[used:] and its destination units to dst_units[used:] (plan_units' check and
+ * units), then marks its destination blocks: marks[id] == mark means a job of the batch
+ * being held writes block id. The held jobs' units thus lie back to back on each side, and
+ * the batch's kernel table takes two copies however many jobs it holds.
+ *
+ *  1: held (units written, blocks marked);
+ *  0: a held job already writes one of its destination blocks: nothing is marked (the units
+ *     written are scratch, overwritten later), and the caller issues the batch first;
+ * -1: the job is malformed (the general planner then names what is wrong);
+ * -2: a units buffer has no room for it from ``used``: nothing is written.
+ *
+ * ValueError when ``marks`` has fewer than ``dst_rows`` entries (every checked id indexes
+ * it); TypeError or BufferError for buffers that are not C-contiguous. The GIL is kept: a
+ * serving job takes well under a microsecond here. */
+static PyObject *hold_units(PyObject *self, PyObject *args) {
+    Py_buffer src, dst, src_units, dst_units, marks;
+    Py_ssize_t size, start, sf, df, src_rows, dst_rows, used;
+    long long mark;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nnnnnnw*w*nw*L", &src, &dst, &size, &start, &sf, &df,
+                          &src_rows, &dst_rows, &src_units, &dst_units, &used, &marks,
+                          &mark)) {
+        return NULL;
+    }
+    long rc = -1;
+    if (marks.len / 8 < dst_rows) {
+        PyErr_Format(PyExc_ValueError, "marks has %zd entries, fewer than the %zd rows",
+                     marks.len / 8, dst_rows);
+        rc = -3;
+    } else if (size > 0 && start >= 0 && sf >= 1 && df >= 1 && used >= 0 && src.len % 8 == 0 &&
+               dst.len % 8 == 0) {
+        if (src_units.len / 8 - used < size || dst_units.len / 8 - used < size) {
+            rc = -2;
+        } else {
+            const int64_t *ids = (const int64_t *)dst.buf;
+            Py_ssize_t n_ids = dst.len / 8;
+            int64_t *m = (int64_t *)marks.buf;
+            if (units_of_side(src.buf, src.len / 8, size, start, sf, src_rows,
+                              (int64_t *)src_units.buf + used) &&
+                units_of_side(ids, n_ids, size, start, df, dst_rows,
+                              (int64_t *)dst_units.buf + used)) {
+                rc = 1;
+                for (Py_ssize_t j = 0; j < n_ids; j++) {
+                    if (m[ids[j]] == mark) {
+                        rc = 0;
+                        break;
+                    }
+                }
+                if (rc == 1) {
+                    for (Py_ssize_t j = 0; j < n_ids; j++) m[ids[j]] = mark;
+                }
+            }
+        }
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src_units);
+    PyBuffer_Release(&dst_units);
+    PyBuffer_Release(&marks);
+    if (rc == -3) return NULL;
+    return PyLong_FromLong(rc);
 }
 
 /* staged_small_tables(gpu_units, cpu_units, host, pieces, ring_base, k, depth, first_slot,
@@ -891,6 +958,10 @@ static PyMethodDef methods[] = {
      "copy_fragments(src, dst, sizes): memcpy each fragment, GIL released."},
     {"plan_units", plan_units, METH_VARARGS,
      "plan_units(src_ids, dst_ids, size, start, sf, df, src_rows, dst_rows, out) -> bool"},
+    {"hold_units", hold_units, METH_VARARGS,
+     "hold_units(src, dst, size, start, sf, df, src_rows, dst_rows, src_units, dst_units, used,"
+     " marks, mark)"
+     " -> 1 held, 0 a held job writes its blocks, -1 malformed, -2 no room"},
     {"staged_small_tables", staged_small_tables, METH_VARARGS,
      "staged_small_tables(gpu_units, cpu_units, host, pieces, ring_base, k, depth, first_slot, "
      "group_row, ref_row, refs, length, stride, cpu_start, cpu_stride, stage_off, gpu_to_cpu) "

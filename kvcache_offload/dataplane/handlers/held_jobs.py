@@ -11,9 +11,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from kvcache_offload.dataplane.copy.plan import TransferPlan
 
-__all__ = ["BatchingSwitch", "HeldJobs", "SizedJob"]
+__all__ = ["BatchingSwitch", "HeldJobs", "MarkedHeldJobs", "SizedJob"]
 
 
 class SizedJob(Protocol):
@@ -64,6 +66,40 @@ class HeldJobs(Generic[J]):
     def merged(jobs: list[tuple[int, TransferPlan]]) -> TransferPlan:
         """One plan copying every job's fragments in submission order."""
         return jobs[0][1] if len(jobs) == 1 else TransferPlan.merge([p for _, p in jobs])
+
+
+class MarkedHeldJobs(HeldJobs[J]):
+    """:class:`HeldJobs` whose destination blocks are marks in an array, one entry per block
+    of the destination side: ``marks[b] == mark`` when a held job writes block ``b``. The
+    host-copy extension's ``hold_units`` checks and marks a job's blocks in the same C call
+    that writes its units (the CUDA handlers); a new batch takes a new mark, so nothing is
+    cleared between batches."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        self.marks = np.zeros(max(num_blocks, 1), dtype=np.int64)
+        self.mark = 1
+
+    def add(self, job_id: int, job: J, dst_blocks: set[int] | None = None) -> None:
+        super().add(job_id, job)
+        if dst_blocks:
+            self.marks[np.fromiter(dst_blocks, np.int64, len(dst_blocks))] = self.mark
+
+    def add_marked(self, job_id: int, job: J) -> None:
+        """Hold a job whose blocks ``hold_units`` marked already."""
+        self.jobs.append((job_id, job))
+        self.ids.add(job_id)
+        self.nbytes += job.num_bytes
+
+    def writes_any(self, dst_blocks: set[int]) -> bool:
+        if not dst_blocks or not self.jobs:
+            return False
+        blocks = np.fromiter(dst_blocks, np.int64, len(dst_blocks))
+        return bool((self.marks[blocks] == self.mark).any())
+
+    def take(self) -> list[tuple[int, J]]:
+        self.mark += 1
+        return super().take()
 
 
 class BatchingSwitch:

@@ -54,13 +54,24 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
     probe_paths,
     resolve_mechanism,
 )
-from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
+from kvcache_offload.dataplane.handlers.held_jobs import (
+    BatchingSwitch,
+    HeldJobs,
+    MarkedHeldJobs,
+)
 from kvcache_offload.dataplane.handlers.threaded import (
     CPU_TO_GPU,
     GPU_TO_CPU,
     ThreadedOffloadingHandler,
 )
 from kvcache_offload.errors import ConfigError, TransferError
+
+try:  # the held job's units and blocks in one C call (see _hold_units); Python otherwise
+    from kvcache_offload.dataplane.copy._hostcopy import hold_units as _hold_units_native
+except ImportError:  # pragma: no cover - the extension is optional
+    _hold_units_native = None
+
+_INT64 = np.dtype(np.int64)
 
 __all__ = ["DEFAULT_BATCH_MAX_BYTES", "DEFAULT_BATCH_MIN_BYTES", "SingleDirectionOffloadingHandler"]
 
@@ -77,16 +88,15 @@ everything would leave the link idle while the host completes it and submits the
 
 
 class _HeldUnits:
-    """A held one-group job whose kernel units are already written to the handler's unit
-    scratch (at ``offset``: ``size`` source then ``size`` destination units). Its spec is
-    kept in case the batch does not go out as one kernel copy (then it is planned)."""
+    """A held one-group job whose ``size`` kernel units per side are already written to the
+    handler's unit scratches, after those of the jobs held before it. Its spec is kept in
+    case the batch does not go out as one kernel copy (then it is planned)."""
 
-    __slots__ = ("num_bytes", "offset", "size", "spec")
+    __slots__ = ("num_bytes", "size", "spec")
 
-    def __init__(self, spec: TransferSpec, num_bytes: int, offset: int, size: int) -> None:
+    def __init__(self, spec: TransferSpec, num_bytes: int, size: int) -> None:
         self.spec = spec
         self.num_bytes = num_bytes
-        self.offset = offset
         self.size = size
 
 
@@ -217,11 +227,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.batch_min_bytes = int(batch_min_bytes)
         self._in_flight_bytes = 0
         """Bytes of the copies issued and not yet seen finished (the batch rule's yardstick)."""
-        self._held: HeldJobs[TransferPlan | _HeldUnits] = HeldJobs()
-        self._units = np.empty(0, dtype=np.int64)
-        """Kernel units of the held one-group jobs, each job's source then destination
-        units, in submission order (see :meth:`_hold_units`)."""
+        self._held: MarkedHeldJobs[TransferPlan | _HeldUnits] = MarkedHeldJobs(
+            self.dst_geom.num_rows
+        )
+        self._src_units = np.empty(4096, dtype=np.int64)
+        """Source units of the held one-group jobs, back to back in submission order (see
+        :meth:`_hold_units`); ``_dst_units`` holds their destination units alike."""
+        self._dst_units = np.empty(4096, dtype=np.int64)
         self._units_used = 0
+        """Units of each scratch the held jobs fill, from the start."""
         self.batches = 0
         self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
@@ -365,39 +379,54 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if job_id in self._in_flight_ids or job_id in self._held:
             return False
         used = self._units_used
-        end = used + 2 * size
-        units = self._units
-        if end > len(units):
-            grown = np.empty(max(2 * end, 4096), dtype=np.int64)
-            grown[:used] = units[:used]
-            self._units = units = grown
-        if not self._planner.write_single_units(src_ids, dst_ids, size, start, units[used:end]):
-            return False
-        dst_blocks = set(self._dst_block_ids(units[used + size : end]))
-        if self._held.writes_any(dst_blocks):
-            return False  # the units written above are simply overwritten later
+        end = used + size
+        if end > len(self._src_units):
+            for name in ("_src_units", "_dst_units"):
+                grown = np.empty(2 * end, dtype=np.int64)
+                grown[:used] = getattr(self, name)[:used]
+                setattr(self, name, grown)
+        src_units, dst_units = self._src_units, self._dst_units
+        held = self._held
+        if _hold_units_native is not None and src_ids.dtype == _INT64 and dst_ids.dtype == _INT64:
+            # Units written and checked, destination blocks checked and marked, in one call:
+            # in a cProfile of tp4_70b's 1-block load stream on the H200 host this method's
+            # Python took a quarter of the loop's time per job (docs/transfers.md).
+            src, dst = self.src_geom, self.dst_geom
+            try:
+                outcome = _hold_units_native(
+                    src_ids, dst_ids, size, start, src.factor, dst.factor, src.num_rows,
+                    dst.num_rows, src_units, dst_units, used, held.marks, held.mark,
+                )  # fmt: skip
+            except (BufferError, ValueError):  # a strided id view: the general path copes
+                return False
+            if outcome != 1:
+                return False  # malformed (the general path names it) or a held job's block
+            held.add_marked(job_id, _HeldUnits(spec, nbytes, size))
+        else:
+            out = np.empty(2 * size, dtype=np.int64)
+            if not self._planner.write_single_units(src_ids, dst_ids, size, start, out):
+                return False
+            dst_blocks = set(self._dst_block_ids(out[size:]))
+            if held.writes_any(dst_blocks):
+                return False
+            src_units[used:end] = out[:size]
+            dst_units[used:end] = out[size:]
+            held.add(job_id, _HeldUnits(spec, nbytes, size), dst_blocks)
         self._units_used = end
-        self._held.add(job_id, _HeldUnits(spec, nbytes, used, size), dst_blocks)
         if self._batch_full():
             self._flush_locked()
         return True
 
     def _issue_units(
-        self, jobs: list[tuple[int, int]], held: list[_HeldUnits], prev: InFlightCopy | None
+        self, jobs: list[tuple[int, int]], total: int, prev: InFlightCopy | None
     ) -> None:
         """Issue held :class:`_HeldUnits` jobs as one kernel copy of the one group: their
-        units go from the scratch into a job table, sources then destinations."""
-        total = sum(job.size for job in held)
+        ``total`` units per side, back to back from the start of each scratch, go into a
+        job table (sources then destinations) in two copies."""
         slot = self._pools.slot()
         table = slot.ensure(GROUP_ROW + 2 * total, need_device=True)
-        units = self._units
-        src_at, dst_at = GROUP_ROW, GROUP_ROW + total
-        for job in held:
-            offset, size = job.offset, job.size
-            table[src_at : src_at + size] = units[offset : offset + size]
-            table[dst_at : dst_at + size] = units[offset + size : offset + 2 * size]
-            src_at += size
-            dst_at += size
+        table[GROUP_ROW : GROUP_ROW + total] = self._src_units[:total]
+        table[GROUP_ROW + total : GROUP_ROW + 2 * total] = self._dst_units[:total]
         if prev is not None and not prev.issued():
             assert prev.staged is not None
             prev.staged.issued.wait()  # its end event must be recorded before we wait on it
@@ -547,21 +576,22 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         held = self._held.take()
         if not held:
             return
-        self._units_used = 0  # read below, before anything writes to the scratch again
+        total = self._units_used  # the held units, read below before anything writes
+        self._units_used = 0  # to the scratches again
         jobs = [(job_id, job.num_bytes) for job_id, job in held]
-        units = [job for _, job in held if isinstance(job, _HeldUnits)]
+        all_units = all(isinstance(job, _HeldUnits) for _, job in held)
         prev = self._transfers[-1] if self._transfers else None
         busy = self._busy(prev, nbytes, len(jobs))
-        if len(units) == len(held) and (
+        if all_units and (
             self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)
         ):
             # What choose_mechanism would pick for their plan: the kernel.
-            self._issue_units(jobs, units, prev)
+            self._issue_units(jobs, total, prev)
             return
-        if len(units) == len(held):
+        if all_units:
             # Another path (the staged one, behind copies in flight): one plan straight
             # from the units already written, none built per job and merged.
-            self._issue(jobs, self._units_plan(units), busy)
+            self._issue(jobs, self._units_plan(total), busy)
             return
         planned = [
             (job_id, job if isinstance(job, TransferPlan) else self.plan(job.spec))
@@ -569,13 +599,13 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         ]
         self._issue(jobs, HeldJobs.merged(planned), busy)
 
-    def _units_plan(self, held: list[_HeldUnits]) -> TransferPlan:
-        """The one plan of held :class:`_HeldUnits` jobs, from the unit scratch (read
-        before anything writes to it again), in submission order."""
-        units = self._units  # concatenate copies, also a single job's slices
-        src = np.concatenate([units[j.offset : j.offset + j.size] for j in held])
-        dst = np.concatenate([units[j.offset + j.size : j.offset + 2 * j.size] for j in held])
-        return self._planner.units_plan(src, dst)
+    def _units_plan(self, total: int) -> TransferPlan:
+        """The one plan of the held :class:`_HeldUnits` jobs (every job held), from their
+        ``total`` units per side in the scratches, in submission order; copied, as the
+        scratches are written again."""
+        return self._planner.units_plan(
+            self._src_units[:total].copy(), self._dst_units[:total].copy()
+        )
 
     def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
         """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
