@@ -582,9 +582,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         all_units = all(isinstance(job, _HeldUnits) for _, job in held)
         prev = self._transfers[-1] if self._transfers else None
         busy = self._busy(prev, nbytes, len(jobs))
-        if all_units and (
-            self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)
-        ):
+        if all_units and (self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)):
             # What choose_mechanism would pick for their plan: the kernel.
             self._issue_units(jobs, total, prev)
             return
