@@ -30,9 +30,10 @@ def _ids(values: list[int]) -> np.ndarray:
 
 
 def _hold(src, dst, size, start, factor, src_units, dst_units, used, held):
+    marks, mark = held.current_marks()
     return hostcopy.hold_units(
         src, dst, size, start, 1, factor, SRC_ROWS, DST_ROWS,
-        src_units, dst_units, used, held.marks, held.mark,
+        src_units, dst_units, used, marks, mark,
     )  # fmt: skip
 
 
@@ -68,7 +69,10 @@ def test_held_jobs_units_are_the_planners_back_to_back_and_their_blocks_marked(f
         assert src_units[:used].tolist() == want_src
         assert dst_units[:used].tolist() == want_dst
         assert set(np.flatnonzero(held.marks == held.mark).tolist()) == written
-    assert held.writes_any(written) and not held.writes_any(set(range(DST_ROWS)) - written)
+    assert held.writes_any(written) or not written
+    assert not held.writes_any(set(range(DST_ROWS)) - written)
+    for block in written:  # the few-block check, one block at a time
+        assert held.writes_any({block})
 
 
 def test_a_conflicting_job_marks_nothing_and_a_new_batch_forgets_the_marks():
@@ -125,10 +129,20 @@ def test_no_room_writes_nothing_and_short_marks_are_refused():
 
 
 def test_jobs_held_by_plan_mark_their_blocks_for_the_c_check():
-    # A job held as a plan (its blocks given as a set) blocks a later C hold of one of them.
+    # A job held as a plan (its blocks given as a set) blocks a later C hold of one of them,
+    # and a job held in C blocks a later plan job writing one of its blocks.
     held: MarkedHeldJobs[_Job] = MarkedHeldJobs(DST_ROWS)
     held.add(1, _Job(4), {3, 4})
     assert held.nbytes == 4 and 1 in held
+    assert held.writes_any({4}) and not held.writes_any({5})
     units = np.zeros(8, dtype=np.int64), np.zeros(8, dtype=np.int64)
     assert _hold(_ids([0]), _ids([4]), 1, 0, 1, *units, 0, held) == CONFLICT
     assert _hold(_ids([0]), _ids([5]), 1, 0, 1, *units, 0, held) == HELD
+    held.add_marked(2, _Job(1))
+    assert held.writes_any({5}) and held.writes_any(set(range(9, DST_ROWS)) | {5})
+    assert not held.writes_any({6}) and not held.writes_any(set(range(6, DST_ROWS)))
+    held.add(3, _Job(1), {7})  # after a C hold: its set is checked, and marked when asked
+    assert held.writes_any({7})
+    assert _hold(_ids([0]), _ids([7]), 1, 0, 1, *units, 0, held) == CONFLICT
+    held.take()
+    assert not held.writes_any({3, 4, 5, 7})

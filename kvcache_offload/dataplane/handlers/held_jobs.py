@@ -69,36 +69,60 @@ class HeldJobs(Generic[J]):
 
 
 class MarkedHeldJobs(HeldJobs[J]):
-    """:class:`HeldJobs` whose destination blocks are marks in an array, one entry per block
-    of the destination side: ``marks[b] == mark`` when a held job writes block ``b``. The
-    host-copy extension's ``hold_units`` checks and marks a job's blocks in the same C call
-    that writes its units (the CUDA handlers); a new batch takes a new mark, so nothing is
-    cleared between batches."""
+    """:class:`HeldJobs` whose destination blocks can also be marks in an array, one entry
+    per block of the destination side: ``marks[b] == mark`` when a held job writes block
+    ``b``. The host-copy extension's ``hold_units`` checks and marks a job's blocks in the
+    same C call that writes its units (the CUDA handlers), and :meth:`add_marked` holds such
+    a job. Jobs held with a set of blocks (:meth:`add`) keep the set check, and are marked
+    only when a C call asks for the marks (:meth:`current_marks`): a batch of planned jobs
+    (a mixed stream's staged ones) pays nothing for the array. A new batch takes a new mark,
+    so nothing is cleared between batches."""
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__()
         self.marks = np.zeros(max(num_blocks, 1), dtype=np.int64)
         self.mark = 1
+        self._unmarked: list[set[int]] = []
+        """Block sets of jobs held by :meth:`add` and not yet in ``marks``."""
+        self._any_marked = False
+        """Whether a job of this batch was held by :meth:`add_marked` (blocks only marked)."""
 
     def add(self, job_id: int, job: J, dst_blocks: set[int] | None = None) -> None:
-        super().add(job_id, job)
+        super().add(job_id, job, dst_blocks)
         if dst_blocks:
-            self.marks[np.fromiter(dst_blocks, np.int64, len(dst_blocks))] = self.mark
+            self._unmarked.append(dst_blocks)
 
     def add_marked(self, job_id: int, job: J) -> None:
-        """Hold a job whose blocks ``hold_units`` marked already."""
+        """Hold a job whose blocks ``hold_units`` marked already (in :meth:`current_marks`)."""
         self.jobs.append((job_id, job))
         self.ids.add(job_id)
         self.nbytes += job.num_bytes
+        self._any_marked = True
+
+    def current_marks(self) -> tuple[np.ndarray, int]:
+        """``(marks, mark)`` with the blocks of every held job marked, for a C call."""
+        if self._unmarked:
+            marks, mark = self.marks, self.mark
+            for blocks in self._unmarked:
+                marks[np.fromiter(blocks, np.int64, len(blocks))] = mark
+            self._unmarked.clear()
+        return self.marks, self.mark
 
     def writes_any(self, dst_blocks: set[int]) -> bool:
-        if not dst_blocks or not self.jobs:
+        if super().writes_any(dst_blocks):
+            return True
+        if not self._any_marked or not dst_blocks:
             return False
+        marks, mark = self.marks, self.mark
+        if len(dst_blocks) <= 8:  # a serving job's few blocks: no array built
+            return any(marks[b] == mark for b in dst_blocks)
         blocks = np.fromiter(dst_blocks, np.int64, len(dst_blocks))
-        return bool((self.marks[blocks] == self.mark).any())
+        return bool((marks[blocks] == mark).any())
 
     def take(self) -> list[tuple[int, J]]:
         self.mark += 1
+        self._unmarked.clear()
+        self._any_marked = False
         return super().take()
 
 

@@ -392,10 +392,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             # in a cProfile of tp4_70b's 1-block load stream on the H200 host this method's
             # Python took a quarter of the loop's time per job (docs/transfers.md).
             src, dst = self.src_geom, self.dst_geom
+            marks, mark = held.current_marks()
             try:
                 outcome = _hold_units_native(
                     src_ids, dst_ids, size, start, src.factor, dst.factor, src.num_rows,
-                    dst.num_rows, src_units, dst_units, used, held.marks, held.mark,
+                    dst.num_rows, src_units, dst_units, used, marks, mark,
                 )  # fmt: skip
             except (BufferError, ValueError):  # a strided id view: the general path copes
                 return False
