@@ -234,8 +234,9 @@ static PyObject *plan_units(PyObject *self, PyObject *args) {
  * -2: a units buffer has no room for it from ``used``: nothing is written.
  *
  * ValueError when ``marks`` has fewer than ``dst_rows`` entries (every checked id indexes
- * it); TypeError or BufferError for buffers that are not C-contiguous. The GIL is kept: a
- * serving job takes well under a microsecond here. */
+ * it); a buffer that is not C-contiguous is refused by the buffer protocol (numpy raises
+ * ValueError, others BufferError). The GIL is kept: a serving job takes well under a
+ * microsecond here. */
 static PyObject *hold_units(PyObject *self, PyObject *args) {
     Py_buffer src, dst, src_units, dst_units, marks;
     Py_ssize_t size, start, sf, df, src_rows, dst_rows, used;

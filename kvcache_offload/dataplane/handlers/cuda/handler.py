@@ -88,16 +88,15 @@ everything would leave the link idle while the host completes it and submits the
 
 
 class _HeldUnits:
-    """A held one-group job whose ``size`` kernel units per side are already written to the
-    handler's unit scratches, after those of the jobs held before it. Its spec is kept in
-    case the batch does not go out as one kernel copy (then it is planned)."""
+    """A held one-group job whose kernel units are already written to the handler's unit
+    scratches, after those of the jobs held before it. Its spec is kept in case the batch
+    does not go out as one kernel copy (then it is planned)."""
 
-    __slots__ = ("num_bytes", "size", "spec")
+    __slots__ = ("num_bytes", "spec")
 
-    def __init__(self, spec: TransferSpec, num_bytes: int, size: int) -> None:
+    def __init__(self, spec: TransferSpec, num_bytes: int) -> None:
         self.spec = spec
         self.num_bytes = num_bytes
-        self.size = size
 
 
 class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
@@ -402,7 +401,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 return False
             if outcome != 1:
                 return False  # malformed (the general path names it) or a held job's block
-            held.add_marked(job_id, _HeldUnits(spec, nbytes, size))
+            held.add_marked(job_id, _HeldUnits(spec, nbytes))
         else:
             out = np.empty(2 * size, dtype=np.int64)
             if not self._planner.write_single_units(src_ids, dst_ids, size, start, out):
@@ -412,7 +411,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 return False
             src_units[used:end] = out[:size]
             dst_units[used:end] = out[size:]
-            held.add(job_id, _HeldUnits(spec, nbytes, size), dst_blocks)
+            held.add(job_id, _HeldUnits(spec, nbytes), dst_blocks)
         self._units_used = end
         if self._batch_full():
             self._flush_locked()
