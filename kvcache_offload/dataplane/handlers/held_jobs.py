@@ -94,9 +94,7 @@ class MarkedHeldJobs(HeldJobs[J]):
 
     def add_marked(self, job_id: int, job: J) -> None:
         """Hold a job whose blocks ``hold_units`` marked already (in :meth:`current_marks`)."""
-        self.jobs.append((job_id, job))
-        self.ids.add(job_id)
-        self.nbytes += job.num_bytes
+        super().add(job_id, job)  # no set: its blocks are only in the marks
         self._any_marked = True
 
     def current_marks(self) -> tuple[np.ndarray, int]:

@@ -87,6 +87,13 @@ batches stay in flight, so the copy of one overlaps the host work of the next (o
 everything would leave the link idle while the host completes it and submits the next)."""
 
 
+def _grown(units: np.ndarray, used: int, size: int) -> np.ndarray:
+    """A unit scratch of ``size`` entries holding the first ``used`` of ``units``."""
+    grown = np.empty(size, dtype=np.int64)
+    grown[:used] = units[:used]
+    return grown
+
+
 class _HeldUnits:
     """A held one-group job whose kernel units are already written to the handler's unit
     scratches, after those of the jobs held before it. Its spec is kept in case the batch
@@ -380,10 +387,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         used = self._units_used
         end = used + size
         if end > len(self._src_units):
-            for name in ("_src_units", "_dst_units"):
-                grown = np.empty(2 * end, dtype=np.int64)
-                grown[:used] = getattr(self, name)[:used]
-                setattr(self, name, grown)
+            self._src_units = _grown(self._src_units, used, 2 * end)
+            self._dst_units = _grown(self._dst_units, used, 2 * end)
         src_units, dst_units = self._src_units, self._dst_units
         held = self._held
         if _hold_units_native is not None and src_ids.dtype == _INT64 and dst_ids.dtype == _INT64:
