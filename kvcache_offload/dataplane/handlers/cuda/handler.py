@@ -378,10 +378,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         src_ids, dst_ids, size, start, nbytes = job
         if nbytes >= self._lone_limit or nbytes >= self.batch_max_bytes:
             return False
-        if self.staged_when_busy and self._staged is not None:
-            large = self.one_way_min_job_bytes
-            if self._other_direction is None or (large and nbytes >= large):
-                return False  # behind copies in flight it takes the staged path: plan it now
+        # Held as units whatever path the batch then takes: a batch that leaves by the
+        # staged path is planned once from the units (:meth:`_units_plan`), so a job that
+        # is sure to go staged costs no more held this way than planned now.
         if job_id in self._in_flight_ids or job_id in self._held:
             return False
         used = self._units_used
