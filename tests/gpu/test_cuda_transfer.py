@@ -327,9 +327,14 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch"])
-def test_cuda_store_waits_for_the_compute_stream(mechanism):
-    """The KV written by a slow kernel on the compute stream is what gets stored."""
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch", "auto"])
+@pytest.mark.parametrize("compute", ["default stream", "side stream"])
+def test_cuda_store_waits_for_the_compute_stream(mechanism, compute):
+    """The KV written by a slow kernel on the compute stream is what gets stored, on the
+    default stream (raw handle 0) as on another one, for the first store and for later ones
+    (the lone kernel lane issues from C once the first copy compiled the kernel). The host
+    must not wait for the GPU before submitting (no host copy after the sleep), or the
+    test would pass whether the store waited or not."""
     skip_unless_available(mechanism)
     gen = torch.Generator().manual_seed(6)
     kv = make_caches(
@@ -341,19 +346,24 @@ def test_cuda_store_waits_for_the_compute_stream(mechanism):
         device="cuda",
     )
     h = _handlers(kv, 1, 64, mechanism)
+    side = torch.cuda.Stream() if compute == "side stream" else torch.cuda.current_stream()
     try:
         from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
 
         gpu = kv.tensors[0].tensor
-        ids = np.arange(0, 64, 2)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
-        gpu[torch.from_numpy(ids).cuda()] = 42
-        assert h.gpu_to_cpu_handler.transfer_async(
-            1, (GPULoadStoreSpec(ids, [len(ids)], [0]), CPULoadStoreSpec(ids))
-        )
-        finish(h.gpu_to_cpu_handler, [1])
-        assert bool((h.cpu_tensors[0][torch.from_numpy(ids)] == 42).all())
+        for job_id, (first, value) in enumerate([(0, 42), (1, 43), (0, 44), (1, 45)], start=1):
+            ids = np.arange(first, 64, 2)
+            gpu_ids = torch.from_numpy(ids).cuda()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
+                gpu.index_fill_(0, gpu_ids, value)  # no host copy: the host does not wait
+                assert h.gpu_to_cpu_handler.transfer_async(
+                    job_id, (GPULoadStoreSpec(ids, [len(ids)], [0]), CPULoadStoreSpec(ids))
+                )
+            finish(h.gpu_to_cpu_handler, [job_id])
+            stored = h.cpu_tensors[0][torch.from_numpy(ids)]
+            assert bool((stored == value).all()), f"store {job_id} copied before the model wrote"
     finally:
         h.shutdown()
 
@@ -781,5 +791,75 @@ def test_a_held_batch_goes_out_once_it_matches_the_bytes_in_flight(monkeypatch):
         for j in jobs:
             expected = expected_after_store(kv, expected, j)
         assert_same(cpu_tensors, expected)
+    finally:
+        h.shutdown()
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """CPU seconds a thread of this process has used (Linux: /proc's schedstat, ns)."""
+    with open(f"/proc/self/task/{native_id}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "staged", "dma"])
+def test_waits_sleep_through_their_own_event_and_copies_record_no_blocking_events(mechanism):
+    # Blocking-sync events cost the driver an interrupt per record, so the copies' events
+    # spin and only a thread that sleeps until a copy ends waits on a blocking event of its
+    # own (EndWait). That thread must still sleep, not spin: here the copy waits ~0.2 s for
+    # the compute stream, during which neither the watcher thread nor a caller in wait()
+    # may burn the CPU, and both must still see the copy end with the right bytes.
+    import os
+    import threading
+
+    from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+    from kvcache_offload.dataplane.handlers.cuda.end_wait import end_wait_available
+
+    skip_unless_available(mechanism)
+    if not end_wait_available():
+        pytest.skip("the _kernel_issue extension is not built")
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("reads thread CPU times from /proc")
+    kv = make_caches(
+        num_tensors=1,
+        num_gpu_blocks=64,
+        page=65536,
+        group_layers=[[(0, 65536)]],
+        gen=torch.Generator().manual_seed(12),
+        device="cuda",
+    )
+    h = _handlers(kv, 1, 64, mechanism)
+    stores = h.gpu_to_cpu_handler
+    try:
+        assert stores.describe()["sleeps_through_end_wait"]
+        assert not stores._pools.blocking_events
+        gpu = kv.tensors[0].tensor
+        ended = threading.Event()
+        stores.set_completion_callback(ended.set)
+        (watcher,) = [t for t in threading.enumerate() if t.name == "kvoffload-done-store"]
+        for job_id, (first, value) in enumerate([(0, 42), (1, 43)], start=1):
+            ids = np.arange(first, 64, 2)
+            gpu_ids = torch.from_numpy(ids).cuda()  # before the sleep: this copy waits
+            torch.cuda.synchronize()
+            torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time on the compute stream
+            gpu.index_fill_(0, gpu_ids, value)  # no host copy: the host does not wait
+            spec = (GPULoadStoreSpec(ids, [len(ids)], [0]), CPULoadStoreSpec(ids))
+            watcher_before, caller_before = _thread_cpu_s(watcher.native_id), time.thread_time()
+            t0 = time.perf_counter()
+            ended.clear()
+            assert stores.transfer_async(job_id, spec)
+            if job_id == 1:
+                assert ended.wait(10.0)  # the watcher slept on its own event, then reported
+            else:
+                stores.wait({job_id})  # the caller sleeps the same way
+            waited = time.perf_counter() - t0
+            assert waited > 0.05, "the copy did not wait for the compute stream"
+            watcher_cpu = _thread_cpu_s(watcher.native_id) - watcher_before
+            caller_cpu = time.thread_time() - caller_before
+            assert watcher_cpu < 0.25 * waited, f"the watcher spun: {watcher_cpu:.3f} s CPU"
+            if job_id == 2:
+                assert caller_cpu < 0.25 * waited, f"wait() spun: {caller_cpu:.3f} s CPU"
+            (result,) = finish(stores, [job_id])
+            assert result.success
+            assert bool((h.cpu_tensors[0][torch.from_numpy(ids)] == value).all())
     finally:
         h.shutdown()

@@ -563,3 +563,60 @@ def test_set_units_refuses_a_geometry_it_cannot_plan() -> None:
     host, dev = _tables([])
     with pytest.raises(TypeError, match="13 arguments"):
         issuer.issue_units(host.ctypes.data, dev.ctypes.data, 64)
+
+
+_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+PROXY = 0x9C
+
+
+def _wait_through_fakes(cuda: FakeCuda) -> tuple[int, int, int, Any]:
+    def sync(event: int) -> int:
+        cuda.calls.append(("sync", event))
+        return cuda.fail.get("sync", 0)
+
+    sync_fn = _SYNC(sync)
+    return cuda.address("wait"), cuda.address("record"), _address_of(sync_fn), sync_fn
+
+
+def _address_of(function: Any) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+def test_wait_through_sleeps_on_its_own_event_recorded_after_the_copy_ends() -> None:
+    # The waiter's stream waits on the copy's end event, the waiter's blocking event is
+    # recorded there, and the thread sleeps on that event: the copy's event needs no
+    # blocking-sync flag (docs/transfers.md, twenty-fifth session).
+    from kvcache_offload.dataplane.copy._kernel_issue import wait_through
+
+    cuda = FakeCuda(param_sizes=[])
+    wait, record, sync, _keep = _wait_through_fakes(cuda)
+    assert wait_through(wait, record, sync, END, STREAM, PROXY) == 0
+    assert cuda.calls == [("wait", STREAM, END, 0), ("record", PROXY, STREAM), ("sync", PROXY)]
+
+
+@pytest.mark.parametrize(
+    ("fail", "calls"),
+    [({"wait": 400}, 1), ({f"record {PROXY:#x}": 709}, 2), ({"sync": 700}, 3)],
+)
+def test_wait_through_stops_at_the_first_failing_call_and_says_so(fail, calls) -> None:
+    from kvcache_offload.dataplane.copy._kernel_issue import STAGE_WAIT, wait_through
+
+    cuda = FakeCuda(param_sizes=[], fail=fail)
+    wait, record, sync, _keep = _wait_through_fakes(cuda)
+    (code,) = fail.values()
+    assert wait_through(wait, record, sync, END, STREAM, PROXY) == (STAGE_WAIT << 16) | code
+    assert len(cuda.calls) == calls
+
+
+def test_wait_through_refuses_null_handles_before_calling_anything() -> None:
+    from kvcache_offload.dataplane.copy._kernel_issue import wait_through
+
+    cuda = FakeCuda(param_sizes=[])
+    wait, record, sync, _keep = _wait_through_fakes(cuda)
+    for args in [(0, record, sync, END, STREAM, PROXY), (wait, record, sync, 0, STREAM, PROXY),
+                 (wait, record, sync, END, STREAM, 0)]:  # fmt: skip
+        with pytest.raises(ValueError, match="is 0"):
+            wait_through(*args)
+    with pytest.raises(TypeError):
+        wait_through(wait, record, sync, END, STREAM)
+    assert cuda.calls == []

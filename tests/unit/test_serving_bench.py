@@ -56,6 +56,17 @@ def test_goals_follow_the_issue_thresholds_on_cuda() -> None:
     )
 
 
+@pytest.mark.parametrize(("cores", "met"), [(1.0008, True), (1.004, True), (1.006, False)])
+def test_the_cores_goal_compares_at_the_precision_it_shows(cores: float, met: bool) -> None:
+    # A loop-bound stream keeps the loop thread busy throughout: 1.000-1.001 cores for the
+    # process is one core as the table shows it; 1.006 shows as 1.01 and is over.
+    streams = [_stream("mixed 4-block", 1.7, 1.0, 2.0, cores)]
+    goals = {g.goal: (g.value, g.met) for g in check_goals([], streams, "cuda")}
+    value, ok = goals["a stream costs at most one core"]
+    assert ok is met
+    assert value.startswith(f"up to {cores:.2f}")
+
+
 def test_goals_on_the_cpu_backend_ask_for_0_7_of_a_one_thread_copy() -> None:
     streams = [
         _stream("loads 4-block", 0.95, 1, 2, 0.5),

@@ -35,6 +35,7 @@ typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsig
                          unsigned int, unsigned int, unsigned int, void *, void **, void **);
 typedef int (*get_device_fn)(int *);
 typedef int (*set_device_fn)(int);
+typedef int (*sync_fn)(void *);
 
 enum { MAX_PARAMS = 16, KERNEL_ARGS = 9, GROUP_ROW = 4, MEMCPY_DEFAULT = 4 };
 
@@ -51,6 +52,7 @@ enum {
     STAGE_RING = 9,
     STAGE_PIECE = 10,
     STAGE_DEVICE = 11,
+    STAGE_WAIT = 12,
 };
 
 enum { MAX_PIECES = 16 };
@@ -569,6 +571,51 @@ static PyMethodDef issuer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* wait_through(stream_wait, event_record, event_sync, end, stream, proxy) -> 0 or
+ * (stage << 16) | code: sleep until the copy event `end` has fired, through `proxy`, a
+ * blocking-sync event recorded on the waiter's own `stream` after that stream waits on `end`.
+ *
+ * With cudaEventBlockingSync the driver arms an interrupt for every record of the event, and
+ * its event thread (cuda-EvtHandlr) spent 0.03-0.14 of a core on the copies' end events in
+ * the H200 streams, also where the poller found every end itself and nobody slept on one.
+ * So the copies' events spin (no interrupt), and only a copy that the watcher thread really
+ * waits for gets the interrupt, on the proxy. Three driver calls, the GIL released once. */
+static PyObject *wait_through(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "wait_through(stream_wait, event_record, event_sync, end, stream, proxy)");
+        return NULL;
+    }
+    void *ptrs[6];
+    for (int i = 0; i < 6; i++) {
+        ptrs[i] = PyLong_AsVoidPtr(args[i]);
+        if (ptrs[i] == NULL && PyErr_Occurred()) return NULL;
+    }
+    if (ptrs[0] == NULL || ptrs[1] == NULL || ptrs[2] == NULL || ptrs[3] == NULL ||
+        ptrs[5] == NULL) {
+        PyErr_SetString(PyExc_ValueError, "wait_through: a function, the end or the proxy is 0");
+        return NULL;
+    }
+    wait_fn stream_wait = (wait_fn)ptrs[0];
+    record_fn event_record = (record_fn)ptrs[1];
+    sync_fn event_sync = (sync_fn)ptrs[2];
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = stream_wait(ptrs[4], ptrs[3], 0);
+    if (code == 0) code = event_record(ptrs[5], ptrs[4]);
+    if (code == 0) code = event_sync(ptrs[5]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(code == 0 ? 0 : (STAGE_WAIT << 16) | code);
+}
+
+static PyMethodDef module_methods[] = {
+    {"wait_through", (PyCFunction)(void (*)(void))wait_through, METH_FASTCALL,
+     "wait_through(stream_wait, event_record, event_sync, end, stream, proxy) -> 0 or "
+     "(stage << 16) | code"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject KernelIssuerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvcache_offload.dataplane.copy._kernel_issue."
                                              "KernelIssuer",
@@ -581,7 +628,8 @@ static PyTypeObject KernelIssuerType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernel_issue",
-    "One kernel copy (upload, ordering, events, launch) enqueued in one call.", -1, NULL,
+    "One kernel copy (upload, ordering, events, launch) enqueued in one call.", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__kernel_issue(void) {
@@ -595,7 +643,8 @@ PyMODINIT_FUNC PyInit__kernel_issue(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "STAGE_RANGE", STAGE_RANGE) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES) < 0) {
+        PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES) < 0 ||
+        PyModule_AddIntConstant(m, "STAGE_WAIT", STAGE_WAIT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -35,6 +35,8 @@ _MEMORY_TYPE_HOST = 1
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) addresses
+_EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 FEW_PIECES = 7
 """A DMA of at most this many pieces is one ``cudaMemcpyAsync`` per piece instead of one
 ``cudaMemcpyBatchAsync``. Host time per call on the H200 host (twenty-third session, 1.25 MiB
@@ -216,12 +218,14 @@ class CudaRuntime:
         if code != 0:  # the message only on failure: formatting it costs as much as the call
             self._check(code, f"cudaMemcpyAsync of {nbytes} bytes")
 
-    def event_create(self) -> int:
-        """A raw event without timing (``cudaEventDisableTiming``), for ordering streams;
+    def event_create(self, blocking: bool = False) -> int:
+        """A raw event without timing (``cudaEventDisableTiming``), for ordering streams, or
+        with ``blocking`` also ``cudaEventBlockingSync`` (a host wait on it sleeps);
         release it with :meth:`event_destroy`."""
         event = ctypes.c_void_p()
+        flags = _EVENT_DISABLE_TIMING | (_EVENT_BLOCKING_SYNC if blocking else 0)
         self._check(
-            self.lib.cudaEventCreateWithFlags(ctypes.byref(event), ctypes.c_uint(2)),
+            self.lib.cudaEventCreateWithFlags(ctypes.byref(event), ctypes.c_uint(flags)),
             "cudaEventCreateWithFlags",
         )
         return int(event.value or 0)

@@ -40,6 +40,7 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     KernelConfig,
     triton_available,
 )
+from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait, end_wait_available
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
@@ -85,6 +86,18 @@ DEFAULT_BATCH_MIN_BYTES = 16 * 1024 * 1024
 as its direction has in flight (see ``SingleDirectionOffloadingHandler._batch_full``): several
 batches stay in flight, so the copy of one overlaps the host work of the next (one batch of
 everything would leave the link idle while the host completes it and submits the next)."""
+
+
+def _end_wait(device: torch.device) -> EndWait | None:
+    """An :class:`EndWait` for ``device``, or None where none can be built (the copies'
+    events are then blocking-sync, as before)."""
+    if not end_wait_available():
+        return None
+    try:
+        return EndWait(device)
+    except RuntimeError as exc:
+        logger.info("copies keep blocking-sync events: %s", exc)
+        return None
 
 
 def _grown(units: np.ndarray, used: int, size: int) -> np.ndarray:
@@ -210,7 +223,12 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._lock = threading.Lock()
         self._transfers: deque[InFlightCopy] = deque()
         self._in_flight_ids: set[int] = set()
-        self._pools = CopyPools(self.device, self._blocking_events)
+        # Sleeping waits go through an EndWait where one can be built, so the copies' own
+        # events need not be blocking-sync (each record of one costs the driver's event
+        # thread an interrupt; end_wait.py).
+        self._end_wait = _end_wait(self.device) if self._blocking_events else None
+        self._end_waits = self._end_wait is not None
+        self._pools = CopyPools(self.device, self._blocking_events and not self._end_waits)
         self._launcher = CopyLauncher(
             device=self.device,
             gpu_to_cpu=gpu_to_cpu,
@@ -222,7 +240,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             pools=self._pools,
         )
         self._closed = False
-        self._watch = CopyWatch("kvoffload-done-" + ("store" if gpu_to_cpu else "load"))
+        self._watch = CopyWatch(
+            "kvoffload-done-" + ("store" if gpu_to_cpu else "load"),
+            (lambda: _end_wait(self.device)) if self._end_waits else None,
+        )
         self._batching = False
         if not 0 < batch_min_bytes <= batch_max_bytes:
             raise ConfigError(
@@ -712,7 +733,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         with self._lock:
             waiting = [t for t in self._transfers if any(j in job_ids for j, _ in t.jobs)]
         for t in waiting:
-            t.synchronize()
+            t.synchronize(self._end_wait)
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` from a watcher thread once jobs finished (None: stop).
@@ -760,7 +781,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             if self._staged is not None:
                 self._staged.close()  # issues what is queued, then stops its thread
             for t in self._transfers:
-                t.synchronize()
+                t.synchronize(self._end_wait)
             if self._staged is not None:
                 self._staged.release()
             self._transfers.clear()
@@ -768,6 +789,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._in_flight_bytes = 0
             self._pools.clear()
             self._launcher.close()
+            if self._end_wait is not None:
+                self._end_wait.close()
             self.gpu_tensors = []
             self.cpu_tensors = []
 
@@ -783,6 +806,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
             "staged_mixed_min_job_bytes": self.mixed_min_job_bytes,
             "completion_wait": "blocking" if self._blocking_events else "spin",
+            "sleeps_through_end_wait": self._end_waits,
             "kernel_config": repr(self.kernel_config),
             "staging": self._staged.describe() if self._staged is not None else None,
             "jobs_by_mechanism": dict(self.jobs_by_mechanism),

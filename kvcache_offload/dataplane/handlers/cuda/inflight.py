@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvcache_offload.dataplane.copy.staged import StagedJob
+from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait
 
 __all__ = [
     "LANE_TABLE_ENTRIES",
@@ -89,12 +90,17 @@ class InFlightCopy:
                 return True
         return bool(self.end_event.query())
 
-    def synchronize(self) -> None:
+    def synchronize(self, end_wait: EndWait | None = None) -> None:
+        """Return once this copy ended: asleep through ``end_wait`` where given (the copies'
+        events are then not blocking-sync), else in ``end_event.synchronize()``."""
         if self.staged is not None:
             self.staged.issued.wait()
             if not self.staged.end_recorded:
                 return
-        self.end_event.synchronize()
+        if end_wait is not None:
+            end_wait.wait(self.end_event)
+        else:
+            self.end_event.synchronize()
 
 
 LANE_TABLE_ENTRIES = 16384
@@ -121,8 +127,11 @@ class CompletionWatcher:
     finished, then calls ``callback()`` once for all of them.
     """
 
-    def __init__(self, callback: Callable[[], None], name: str) -> None:
+    def __init__(
+        self, callback: Callable[[], None], name: str, end_wait: EndWait | None = None
+    ) -> None:
         self._callback = callback
+        self._end_wait = end_wait
         self._cond = threading.Condition()
         self._queue: deque[InFlightCopy] = deque()
         self._closed = False
@@ -143,6 +152,13 @@ class CompletionWatcher:
             self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._watch_queue()
+        finally:
+            if self._end_wait is not None:
+                self._end_wait.close()
+
+    def _watch_queue(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -151,7 +167,7 @@ class CompletionWatcher:
                     return
                 head = self._queue.popleft()
             try:
-                head.synchronize()
+                head.synchronize(self._end_wait)
             except Exception:
                 logger.exception("waiting for a transfer's end failed")
             with self._cond:
@@ -231,8 +247,11 @@ class CopyWatch:
     """Who tells the caller that copies ended: a :class:`CompletionWatcher` fed every copy as
     it is issued, or, on demand, only the copies in flight when the caller stops looking."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, end_wait: Callable[[], EndWait | None] | None = None) -> None:
         self._name = name
+        self._end_wait = end_wait
+        """Makes each new watcher's :class:`EndWait` (None: it sleeps on the copies'
+        own blocking-sync events)."""
         self._watcher: CompletionWatcher | None = None
         self.on_demand = False
 
@@ -243,7 +262,8 @@ class CopyWatch:
         the old watcher, for the caller to close outside its own lock."""
         old, self._watcher = self._watcher, None
         if callback is not None:
-            self._watcher = CompletionWatcher(callback, self._name)
+            end_wait = self._end_wait() if self._end_wait is not None else None
+            self._watcher = CompletionWatcher(callback, self._name, end_wait)
             for t in in_flight:
                 self._hand(t)
         return old
