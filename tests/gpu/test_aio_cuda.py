@@ -92,6 +92,34 @@ async def test_lone_jobs_one_after_another_restore_the_exact_bytes(caller_looks:
         assert (poller.caller_finds > 0) is caller_looks
 
 
+@pytest.mark.parametrize("blocks", [1, 8])
+async def test_a_store_copies_what_the_model_wrote_on_the_default_stream(blocks: int) -> None:
+    # A serving engine enqueues its forward pass on the current stream and stores the new
+    # blocks right after, without waiting for the GPU: the store must copy what the model
+    # writes, not what was there before. Default configuration, the default stream (raw
+    # handle 0), several stores in a row (the first binds the kernel to the C issuer).
+    engine, tensors = build()
+    async with engine:
+        async with asyncio.timeout(60):
+            for round_ in range(4):
+                first = (round_ * blocks) % 32
+                ids = list(range(first, first + blocks))
+                gpu_ids = torch.tensor(ids, device="cuda")
+                torch.cuda.synchronize()
+                torch.cuda._sleep(100_000_000)  # the "model", ~50 ms on the current stream
+                for t in tensors:
+                    t.index_fill_(0, gpu_ids, round_ + 1)  # no host copy: nothing waits
+                stored = await engine.store(keys(*range(100 * round_, 100 * round_ + blocks)), ids)
+                assert len(stored.keys_stored) == blocks
+                for t in tensors:
+                    t[48 : 48 + blocks].zero_()
+                await engine.load(keys(*range(100 * round_, 100 * round_ + blocks)),
+                                  list(range(48, 48 + blocks)))  # fmt: skip
+                for t in tensors:
+                    got = t[48 : 48 + blocks]
+                    assert bool((got == round_ + 1).all()), f"store {round_} missed the model"
+
+
 async def test_cancelled_load_still_unpins_when_the_copy_ends() -> None:
     engine, _ = build()
     async with engine:

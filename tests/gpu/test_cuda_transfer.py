@@ -327,7 +327,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch", "auto"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "hybrid", "torch", "auto"])
 @pytest.mark.parametrize("compute", ["default stream", "side stream"])
 def test_cuda_store_waits_for_the_compute_stream(mechanism, compute):
     """The KV written by a slow kernel on the compute stream is what gets stored, on the
