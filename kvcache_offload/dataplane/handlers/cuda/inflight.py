@@ -3,8 +3,8 @@
 A copy (one job, or one batch of jobs) owns a CUDA stream, a pair of timing events and a
 pinned job table with its device copy until its end event fires; :class:`CopyPools` hands
 them out and takes them back, so a steady stream of jobs allocates nothing.
-:class:`CompletionWatcher` sleeps in the driver on each copy's end event and tells the
-poller, so nobody has to poll.
+:class:`CompletionWatcher` sleeps in the driver until each copy's end event fires (through
+its own blocking-sync event, :mod:`.end_wait`) and tells the poller, so nobody has to poll.
 """
 
 from __future__ import annotations

@@ -112,8 +112,10 @@ def staged_when_busy_per_direction(setting: StagedWhenBusy) -> tuple[bool, bool]
 
 CompletionWait = Literal["blocking", "spin"]
 """How the completion watcher waits on a job's end event: ``blocking`` sleeps in the
-driver (no CPU while copies run), ``spin`` busy-waits in the driver (one core per direction
-while jobs are in flight, a few microseconds sooner)."""
+driver (no CPU while copies run; through an :class:`~.end_wait.EndWait` where the C
+extension is built, so the copies' own events need not be blocking-sync), ``spin``
+busy-waits in the driver (one core per direction while jobs are in flight, a few
+microseconds sooner)."""
 
 _MECHANISMS = ("auto", "kernel", "dma", "staged", "hybrid", "torch")
 
