@@ -148,7 +148,7 @@ def _tables(units: list[int]) -> tuple[np.ndarray, np.ndarray]:
 def _issue(issuer: Any, host: np.ndarray, dev: np.ndarray, **kw: int) -> int:
     args = dict(n_units=2, ref_row=3, pairs=128, max_size=65536, before=0, prev=0)
     args.update(kw)
-    mark = MARK if args["before"] else 0
+    mark = args.get("mark", MARK if args["before"] else 0)
     code = issuer.issue(
         host.ctypes.data, dev.ctypes.data, args["n_units"], args["ref_row"], args["pairs"],
         args["max_size"], STREAM, args["before"], mark, args["prev"], START, END,
@@ -191,6 +191,20 @@ def test_a_store_waits_for_the_current_stream_and_the_previous_copy_first() -> N
     assert launch[2] == (3, 1, 1)  # fewer work items than the grid: one program each
     assert launch[6][4:7] == [3, 1, 1]  # total work, iterations, chunks
     assert cuda.calls[6] == ("record", END, STREAM)
+
+
+def test_a_store_waits_for_the_default_stream_whose_handle_is_0() -> None:
+    # The mark says a store must wait; the model's stream may be the default one (raw handle
+    # 0), which must not read as "no wait" (it once did: stores copied unwritten KV).
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([1, 2])
+    assert _issue(cuda.issuer(), host, dev, n_units=1, pairs=3, max_size=100, before=0,
+                  mark=MARK) == 0  # fmt: skip
+    assert [c[:4] for c in cuda.calls[1:4]] == [
+        ("record", MARK, None),  # ctypes hands a null pointer over as None
+        ("wait", STREAM, MARK, 0),
+        ("record", START, STREAM),
+    ]
 
 
 def test_one_program_per_work_item_without_a_grid_and_no_launch_for_no_pairs() -> None:
@@ -454,9 +468,10 @@ def _ids(*values: int) -> np.ndarray:
 
 def _issue_units(
     issuer: Any, host: np.ndarray, dev: np.ndarray, src: Any, dst: Any, size: int,
-    start: int = 0, capacity: int = 64, before: int = 0,
+    start: int = 0, capacity: int = 64, before: int = 0, mark: int | None = None,
 ) -> int:  # fmt: skip
-    mark = MARK if before else 0
+    if mark is None:
+        mark = MARK if before else 0
     return int(issuer.issue_units(
         host.ctypes.data, dev.ctypes.data, capacity, src, dst, size, start, STREAM, before,
         mark, 0, START, END,
@@ -488,6 +503,16 @@ def test_a_lone_store_waits_for_the_models_stream_on_the_kernels_device() -> Non
                      "record", "set_device"]  # fmt: skip
     assert cuda.calls[1] == ("set_device", 2) and cuda.calls[-1] == ("set_device", 1)
     assert cuda.calls[3][:3] == ("record", MARK, BEFORE)
+
+
+def test_a_lone_store_waits_for_the_default_stream_too() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    assert _issue_units(_units_issuer(cuda), host, dev, _ids(1), _ids(3, 4), 2, mark=MARK) == 0
+    names = [c[0] for c in cuda.calls]
+    assert names == ["get_device", "memcpy", "record", "wait", "record", "launch", "record"]
+    assert cuda.calls[2][:3] == ("record", MARK, None)  # on the default stream (handle 0)
+    assert cuda.calls[3] == ("wait", STREAM, MARK, 0)
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,8 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
  * host/dev: the job table (pinned host and its device copy); its units (n_units sources then
  * n_units destinations after the group row) are already written at host. Writes the one
  * group row (0, n_units, ref_row, 0), then on stream: uploads the 4 + 2 * n_units entries;
- * if before: records mark on before and waits for it (a store copies what the model wrote);
+ * if mark: records mark on before and waits for it (a store copies what the model wrote;
+ * before may be 0, the legacy default stream, where the model runs by default);
  * if prev_end: waits for it (the previous copy of this direction); records start; launches
  * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
  * records end. Stops at the first call that fails. */
@@ -226,7 +227,7 @@ static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64
         code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
                                   table_bytes, MEMCPY_DEFAULT, s);
         if (code) break;
-        if (before != 0) {
+        if (mark != 0) { /* a store: before is the model's stream, 0 the default one */
             stage = STAGE_ORDER;
             code = self->event_record((void *)(uintptr_t)mark, (void *)(uintptr_t)before);
             if (code) break;
@@ -259,7 +260,8 @@ static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64
  * host/dev: the job table (pinned host and its device copy); its units (n_units sources then
  * n_units destinations after the group row) are already written at host. Writes the one
  * group row (0, n_units, ref_row, 0), then on stream: uploads the 4 + 2 * n_units entries;
- * if before: records mark on before and waits for it (a store copies what the model wrote);
+ * if mark: records mark on before and waits for it (a store copies what the model wrote;
+ * before may be 0, the legacy default stream, where the model runs by default);
  * if prev_end: waits for it (the previous copy of this direction); records start; launches
  * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
  * records end. Stops at the first call that fails. */

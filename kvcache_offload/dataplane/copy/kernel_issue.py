@@ -169,7 +169,8 @@ class KernelIssue:
         end: int,
     ) -> bool:
         """Write the job table's group row, upload it, order the copy (after ``before``'s
-        work through ``mark``, after ``prev_end``; 0: no such wait), record ``start``,
+        work through ``mark``, where ``mark`` is set: ``before`` 0 is the default stream;
+        after ``prev_end``, where set), record ``start``,
         launch, record ``end``, all on ``stream`` (raw handles). Raises RuntimeError naming
         the call that failed; the calls before it stay enqueued, as in the Python path."""
         if launch_hooks_installed():

@@ -51,10 +51,6 @@ def _event_handle(prev: InFlightCopy | None, stream: torch.cuda.Stream) -> int:
     return 0 if prev is None else raw_event(prev.end_event, stream)
 
 
-_CUDA_STREAM_LEGACY = 1
-"""``cudaStreamLegacy``: the legacy default stream, by a handle that is not 0."""
-
-
 def _current_raw_stream_getter() -> Callable[[int], int] | None:
     """torch's current stream of a device as a raw handle, without a stream object (a
     private binding; None where this torch lacks it, and the public call is used)."""
@@ -357,16 +353,15 @@ class CopyLauncher:
         """(the current stream, the raw mark) as raw handles for a store, which must copy
         what the model enqueued there; (0, 0) for a load, or where there is no raw mark.
 
-        torch's default stream is the legacy one, whose raw handle is 0, and the C issuer
-        reads a 0 as "nothing to wait for": so it is named ``cudaStreamLegacy`` here (the
-        same stream). Without that, a store issued from C while the model ran on the
-        default stream copied the KV cache without waiting for it (GPU test)."""
+        The mark, not the stream, says that there is something to wait for: torch's default
+        stream has the raw handle 0 (the C issuer once read that as "no wait", and a store
+        issued from C while the model ran on the default stream copied the KV cache without
+        waiting for it; GPU test)."""
         current = self._current_raw_stream
         if not self.gpu_to_cpu or current is None or not self._raw_mark:
             return 0, 0
         index = self.device.index
-        stream = current(index if index is not None else torch.cuda.current_device())
-        return stream or _CUDA_STREAM_LEGACY, self._raw_mark
+        return current(index if index is not None else torch.cuda.current_device()), self._raw_mark
 
     def _launch_kernel(
         self,
