@@ -227,8 +227,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         # events need not be blocking-sync (each record of one costs the driver's event
         # thread an interrupt; end_wait.py).
         self._end_wait = _end_wait(self.device) if self._blocking_events else None
-        self._end_waits = self._end_wait is not None
-        self._pools = CopyPools(self.device, self._blocking_events and not self._end_waits)
+        self._pools = CopyPools(self.device, self._blocking_events and self._end_wait is None)
         self._launcher = CopyLauncher(
             device=self.device,
             gpu_to_cpu=gpu_to_cpu,
@@ -242,7 +241,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._closed = False
         self._watch = CopyWatch(
             "kvoffload-done-" + ("store" if gpu_to_cpu else "load"),
-            (lambda: _end_wait(self.device)) if self._end_waits else None,
+            (lambda: _end_wait(self.device)) if self._end_wait is not None else None,
         )
         self._batching = False
         if not 0 < batch_min_bytes <= batch_max_bytes:
@@ -806,7 +805,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
             "staged_mixed_min_job_bytes": self.mixed_min_job_bytes,
             "completion_wait": "blocking" if self._blocking_events else "spin",
-            "sleeps_through_end_wait": self._end_waits,
+            "sleeps_through_end_wait": self._end_wait is not None,
             "kernel_config": repr(self.kernel_config),
             "staging": self._staged.describe() if self._staged is not None else None,
             "jobs_by_mechanism": dict(self.jobs_by_mechanism),
