@@ -485,11 +485,14 @@ def test_cuda_round_trip_through_a_pinned_shared_region():
         region.cleanup()
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("mechanism", ["kernel", "auto"])
 @pytest.mark.parametrize("factor", [1, 2])
-def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor):
+def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor, inline):
     # A serving engine's lone request (one group, idle direction) skips the plan objects;
     # its bytes, results and a later bad job's error must be those of the general path.
+    # Jobs of up to 8 units pass them to the kernel as parameters (inline), larger ones and
+    # every job with inline units off upload a job table.
     skip_unless_available("kernel")
     kv = _one_group_caches(21 + factor)
     h = _handlers(kv, factor, 32, mechanism)
@@ -497,7 +500,8 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
     calls = _record_lone_kernel_calls(h, planned_in_c)
     try:
         rng = np.random.default_rng(factor)
-        for i, blocks in enumerate((1, 8, 5)):
+        sizes = (1, 8, 5, 12, 3)
+        for i, blocks in enumerate(sizes):
             job = random_job(
                 rng,
                 group_sizes=[blocks],
@@ -510,13 +514,17 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.success and load.success
             assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
             assert store.transfer_time > 0 and load.transfer_time > 0
-        assert len(calls) == 6  # every job of this test went through the lane
+            if i == 0 and not inline:
+                for one in (h.gpu_to_cpu_handler, h.cpu_to_gpu_handler):
+                    if one._launcher._issue is not None:
+                        one._launcher._issue.set_inline_units(0)
+        assert len(calls) == 2 * len(sizes)  # every job of this test went through the lane
         _assert_issued_from_c(h)
         if h.gpu_to_cpu_handler._launcher._issue is not None:
             # At least after each direction's first copy (which compiles and binds the
             # kernel, unless an earlier test compiled it) the jobs were planned in the
             # issuer's C call, with the lane's own copy objects.
-            assert len(planned_in_c) >= 4
+            assert len(planned_in_c) >= 2 * len(sizes) - 2
             assert len(h.gpu_to_cpu_handler._pools.lane_copies) == 1
         bad = random_job(
             rng, group_sizes=[2], block_indices=[0], factor=factor, num_gpu_blocks=64,
@@ -525,7 +533,7 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
         bad.cpu_spec = CPULoadStoreSpec(np.array([31, 99] if factor == 1 else [99]))
         with pytest.raises(TransferError, match="99"):  # the slot does not exist
             h.gpu_to_cpu_handler.transfer_async(50, (bad.gpu_spec, bad.cpu_spec))
-        assert len(calls) == 6
+        assert len(calls) == 2 * len(sizes)
     finally:
         h.shutdown()
 

@@ -76,7 +76,7 @@ def _expected(ref: torch.Tensor, job: torch.Tensor, offset: int, **job_args: int
         programs, 1, 1, 7, "cu-function", "metadata", None, None, None,
         ref.data_ptr(), job.data_ptr() + 8 * offset,
         job_args["n_groups"], job_args["n_units"], total_work, -(-total_work // programs),
-        chunks, 1, 4, CONFIG.block_bytes, ALIGN,
+        chunks, 1, 4, *[0] * 17, CONFIG.block_bytes, ALIGN,  # a table job: no inline units
     )  # fmt: skip
 
 

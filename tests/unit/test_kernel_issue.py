@@ -128,8 +128,9 @@ class FakeRuntime:
         return f"fake error {code}"
 
 
-# Triton 3.6's copy kernel: two pointers, seven unspecialised i32 ints, two scratch pointers.
-TRITON_SIZES = [8, 8, 4, 4, 4, 4, 4, 4, 4, 8, 8]
+# Triton 3.6's copy kernel: two pointers, 24 unspecialised i32 ints (seven, ref_row, eight
+# units per side), two scratch pointers.
+TRITON_SIZES = [8, 8, *[4] * 24, 8, 8]
 
 
 _KEEP: list[np.ndarray] = []
@@ -173,7 +174,8 @@ def test_a_load_uploads_its_table_then_launches_between_its_events() -> None:
     chunks, work = 4, 128 * 4  # 64 KiB fragments in 16 KiB work items
     assert (function, block, shared, stream, extra) == (FUNCTION, (128, 1, 1), 512, STREAM, None)
     assert grid == (264, 1, 1)
-    assert values == [REF_PTR, dev.ctypes.data, 1, 2, work, 2, chunks, 2, 1, 0, 0]
+    # A job over a table: the inline parameters (ref_row, eight units a side) are 0.
+    assert values == [REF_PTR, dev.ctypes.data, 1, 2, work, 2, chunks, 2, 1, *[0] * 17, 0, 0]
 
 
 def test_a_store_waits_for_the_current_stream_and_the_previous_copy_first() -> None:
@@ -218,7 +220,7 @@ def test_one_program_per_work_item_without_a_grid_and_no_launch_for_no_pairs() -
 
 
 def test_eight_byte_int_parameters_take_values_past_int32() -> None:
-    cuda = FakeCuda([8] * 9)
+    cuda = FakeCuda([8] * 26)
     host, dev = _tables([1, 2])
     big = 3 * 2**31
     assert _issue(cuda.issuer(block_bytes=1), host, dev, pairs=big, max_size=1) == 0
@@ -269,7 +271,7 @@ def test_the_first_failing_call_stops_the_job_and_is_named(
 def test_the_issuer_refuses_what_it_cannot_launch() -> None:
     cuda = FakeCuda(TRITON_SIZES)
     with pytest.raises(ValueError, match="only 4 and 8"):
-        FakeCuda([8, 8, 4, 4, 4, 4, 4, 4, 2]).issuer()
+        FakeCuda([8, 8, *[4] * 23, 2]).issuer()
     with pytest.raises(ValueError, match="parameter sizes"):
         FakeCuda([8, 8, 4]).issuer()
     with pytest.raises(ValueError, match="every function address"):
@@ -478,19 +480,62 @@ def _issue_units(
     ))  # fmt: skip
 
 
-def test_a_lone_job_is_planned_into_its_table_and_issued_in_one_call() -> None:
+def test_a_lone_job_passes_its_units_to_the_kernel_and_uploads_no_table() -> None:
     cuda = FakeCuda(TRITON_SIZES)
     host, dev = _tables([])
+    before = host.copy()
     # Three pieces from the second sub-block of the request: source blocks of two pieces
     # (factor 2) skip one, destination blocks hold one piece each.
     code = _issue_units(_units_issuer(cuda), host, dev, _ids(4, 7), _ids(5, 0, 2), 3, start=1)
     assert code == 0
+    assert [c[0] for c in cuda.calls] == ["get_device", "record", "launch", "record"]
+    assert host.tolist() == before.tolist()  # the table is not written, let alone uploaded
+    values = cuda.calls[2][6]
+    chunks = 4  # 64 KiB fragments in 16 KiB work items
+    # No table (0), no groups (0: the units are parameters), the group's ref row 3.
+    assert values[:10] == [REF_PTR, 0, 0, 3, 3 * 4 * chunks, 1, chunks, 2, 1, 3]
+    assert values[10:18] == [9, 14, 15, 0, 0, 0, 0, 0]
+    assert values[18:26] == [5, 0, 2, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(("inline", "size"), [(8, 9), (2, 3), (0, 3)])
+def test_a_lone_job_past_the_inline_units_is_planned_into_its_table(inline: int, size: int) -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    issuer = _units_issuer(cuda)
+    issuer.set_inline(inline)
+    src, dst = _ids(4, 7, 1, 2, 3)[: (size + 2) // 2], _ids(5, 0, 2, 1, 3, 4, 0, 1, 2)[:size]
+    assert _issue_units(issuer, host, dev, src, dst, size, start=1) == 0
     assert [c[0] for c in cuda.calls] == ["get_device", "memcpy", "record", "launch", "record"]
     uploaded = cuda.calls[1][6]
-    assert uploaded.tolist() == [0, 3, 3, 0, 9, 14, 15, 5, 0, 2]
+    want_src = [int(src[(i + 1) // 2]) * 2 + (i + 1) % 2 for i in range(size)]
+    assert uploaded.tolist() == [0, size, 3, 0, *want_src, *dst.tolist()]
     values = cuda.calls[3][6]
-    chunks = 4  # 64 KiB fragments in 16 KiB work items
-    assert values[:7] == [REF_PTR, dev.ctypes.data, 1, 3, 3 * 4 * chunks, 1, chunks]
+    chunks = 4
+    assert values[:7] == [REF_PTR, dev.ctypes.data, 1, size, size * 4 * chunks, 1, chunks]
+    assert values[9:26] == [0] * 17
+
+
+def test_set_inline_takes_zero_to_eight_units() -> None:
+    issuer = _units_issuer(FakeCuda(TRITON_SIZES))
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="0 to 8"):
+            issuer.set_inline(bad)
+    wrapped = kernel_issue.KernelIssue(issuer, FakeRuntime())
+    wrapped.set_inline_units(0)
+    with pytest.raises(ValueError, match="0 to 8"):
+        wrapped.set_inline_units(9)
+
+
+def test_a_unit_an_int32_parameter_cannot_hold_issues_nothing() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    host, dev = _tables([])
+    issuer = cuda.issuer()
+    get, put = cuda.address("get_device"), cuda.address("set_device")
+    issuer.set_units(2**32, 6, 3, 4, 65536, 0, get, put)
+    code = _issue_units(issuer, host, dev, _ids(2**31), _ids(0, 1), 2)  # unit 2**32 (factor 2)
+    assert code == kernel_issue.STAGE_RANGE << 16
+    assert cuda.calls == []
 
 
 def test_a_lone_store_waits_for_the_models_stream_on_the_kernels_device() -> None:
@@ -499,10 +544,10 @@ def test_a_lone_store_waits_for_the_models_stream_on_the_kernels_device() -> Non
     issuer = _units_issuer(cuda, device=2)
     assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=BEFORE) == 0
     names = [c[0] for c in cuda.calls]
-    assert names == ["get_device", "set_device", "memcpy", "record", "wait", "record", "launch",
-                     "record", "set_device"]  # fmt: skip
+    assert names == ["get_device", "set_device", "record", "wait", "record", "launch", "record",
+                     "set_device"]  # fmt: skip
     assert cuda.calls[1] == ("set_device", 2) and cuda.calls[-1] == ("set_device", 1)
-    assert cuda.calls[3][:3] == ("record", MARK, BEFORE)
+    assert cuda.calls[2][:3] == ("record", MARK, BEFORE)
 
 
 def test_a_lone_store_waits_for_the_default_stream_too() -> None:
@@ -510,9 +555,9 @@ def test_a_lone_store_waits_for_the_default_stream_too() -> None:
     host, dev = _tables([])
     assert _issue_units(_units_issuer(cuda), host, dev, _ids(1), _ids(3, 4), 2, mark=MARK) == 0
     names = [c[0] for c in cuda.calls]
-    assert names == ["get_device", "memcpy", "record", "wait", "record", "launch", "record"]
-    assert cuda.calls[2][:3] == ("record", MARK, None)  # on the default stream (handle 0)
-    assert cuda.calls[3] == ("wait", STREAM, MARK, 0)
+    assert names == ["get_device", "record", "wait", "record", "launch", "record"]
+    assert cuda.calls[1][:3] == ("record", MARK, None)  # on the default stream (handle 0)
+    assert cuda.calls[2] == ("wait", STREAM, MARK, 0)
 
 
 @pytest.mark.parametrize(
@@ -525,7 +570,7 @@ def test_a_lone_store_waits_for_the_default_stream_too() -> None:
         (np.array([1], dtype=np.int32), _ids(0, 1), 2, 64, "ids that are not int64"),
         (_ids(1, 2, 3, 4)[::2], _ids(0, 1, 2, 3), 4, 64, "a strided id view"),
         ([1], _ids(0, 1), 2, 64, "a list"),
-        (_ids(1), _ids(0, 1), 2, 7, "a table too small for the units"),
+        (_ids(0, 1, 2, 3, 4), _ids(0, 1, 2, 3, 4, 5, 0, 1, 2), 9, 21, "a table too small"),
         (_ids(1), _ids(0, 1), 0, 64, "no pieces"),
     ],
 )
@@ -550,12 +595,14 @@ def test_the_lane_takes_nothing_before_it_knows_the_groups_geometry() -> None:
     assert cuda.calls == []
 
 
-def test_a_value_a_parameter_cannot_hold_leaves_the_table_as_it_was() -> None:
+@pytest.mark.parametrize("inline", [8, 0])
+def test_a_value_a_parameter_cannot_hold_leaves_the_table_as_it_was(inline: int) -> None:
     cuda = FakeCuda(TRITON_SIZES)
     host, dev = _tables([])
     issuer = cuda.issuer(block_bytes=1)
     get, put = cuda.address("get_device"), cuda.address("set_device")
     issuer.set_units(10, 6, 3, 4, 2**31, 0, get, put)  # 2**31 one-byte chunks per fragment
+    issuer.set_inline(inline)
     before = host.copy()
     code = _issue_units(issuer, host, dev, _ids(1), _ids(0, 1), 2)
     assert code == kernel_issue.STAGE_RANGE << 16

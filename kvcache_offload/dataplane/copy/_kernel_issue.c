@@ -37,7 +37,10 @@ typedef int (*get_device_fn)(int *);
 typedef int (*set_device_fn)(int);
 typedef int (*sync_fn)(void *);
 
-enum { MAX_PARAMS = 16, KERNEL_ARGS = 9, GROUP_ROW = 4, MEMCPY_DEFAULT = 4 };
+/* The copy kernel's own arguments: two table pointers, seven ints, then ref_row and
+ * INLINE_UNITS units per side, the one-group job whose units travel as parameters. */
+enum { INLINE_UNITS = 8, KERNEL_ARGS = 10 + 2 * INLINE_UNITS, MAX_PARAMS = 32 };
+enum { GROUP_ROW = 4, MEMCPY_DEFAULT = 4 };
 
 /* Where a failed job stopped: issue() returns (stage << 16) | code. */
 enum {
@@ -79,6 +82,8 @@ typedef struct {
     get_device_fn get_device;
     set_device_fn set_device;
     int64_t src_rows, dst_rows, ref_row, pairs_per_unit, max_size;
+    /* issue_units passes jobs of at most this many units as kernel parameters (no table). */
+    int64_t inline_units;
 } KernelIssuer;
 
 static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -151,6 +156,7 @@ static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->ref_ptr = ref_ptr;
     self->src_factor = src_factor;
     self->dst_factor = dst_factor;
+    self->inline_units = INLINE_UNITS;
     return (PyObject *)self;
 }
 
@@ -170,11 +176,14 @@ static int as_i64(PyObject *obj, int64_t *out) {
 
 /* The copy kernel's parameters for a job table at job_ptr (device) of n_groups groups,
  * n_units units and pairs fragments of at most max_size bytes: values and the parameter
- * array pointing at them. Returns the programs to launch (0: nothing to copy), or -1 when a
- * value does not fit its parameter. */
+ * array pointing at them. With units (n_units sources then n_units destinations, at most
+ * INLINE_UNITS each) the job has no table: one group at ref_row, n_groups 0 and the units in
+ * the parameters. Returns the programs to launch (0: nothing to copy), or -1 when a value
+ * does not fit its parameter. */
 static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t n_groups,
-                             int64_t n_units, int64_t pairs, int64_t max_size,
-                             int64_t values[MAX_PARAMS], void *params[MAX_PARAMS]) {
+                             int64_t n_units, int64_t pairs, int64_t max_size, int64_t ref_row,
+                             const int64_t *units, int64_t values[MAX_PARAMS],
+                             void *params[MAX_PARAMS]) {
     int64_t chunks = (max_size + self->block_bytes - 1) / self->block_bytes;
     int64_t total_work = pairs * chunks;
     int64_t programs = self->grid > 0 && total_work > self->grid ? self->grid : total_work;
@@ -189,6 +198,15 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
     values[6] = chunks;
     values[7] = self->src_factor;
     values[8] = self->dst_factor;
+    if (units != NULL) {
+        values[1] = 0;
+        values[2] = 0;
+        values[9] = ref_row;
+        for (int64_t u = 0; u < n_units; u++) {
+            values[10 + u] = units[u];
+            values[10 + INLINE_UNITS + u] = units[n_units + u];
+        }
+    }
     for (int i = 0; i < self->n_params; i++) {
         if (self->param_size[i] == 4 && (values[i] < INT32_MIN || values[i] > INT32_MAX)) {
             return -1;
@@ -209,24 +227,27 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
  * if prev_end: waits for it (the previous copy of this direction); records start; launches
  * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
  * records end. Stops at the first call that fails. */
-/* The calls of one kernel copy over the job table at host (pinned; its units written after
- * the group row) and dev (its device copy), on stream s; see issue(). Writes the group row.
+/* The calls of one kernel copy on stream s; see issue(). With host set, first writes the
+ * group row of the job table at host (pinned; its units written after the row) and uploads
+ * it to dev; with host 0 the job's units are in params and nothing is uploaded.
  * Returns 0, or (stage << 16) | the failing call's code. Called with the GIL released. */
 static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64_t n_units,
                     int64_t ref_row, int64_t programs, void **params, void *s, uint64_t before,
                     uint64_t mark, uint64_t prev_end, uint64_t start, uint64_t end) {
-    int64_t *row = (int64_t *)(uintptr_t)host;
-    row[0] = 0;
-    row[1] = n_units;
-    row[2] = ref_row;
-    row[3] = 0;
-    size_t table_bytes = (size_t)(GROUP_ROW + 2 * n_units) * 8;
     int code = 0, stage = 0;
     do {
-        stage = STAGE_UPLOAD;
-        code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
-                                  table_bytes, MEMCPY_DEFAULT, s);
-        if (code) break;
+        if (host != 0) {
+            int64_t *row = (int64_t *)(uintptr_t)host;
+            row[0] = 0;
+            row[1] = n_units;
+            row[2] = ref_row;
+            row[3] = 0;
+            size_t table_bytes = (size_t)(GROUP_ROW + 2 * n_units) * 8;
+            stage = STAGE_UPLOAD;
+            code = self->memcpy_async((void *)(uintptr_t)dev, (const void *)(uintptr_t)host,
+                                      table_bytes, MEMCPY_DEFAULT, s);
+            if (code) break;
+        }
         if (mark != 0) { /* a store: before is the model's stream, 0 the default one */
             stage = STAGE_ORDER;
             code = self->event_record((void *)(uintptr_t)mark, (void *)(uintptr_t)before);
@@ -286,7 +307,8 @@ static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssiz
     }
     int64_t values[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    int64_t programs = kernel_params(self, dev, 1, n_units, pairs, max_size, values, params);
+    int64_t programs =
+        kernel_params(self, dev, 1, n_units, pairs, max_size, 0, NULL, values, params);
     if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
     long result;
     /* Released as ctypes and Triton's launcher release it: an enqueue blocks while the
@@ -332,6 +354,19 @@ static PyObject *issuer_set_units(KernelIssuer *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_inline(units) -> None: issue_units passes jobs of at most units units (0..INLINE_UNITS;
+ * 0: none) as kernel parameters instead of uploading a table. */
+static PyObject *issuer_set_inline(KernelIssuer *self, PyObject *arg) {
+    long units = PyLong_AsLong(arg);
+    if (units == -1 && PyErr_Occurred()) return NULL;
+    if (units < 0 || units > INLINE_UNITS) {
+        PyErr_Format(PyExc_ValueError, "set_inline takes 0 to %d units", (int)INLINE_UNITS);
+        return NULL;
+    }
+    self->inline_units = units;
+    Py_RETURN_NONE;
+}
+
 static int int64_view(PyObject *obj, Py_buffer *view);
 
 /* int64_view without an error: ids the lane does not take go to the caller's general path. */
@@ -345,14 +380,16 @@ static int int64_ids(PyObject *obj, Py_buffer *view) {
  *             prev_end, start_event, end_event) -> 0, -1, or (stage << 16) | code
  *
  * A one-group job planned and issued in one call (the lone lane): the units of size pieces
- * starting start pieces into the request (units_of_side on each side's ids, int64) written
- * after the group row of the job table at host, then issue()'s calls. -1, with nothing
- * enqueued, where the job is not one this call takes: set_units not called, ids that are not
- * C-contiguous int64 or do not name the job's blocks within the rows, or a job of more units
- * than a table of capacity entries holds; the caller's general path then plans it and names
- * any error (the table may hold some units by then: it is the caller's scratch until a copy
- * reads it). STAGE_RANGE, with nothing written, as issue(). The device of set_units is made
- * current around the calls where another one is. */
+ * starting start pieces into the request (units_of_side on each side's ids, int64), then
+ * issue()'s calls. A job of at most inline_units units (set_inline; INLINE_UNITS at first)
+ * passes them as kernel parameters and uploads no table; a larger one writes them after the
+ * group row of the job table at host, which is uploaded. -1, with nothing enqueued, where the
+ * job is not one this call takes: set_units not called, ids that are not C-contiguous int64
+ * or do not name the job's blocks within the rows, or a job of more units than a table of
+ * capacity entries holds; the caller's general path then plans it and names any error (the
+ * table may hold some units by then: it is the caller's scratch until a copy reads it).
+ * STAGE_RANGE, with nothing enqueued, as issue(). The device of set_units is made current
+ * around the calls where another one is. */
 static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 13) {
         PyErr_Format(PyExc_TypeError, "issue_units() takes 13 arguments (%zd given)", nargs);
@@ -371,13 +408,17 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
                         "issue_units() needs both tables, both events and a mark with before");
         return NULL;
     }
-    if (!self->units_ready || size <= 0 || first < 0 || GROUP_ROW + 2 * size > capacity) {
+    int inline_job = size <= self->inline_units;
+    if (!self->units_ready || size <= 0 || first < 0 ||
+        (!inline_job && GROUP_ROW + 2 * size > capacity)) {
         return PyLong_FromLong(-1);
     }
     int64_t values[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    int64_t programs = kernel_params(self, dev, 1, size, self->pairs_per_unit * size,
-                                     self->max_size, values, params);
+    int64_t pairs = self->pairs_per_unit * size;
+    /* The job's own values first, so that a table job refused here leaves its table as it was. */
+    int64_t programs =
+        kernel_params(self, dev, 1, size, pairs, self->max_size, 0, NULL, values, params);
     if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
     Py_buffer src, dst;
     if (!int64_ids(args[3], &src)) return PyLong_FromLong(-1);
@@ -385,7 +426,8 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
         PyBuffer_Release(&src);
         return PyLong_FromLong(-1);
     }
-    int64_t *units = (int64_t *)(uintptr_t)host + GROUP_ROW;
+    int64_t in_params[2 * INLINE_UNITS];
+    int64_t *units = inline_job ? in_params : (int64_t *)(uintptr_t)host + GROUP_ROW;
     int ok = units_of_side(src.buf, src.len / 8, size, first, self->src_factor, self->src_rows,
                            units) &&
              units_of_side(dst.buf, dst.len / 8, size, first, self->dst_factor, self->dst_rows,
@@ -393,6 +435,11 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     if (!ok) return PyLong_FromLong(-1);
+    if (inline_job && kernel_params(self, dev, 1, size, pairs, self->max_size, self->ref_row,
+                                    units, values, params) < 0) {
+        return PyLong_FromLong((long)STAGE_RANGE << 16); /* a unit past a 4-byte parameter */
+    }
+    uint64_t table = inline_job ? 0 : host;
     long result = 0;
     Py_BEGIN_ALLOW_THREADS
     int current = -1, code = self->get_device(&current);
@@ -400,7 +447,7 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
     if (code) {
         result = ((long)STAGE_DEVICE << 16) | (long)(code & 0xFFFF);
     } else {
-        result = enqueue(self, host, dev, size, self->ref_row, programs, params,
+        result = enqueue(self, table, dev, size, self->ref_row, programs, params,
                          (void *)(uintptr_t)stream, before, mark, prev_end, start, end);
         if (current >= 0 && current != self->device) self->set_device(current);
     }
@@ -483,7 +530,7 @@ static PyObject *issuer_issue_staged(KernelIssuer *self, PyObject *const *args,
         int64_t values[MAX_PARAMS];
         void *params[MAX_PARAMS];
         int64_t programs = kernel_params(self, dev + 8 * (uint64_t)offset, n_groups, n_units,
-                                         pairs, max_size, values, params);
+                                         pairs, max_size, 0, NULL, values, params);
         if (programs < 0) {
             result = PyLong_FromLong((long)STAGE_RANGE << 16);
             goto done;
@@ -563,6 +610,8 @@ static PyMethodDef issuer_methods[] = {
     {"set_units", (PyCFunction)issuer_set_units, METH_VARARGS,
      "set_units(src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device, "
      "set_device) -> None"},
+    {"set_inline", (PyCFunction)issuer_set_inline, METH_O,
+     "set_inline(units) -> None: jobs of at most units units go without a job table"},
     {"issue_units", (PyCFunction)(void (*)(void))issuer_issue_units, METH_FASTCALL,
      "issue_units(host, dev, capacity, src_ids, dst_ids, size, start, stream, before, mark, "
      "prev_end, start_event, end_event) -> 0, -1 (not taken) or (stage << 16) | code"},
@@ -646,6 +695,8 @@ PyMODINIT_FUNC PyInit__kernel_issue(void) {
     }
     if (PyModule_AddIntConstant(m, "STAGE_RANGE", STAGE_RANGE) < 0 ||
         PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES) < 0 ||
+        PyModule_AddIntConstant(m, "INLINE_UNITS", INLINE_UNITS) < 0 ||
+        PyModule_AddIntConstant(m, "KERNEL_ARGS", KERNEL_ARGS) < 0 ||
         PyModule_AddIntConstant(m, "STAGE_WAIT", STAGE_WAIT) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 try:
     from kvcache_offload.dataplane.copy._kernel_issue import (
+        KERNEL_ARGS,
         MAX_PIECES,
         STAGE_RANGE,
         KernelIssuer,
@@ -52,6 +53,7 @@ except ImportError:  # built without a C compiler: Python issues every copy
     KernelIssuer = None
     STAGE_RANGE = 7
     MAX_PIECES = 0
+    KERNEL_ARGS = 26
 
 _STAGES = {
     1: "uploading the job table (cudaMemcpyAsync)",
@@ -65,8 +67,9 @@ _STAGES = {
     10: "copying a staged piece (cudaMemcpyAsync)",
     11: "making the kernel's device current (cudaGetDevice / cudaSetDevice)",
 }
-_KERNEL_ARGS = 9
-"""The copy kernel's own parameters: two table pointers and seven ints."""
+_MAX_PARAMS = 32
+"""Parameters the issuer passes at most: the copy kernel's own :data:`KERNEL_ARGS` (two
+table pointers, seven ints, ``ref_row`` and eight units per side) and Triton's scratch."""
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
@@ -123,6 +126,12 @@ class KernelIssue:
         self.units_ready = True
         return True
 
+    def set_inline_units(self, units: int) -> None:
+        """Let :meth:`issue_units` pass jobs of at most ``units`` units per side (0 to
+        ``INLINE_UNITS``, which it starts with; 0: none) to the kernel as parameters, with no
+        job table uploaded; larger jobs upload their table. For A/B runs of the two forms."""
+        self._issuer.set_inline(units)
+
     def issue_units(
         self,
         host_ptr: int,
@@ -140,9 +149,10 @@ class KernelIssue:
         end_event: int,
     ) -> bool:
         """Plan a one-group job of ``size`` pieces from ``start`` (its int64 block ids on
-        each side) into the job table at ``host_ptr`` (``capacity`` entries) and issue it as
-        :meth:`issue` does, in one C call. False, having written and enqueued nothing, where
-        the job is not one it takes (ids it refuses, a table too small, launch hooks, a value
+        each side) and issue it as :meth:`issue` does, in one C call: its units go to the
+        kernel as parameters (up to ``INLINE_UNITS`` per side, no table uploaded) or into the
+        job table at ``host_ptr`` (``capacity`` entries). False, having enqueued nothing,
+        where the job is not one it takes (ids it refuses, a table too small, launch hooks, a value
         a parameter cannot hold): the caller's general path then plans it and names any
         error. Raises RuntimeError naming the call that failed."""
         if not self.units_ready or launch_hooks_installed():
@@ -219,7 +229,7 @@ def _param_sizes(cuda: ctypes.CDLL, function: int) -> list[int] | None:
     query.restype = ctypes.c_int
     offset, size = ctypes.c_size_t(0), ctypes.c_size_t(0)
     sizes: list[int] = []
-    for index in range(17):
+    for index in range(_MAX_PARAMS + 1):
         code = query(function, index, ctypes.byref(offset), ctypes.byref(size))
         if code == _CUDA_ERROR_INVALID_VALUE:
             break
@@ -270,7 +280,7 @@ def bind_kernel_issue(
         logger.debug("copy kernel issued through Triton: %s", exc)
         return None
     sizes = _param_sizes(cuda, function)
-    if sizes is None or not _KERNEL_ARGS <= len(sizes) <= 16 or sizes[:2] != [8, 8]:
+    if sizes is None or not KERNEL_ARGS <= len(sizes) <= _MAX_PARAMS or sizes[:2] != [8, 8]:
         logger.debug("copy kernel issued through Triton: parameter sizes %s", sizes)
         return None
     lib = runtime.lib

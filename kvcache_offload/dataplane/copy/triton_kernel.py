@@ -11,7 +11,13 @@ Tables (int64), so that the host does O(refs + blocks) work per job, not O(refs 
   (group, layer) ref: ``src_base, src_row_stride, src_sub, dst_base, dst_row_stride,
   dst_sub, size, 0``;
 * the *job table*, uploaded once per job: ``n_groups`` rows of ``pair_start, units,
-  ref_start, unit_start``, then every source unit, then every destination unit.
+  ref_start, unit_start``, then every source unit, then every destination unit;
+* or, for a one-group job of at most :data:`INLINE_UNITS` units, no job table at all:
+  ``n_groups`` is 0 and the units travel as kernel parameters (``ref_row``, ``s0..s7``,
+  ``d0..d7``), so the C issuer enqueues no upload before the kernel. On the H200 host that
+  upload was one more driver call (about 4 us) and a small host-to-device copy the kernel
+  waited for; reading the table from pinned host memory instead cost the kernel 8-11 us of
+  PCIe reads (docs/transfers.md, twentieth session), parameters cost it nothing.
 
 A *pair* is (ref, unit): one fragment; a *work item* is one ``BLOCK``-byte chunk of a pair.
 The grid is persistent (``ctas_per_sm`` programs per SM, each looping over work items) so a
@@ -32,6 +38,7 @@ import torch
 
 __all__ = [
     "DEFAULT_KERNEL_CONFIG",
+    "INLINE_UNITS",
     "BoundCopyKernel",
     "KernelConfig",
     "launch_copy_kernel",
@@ -54,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 REF_ROW = 8
 GROUP_ROW = 4
+INLINE_UNITS = 8
+"""Units per side a one-group job may pass as kernel parameters instead of a job table."""
+_TABLE_MODE = (0,) * (1 + 2 * INLINE_UNITS)
+"""The inline parameters (``ref_row``, ``s0..s7``, ``d0..d7``) of a launch over a job table."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,24 @@ def triton_available() -> tuple[bool, str | None]:
 
 
 if triton is not None:
-    _NO_SPEC = ["n_groups", "n_units", "total_work", "iters", "chunks", "src_factor", "dst_factor"]
+    _UNIT_PARAMS = [f"{side}{i}" for side in "sd" for i in range(INLINE_UNITS)]
+    _NO_SPEC = [
+        "n_groups", "n_units", "total_work", "iters", "chunks", "src_factor", "dst_factor",
+        "ref_row", *_UNIT_PARAMS,
+    ]  # fmt: skip
+
+    @triton.jit
+    def _pick(i, v0, v1, v2, v3, v4, v5, v6, v7):  # type: ignore[no-untyped-def]
+        """Parameter ``v{i}`` (i in 0..7) as int64: the kernel cannot index its parameters."""
+        v = v0.to(tl.int64)
+        v = tl.where(i == 1, v1, v)
+        v = tl.where(i == 2, v2, v)
+        v = tl.where(i == 3, v3, v)
+        v = tl.where(i == 4, v4, v)
+        v = tl.where(i == 5, v5, v)
+        v = tl.where(i == 6, v6, v)
+        v = tl.where(i == 7, v7, v)
+        return v
 
     @triton.jit(do_not_specialize=_NO_SPEC)
     def _uva_copy_kernel(  # type: ignore[no-untyped-def]
@@ -91,9 +119,12 @@ if triton is not None:
         chunks,
         src_factor,
         dst_factor,
+        ref_row,
+        s0, s1, s2, s3, s4, s5, s6, s7,
+        d0, d1, d2, d3, d4, d5, d6, d7,
         BLOCK: tl.constexpr,
         ALIGN: tl.constexpr,
-    ):
+    ):  # fmt: skip
         offs = tl.arange(0, BLOCK)
         units_ptr = job_ptr + 4 * n_groups
         pid = tl.program_id(0).to(tl.int64)
@@ -103,20 +134,27 @@ if triton is not None:
             if w64 < total_work:
                 pair = w64 // chunks
                 start = (w64 - pair * chunks) * BLOCK
-                g = pair * 0
-                for k in range(1, n_groups):
-                    first = tl.load(job_ptr + 4 * k)
-                    g = tl.where(pair >= first, k, g)
-                row = job_ptr + 4 * g
-                pair_start = tl.load(row)
-                n = tl.load(row + 1)
-                local = pair - pair_start
-                r = local // n
-                i = local - r * n
-                ref = ref_ptr + 8 * (tl.load(row + 2) + r)
-                unit = tl.load(row + 3) + i
-                su = tl.load(units_ptr + unit)
-                du = tl.load(units_ptr + n_units + unit)
+                if n_groups == 0:  # one group, its units in the parameters
+                    r = pair // n_units
+                    i = pair - r * n_units
+                    ref = ref_ptr + 8 * (ref_row + r)
+                    su = _pick(i, s0, s1, s2, s3, s4, s5, s6, s7)
+                    du = _pick(i, d0, d1, d2, d3, d4, d5, d6, d7)
+                else:
+                    g = pair * 0
+                    for k in range(1, n_groups):
+                        first = tl.load(job_ptr + 4 * k)
+                        g = tl.where(pair >= first, k, g)
+                    row = job_ptr + 4 * g
+                    pair_start = tl.load(row)
+                    n = tl.load(row + 1)
+                    local = pair - pair_start
+                    r = local // n
+                    i = local - r * n
+                    ref = ref_ptr + 8 * (tl.load(row + 2) + r)
+                    unit = tl.load(row + 3) + i
+                    su = tl.load(units_ptr + unit)
+                    du = tl.load(units_ptr + n_units + unit)
                 s_row = su // src_factor
                 d_row = du // dst_factor
                 src_addr = (
@@ -225,7 +263,7 @@ def _launch_direct(
         compiled.run(
             programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
             _installed(hooks.launch_enter_hook), _installed(hooks.launch_exit_hook),
-            ref_ptr, job_ptr, *scalars, block, alignment,
+            ref_ptr, job_ptr, *scalars, *_TABLE_MODE, block, alignment,
         )  # fmt: skip
     except (TypeError, ValueError, AttributeError) as exc:  # a launcher we do not know
         logger.warning("direct Triton launch failed (%s); using the JIT dispatch", exc)
@@ -281,6 +319,7 @@ def launch_copy_kernel(
             ref_table,
             job_table[job_offset:],
             *scalars,
+            *_TABLE_MODE,
             BLOCK=block,
             ALIGN=alignment,
             num_warps=config.num_warps,
