@@ -10,7 +10,7 @@ import pytest
 
 from kvcache_offload import CPUOffloadingManager
 from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec
-from kvcache_offload.contracts.manager import PrepareStoreOutput
+from kvcache_offload.contracts.manager import OffloadingEvent, PrepareStoreOutput
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies import get_cache_policy_cls
 from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
@@ -178,6 +178,22 @@ def test_hand_built_results_equal_their_classes_own() -> None:
     assert type(spec) is CPULoadStoreSpec and spec.block_ids.tolist() == [1]
     empty = m.prepare_store(keys(1))
     assert empty is not None and empty.keys_to_store == [] and empty.store_spec.block_ids.size == 0
+
+
+def test_hand_built_events_equal_their_class_own() -> None:
+    # The manager builds its events without the dataclass constructor, too.
+    assert [f.name for f in dataclasses.fields(OffloadingEvent)] == ["keys", "medium", "removed"]
+    assert not hasattr(OffloadingEvent, "__post_init__")
+    m = CPUOffloadingManager(2, enable_events=True)
+    m.prepare_store(keys(1, 2))
+    m.complete_store(keys(1, 2))
+    m.prepare_store(keys(3))  # evicts the least recent key
+    events = list(m.take_events())
+    assert events == [
+        OffloadingEvent(list(keys(1, 2)), "CPU", False),
+        OffloadingEvent(list(keys(1)), "CPU", True),
+    ]
+    assert all(type(e) is OffloadingEvent for e in events)
 
 
 def test_a_malformed_key_after_an_absent_one_raises_and_changes_nothing() -> None:
