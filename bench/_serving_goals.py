@@ -2,7 +2,9 @@
 
 Each check reads the rows ``bench.serving.report`` builds (single jobs and streams, with the
 floors measured in the same run), so the goals table of a run is computed, not written by
-hand. The CPU device has one goal: every stream at 0.7 of one thread copying the same bytes.
+hand. A stream's share is of the one-way bulk copy in its own direction (to the CPU for
+stores, to the GPU for loads and the mixed row: ``bench.serving.stream_bulk``). The CPU
+device has one goal: every stream at 0.7 of one thread copying the same bytes.
 """
 
 from __future__ import annotations

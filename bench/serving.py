@@ -15,9 +15,11 @@ default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-d
 2. **Stream**: ``--tasks`` asyncio tasks, each looping over jobs on its own keys and GPU
    blocks for ``--stream-s`` seconds: 4-block loads only, 4-block stores only (fresh keys each
    job, so every store copies), half loading and half storing, and 1-block loads. GB/s against
-   the bulk rate measured in the same run (one 1 GiB copy each way; both ways at once for the
-   mixed row; CPU device: one thread copying the same jobs' bytes), job p50/p99 against
-   2 x (bytes in flight / bulk rate), and the host CPU the process used (cores). ``--sweep``
+   the bulk rate measured in the same run, one 1 GiB copy in the stream's own direction (to
+   the GPU for loads and the mixed row, to the CPU for stores: "bulk one way each"; both ways
+   at once for the mixed row's bound; CPU device: one thread copying the same jobs' bytes),
+   job p50/p99 against 2 x (bytes in flight / bulk rate), and the host CPU the process used
+   (cores). ``--sweep``
    adds one-way load and store streams of other job sizes (where the kernel and the copy
    engines cross over).
 3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
@@ -167,8 +169,9 @@ class Floors:
             out.append(time.perf_counter() - t0)
         return out[5:]
 
-    def bulk(self, nbytes: int, both: bool = False) -> float:
-        """Bytes/s of one big copy one way (``both``: H2D and D2H at once, summed)."""
+    def bulk(self, nbytes: int, both: bool = False, to_gpu: bool = True) -> float:
+        """Bytes/s of one big copy one way (to the GPU, or with ``to_gpu`` False to the CPU;
+        ``both``: H2D and D2H at once, summed)."""
         if self.device != "cuda":
             return self.host_stream_rate(nbytes)
         half = nbytes // 2 if both else nbytes
@@ -178,7 +181,10 @@ class Floors:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.cuda.stream(s1):
-                self.gpu[:half].copy_(self.host[:half], non_blocking=True)
+                if to_gpu:
+                    self.gpu[:half].copy_(self.host[:half], non_blocking=True)
+                else:
+                    self.host[:half].copy_(self.gpu[:half], non_blocking=True)
             if both:
                 with torch.cuda.stream(s2):
                     self.host[half : 2 * half].copy_(self.gpu[half : 2 * half], non_blocking=True)
@@ -713,6 +719,18 @@ def _report_paced(
     return rows
 
 
+def stream_bulk(name: str, to_gpu: float, to_cpu: float, both_ways: float) -> tuple[float, float]:
+    """(the one-way bulk rate a stream's share is taken of, the rate its p99 bound uses):
+    a stores-only stream copies to the CPU, so its own direction's bulk (the issue's "bulk
+    one way each"; the two directions' bulk rates differ from one machine to the next); the
+    mixed stream's share is of the one-way bulk to the GPU and its bound of both ways at
+    once; every other stream (loads) its bulk to the GPU."""
+    if name.startswith("mixed"):
+        return to_gpu, both_ways
+    one_way = to_cpu if name.startswith("stores") else to_gpu
+    return one_way, one_way
+
+
 def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floors,
            args: argparse.Namespace,
            floor_single: dict[str, dict[int, list[float]]],
@@ -723,6 +741,11 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
     )  # fmt: skip
     both_ways = (
         floors.bulk(min(1024 * MiB, floors_max(floors)), both=True) if device == "cuda" else one_way
+    )
+    to_cpu = (
+        floors.bulk(min(1024 * MiB, floors_max(floors)), to_gpu=False)
+        if device == "cuda"
+        else one_way
     )
     table = _job_table(
         f"{layout.name} ({layout.describe}) on {device}: single job, p50 / p99, "
@@ -756,9 +779,9 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
         cells = []
         for run in runs:
             s: StreamResult = run["streams"][idx]
-            bulk = both_ways if name.startswith("mixed") else one_way
-            ratio = s.rate / one_way
-            bound = 2 * s.bytes_in_flight / bulk
+            share_of, bound_bulk = stream_bulk(name, one_way, to_cpu, both_ways)
+            ratio = s.rate / share_of
+            bound = 2 * s.bytes_in_flight / bound_bulk
             p50, p99 = pct(s.job_times, 50), pct(s.job_times, 99)
             worst = max(s.job_times, default=0.0)
             cells.append(f"{s.rate / 1e9:.1f} ({ratio:.2f}x) p50 {_us(p50)} p99 {_us(p99)} "
@@ -767,6 +790,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                          f"{s.host_probe_s * 1e6:.0f} us{_kernel_shares(s)}")  # fmt: skip
             stream_json.append({"stream": name, "mechanism": run["mechanism"],
                                 "gb_s": s.rate / 1e9, "ratio_to_one_way_bulk": ratio,
+                                "one_way_bulk_gb_s": share_of / 1e9,
                                 "pass_gb_s": [r / 1e9 for r in s.pass_rates],
                                 "p50_s": p50, "p99_s": p99, "max_s": worst,
                                 "p99_bound_s": bound, "cpu_cores": s.cpu_cores,
@@ -783,11 +807,14 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
         f"{min(probes) * 1e6:.0f}-{max(probes) * 1e6:.0f} us; streams bound by the event-loop "
         "thread run slower where it is slower, whatever the code"
     )
-    floor_name = "one-way bulk copy" if device == "cuda" else "one thread copying the same jobs"
-    console.print(
-        f"floor: {floor_name} {one_way / 1e9:.1f} GB/s; "
-        f"both ways at once {both_ways / 1e9:.1f} GB/s"
-    )
+    if device == "cuda":
+        console.print(
+            f"floor: one-way bulk copy to the GPU {one_way / 1e9:.1f} GB/s (loads, mixed), "
+            f"to the CPU {to_cpu / 1e9:.1f} GB/s (stores); both ways at once "
+            f"{both_ways / 1e9:.1f} GB/s"
+        )
+    else:
+        console.print(f"floor: one thread copying the same jobs {one_way / 1e9:.1f} GB/s")
     for run in runs:
         console.print(f"  {run['mechanism']}: jobs by mechanism {run['jobs_by_mechanism']}")
         for s in run["streams"]:
@@ -812,6 +839,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
         "describe": layout.describe,
         "block_bytes": block_bytes,
         "bulk_one_way_gb_s": one_way / 1e9,
+        "bulk_one_way_to_cpu_gb_s": to_cpu / 1e9,
         "bulk_both_ways_gb_s": both_ways / 1e9,
         "single": rows_json,
         "paced": paced_json,

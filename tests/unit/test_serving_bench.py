@@ -175,3 +175,16 @@ def test_thread_cpu_names_a_thread_not_started_from_python_by_its_kernel_name() 
     # (cuda-EvtHandlr) shows apart from ours in a stream's cores.
     assert "native:native-probe" in names
     assert "loop" in names
+
+
+def test_each_stream_is_measured_against_the_bulk_of_its_own_direction() -> None:
+    # The issue asks for loads and stores "at least 0.90 of bulk one way each": a stores
+    # stream against the bulk copy to the CPU, which differs from the one to the GPU.
+    from bench.serving import stream_bulk
+
+    to_gpu, to_cpu, both = 55e9, 48e9, 90e9
+    assert stream_bulk("loads 4-block", to_gpu, to_cpu, both) == (to_gpu, to_gpu)
+    assert stream_bulk("loads 1-block", to_gpu, to_cpu, both) == (to_gpu, to_gpu)
+    assert stream_bulk("stores 4-block", to_gpu, to_cpu, both) == (to_cpu, to_cpu)
+    assert stream_bulk("stores 16-block", to_gpu, to_cpu, both) == (to_cpu, to_cpu)
+    assert stream_bulk("mixed 4-block", to_gpu, to_cpu, both) == (to_gpu, both)
