@@ -692,3 +692,14 @@ def test_wait_through_refuses_null_handles_before_calling_anything() -> None:
     with pytest.raises(TypeError):
         wait_through(wait, record, sync, END, STREAM)
     assert cuda.calls == []
+
+
+def test_the_issuer_and_the_kernel_agree_on_the_inline_units() -> None:
+    # The C issuer fills the kernel's parameters by position: ref_row after the seven ints,
+    # then INLINE_UNITS source units, then as many destination units.
+    from kvcache_offload.dataplane.copy import _kernel_issue, triton_kernel
+
+    assert _kernel_issue.INLINE_UNITS == triton_kernel.INLINE_UNITS
+    assert _kernel_issue.KERNEL_ARGS == 10 + 2 * triton_kernel.INLINE_UNITS
+    assert len(triton_kernel._TABLE_MODE) == 1 + 2 * triton_kernel.INLINE_UNITS
+    assert _kernel_issue.KERNEL_ARGS + 2 <= _kernel_issue.MAX_PARAMS  # and Triton's scratch

@@ -216,17 +216,6 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
     return programs > UINT32_MAX ? -1 : programs;
 }
 
-/* issue(host, dev, n_units, ref_row, pairs, max_size, stream, before, mark, prev_end, start,
- *       end) -> 0, or (stage << 16) | the failing call's code
- *
- * host/dev: the job table (pinned host and its device copy); its units (n_units sources then
- * n_units destinations after the group row) are already written at host. Writes the one
- * group row (0, n_units, ref_row, 0), then on stream: uploads the 4 + 2 * n_units entries;
- * if mark: records mark on before and waits for it (a store copies what the model wrote;
- * before may be 0, the legacy default stream, where the model runs by default);
- * if prev_end: waits for it (the previous copy of this direction); records start; launches
- * the kernel over pairs fragments of at most max_size bytes (nothing when pairs is 0);
- * records end. Stops at the first call that fails. */
 /* The calls of one kernel copy on stream s; see issue(). With host set, first writes the
  * group row of the job table at host (pinned; its units written after the row) and uploads
  * it to dev; with host 0 the job's units are in params and nothing is uploaded.
@@ -697,6 +686,7 @@ PyMODINIT_FUNC PyInit__kernel_issue(void) {
         PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_UNITS", INLINE_UNITS) < 0 ||
         PyModule_AddIntConstant(m, "KERNEL_ARGS", KERNEL_ARGS) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PARAMS", MAX_PARAMS) < 0 ||
         PyModule_AddIntConstant(m, "STAGE_WAIT", STAGE_WAIT) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 try:
     from kvcache_offload.dataplane.copy._kernel_issue import (
         KERNEL_ARGS,
+        MAX_PARAMS,
         MAX_PIECES,
         STAGE_RANGE,
         KernelIssuer,
@@ -53,7 +54,7 @@ except ImportError:  # built without a C compiler: Python issues every copy
     KernelIssuer = None
     STAGE_RANGE = 7
     MAX_PIECES = 0
-    KERNEL_ARGS = 26
+    KERNEL_ARGS = MAX_PARAMS = 0
 
 _STAGES = {
     1: "uploading the job table (cudaMemcpyAsync)",
@@ -67,9 +68,6 @@ _STAGES = {
     10: "copying a staged piece (cudaMemcpyAsync)",
     11: "making the kernel's device current (cudaGetDevice / cudaSetDevice)",
 }
-_MAX_PARAMS = 32
-"""Parameters the issuer passes at most: the copy kernel's own :data:`KERNEL_ARGS` (two
-table pointers, seven ints, ``ref_row`` and eight units per side) and Triton's scratch."""
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
@@ -229,7 +227,7 @@ def _param_sizes(cuda: ctypes.CDLL, function: int) -> list[int] | None:
     query.restype = ctypes.c_int
     offset, size = ctypes.c_size_t(0), ctypes.c_size_t(0)
     sizes: list[int] = []
-    for index in range(_MAX_PARAMS + 1):
+    for index in range(MAX_PARAMS + 1):
         code = query(function, index, ctypes.byref(offset), ctypes.byref(size))
         if code == _CUDA_ERROR_INVALID_VALUE:
             break
@@ -280,7 +278,9 @@ def bind_kernel_issue(
         logger.debug("copy kernel issued through Triton: %s", exc)
         return None
     sizes = _param_sizes(cuda, function)
-    if sizes is None or not KERNEL_ARGS <= len(sizes) <= _MAX_PARAMS or sizes[:2] != [8, 8]:
+    # The kernel's own KERNEL_ARGS (two table pointers, seven ints, ref_row and the inline
+    # units of each side), then Triton's scratch pointers, MAX_PARAMS at most.
+    if sizes is None or not KERNEL_ARGS <= len(sizes) <= MAX_PARAMS or sizes[:2] != [8, 8]:
         logger.debug("copy kernel issued through Triton: parameter sizes %s", sizes)
         return None
     lib = runtime.lib
