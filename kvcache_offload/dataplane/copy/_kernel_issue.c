@@ -404,11 +404,12 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
     }
     int64_t values[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    int64_t pairs = self->pairs_per_unit * size;
-    /* The job's own values first, so that a table job refused here leaves its table as it was. */
-    int64_t programs =
-        kernel_params(self, dev, 1, size, pairs, self->max_size, 0, NULL, values, params);
-    if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    int64_t pairs = self->pairs_per_unit * size, programs = 0;
+    if (!inline_job) { /* before its units are written: a job refused here leaves its table */
+        programs =
+            kernel_params(self, dev, 1, size, pairs, self->max_size, 0, NULL, values, params);
+        if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
+    }
     Py_buffer src, dst;
     if (!int64_ids(args[3], &src)) return PyLong_FromLong(-1);
     if (!int64_ids(args[4], &dst)) {
@@ -424,9 +425,10 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     if (!ok) return PyLong_FromLong(-1);
-    if (inline_job && kernel_params(self, dev, 1, size, pairs, self->max_size, self->ref_row,
-                                    units, values, params) < 0) {
-        return PyLong_FromLong((long)STAGE_RANGE << 16); /* a unit past a 4-byte parameter */
+    if (inline_job) { /* the units are parameters too: each must fit its own */
+        programs = kernel_params(self, dev, 1, size, pairs, self->max_size, self->ref_row, units,
+                                 values, params);
+        if (programs < 0) return PyLong_FromLong((long)STAGE_RANGE << 16);
     }
     uint64_t table = inline_job ? 0 : host;
     long result = 0;

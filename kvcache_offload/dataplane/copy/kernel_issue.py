@@ -150,9 +150,9 @@ class KernelIssue:
         each side) and issue it as :meth:`issue` does, in one C call: its units go to the
         kernel as parameters (up to ``INLINE_UNITS`` per side, no table uploaded) or into the
         job table at ``host_ptr`` (``capacity`` entries). False, having enqueued nothing,
-        where the job is not one it takes (ids it refuses, a table too small, launch hooks, a value
-        a parameter cannot hold): the caller's general path then plans it and names any
-        error. Raises RuntimeError naming the call that failed."""
+        where the job is not one it takes (ids it refuses, a table too small, launch hooks,
+        a value a parameter cannot hold): the caller's general path then plans it and names
+        any error. Raises RuntimeError naming the call that failed."""
         if not self.units_ready or launch_hooks_installed():
             return False
         code = self._issuer.issue_units(
