@@ -517,6 +517,8 @@ def _jobs_by_mechanism(rig: Rig) -> dict[str, Any]:
             "deep_sleeps": poller.deep_sleeps,
             "close_finds": poller.close_finds,
             "caller_finds": poller.caller_finds,
+            "backstop_wakes": poller.backstop_wakes,
+            "sleeps_before_flush": poller.sleeps_before_flush,
         }
     return out
 

@@ -131,6 +131,10 @@ class TransferPoller:
         """Times the poller stopped looking because copies were queued behind the next end."""
         self.close_finds = 0
         """Jobs' ends found by a close look (see :meth:`_look_closely`)."""
+        self.backstop_wakes = 0
+        """Sleeps on the watchers that lasted the whole ``backstop_s`` (no wake came)."""
+        self.sleeps_before_flush = 0
+        """Sleeps on the watchers begun while held jobs waited for this tick's flush."""
         self._copy_clock = CopyClock()
         self._look_until = 0.0
         self.backoff_s = backoff_s
@@ -457,7 +461,12 @@ class TransferPoller:
             self.worker.watch_in_flight()
             if self.poll_once():
                 return
+        if self._flush_scheduled:
+            self.sleeps_before_flush += 1
+        began = perf_counter()
         await self._waker.wait(self.backstop_s)
+        if perf_counter() - began >= self.backstop_s:
+            self.backstop_wakes += 1
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until no job is in flight (the poller must be running); False on timeout."""

@@ -486,3 +486,37 @@ async def test_without_the_threshold_queued_copies_are_looked_for() -> None:
         watched = handler.watch_calls
         await _together(poller, 3)
         assert (handler.watch_calls, poller.deep_sleeps) == (watched, 0)
+
+
+class SilentWatchers(TimedCopies):
+    """Copies whose watchers never call back: only a look or the backstop finds their end."""
+
+    def watch_in_flight(self) -> None:
+        self.watch_calls += 1
+
+
+async def test_an_end_no_watcher_announced_is_found_at_the_backstop_and_counted() -> None:
+    # The backstop is the safety net behind the watchers; a sleep that lasted all of it is
+    # counted (bench.serving reports it), so a lost wake-up shows in the numbers.
+    handler = SilentWatchers(0.03)
+    poller = TransferPoller(_worker(handler), backstop_s=0.05, completion_spin_s=0.0003)
+    task = asyncio.create_task(poller.run())
+    try:
+        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls >= 1 and poller.backstop_wakes >= 1
+    finally:
+        task.cancel()
+
+
+async def test_an_end_a_watcher_announced_is_no_backstop_wake() -> None:
+    handler = WatchedOnlyWhenAsked()
+    handler.slow = True
+    poller = TransferPoller(_worker(handler), backstop_s=30.0, completion_spin_s=0.0003)
+    task = asyncio.create_task(poller.run())
+    try:
+        assert (await asyncio.wait_for(poller.submit(SPEC, lambda r: None), 5)).success
+        assert handler.watch_calls >= 1 and poller.backstop_wakes == 0
+    finally:
+        task.cancel()
+        for thread in handler.threads:
+            thread.join()

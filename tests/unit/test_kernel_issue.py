@@ -703,3 +703,77 @@ def test_the_issuer_and_the_kernel_agree_on_the_inline_units() -> None:
     assert _kernel_issue.KERNEL_ARGS == 10 + 2 * triton_kernel.INLINE_UNITS
     assert len(triton_kernel._TABLE_MODE) == 1 + 2 * triton_kernel.INLINE_UNITS
     assert _kernel_issue.KERNEL_ARGS + 2 <= _kernel_issue.MAX_PARAMS  # and Triton's scratch
+
+
+_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_ELAPSED = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p
+)
+
+
+@dataclass
+class FakeEvents:
+    """``cudaEventQuery`` / ``cudaEventElapsedTime`` stand-ins: the end fires once ``fired``."""
+
+    fired: bool = False
+    query_code: int = 0
+    elapsed_code: int = 0
+    ms: float = 0.25
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._query = _QUERY(self.query)
+        self._elapsed = _ELAPSED(self.elapsed)
+
+    def query(self, event: int) -> int:
+        self.calls.append(("query", event))
+        if self.query_code:
+            return self.query_code
+        return 0 if self.fired else 600  # cudaErrorNotReady
+
+    def elapsed(self, out: Any, start: int, end: int) -> int:
+        self.calls.append(("elapsed", start, end))
+        out[0] = self.ms
+        return self.elapsed_code
+
+    def functions(self) -> tuple[int, int]:
+        return _address_of(self._query), _address_of(self._elapsed)
+
+
+def test_copy_seconds_reads_a_copys_end_and_its_gpu_time_in_one_call() -> None:
+    # The poller's look at a lone copy: -1.0 until its end event fired (only the end is
+    # asked), then the time from its start event to its end, in seconds.
+    from kvcache_offload.dataplane.copy._kernel_issue import copy_seconds
+
+    events = FakeEvents()
+    query, elapsed = events.functions()
+    assert copy_seconds(query, elapsed, START, END) == -1.0
+    assert events.calls == [("query", END)]
+    events.fired = True
+    assert copy_seconds(query, elapsed, START, END) == pytest.approx(0.25e-3)
+    assert events.calls[1:] == [("query", END), ("elapsed", START, END)]
+
+
+@pytest.mark.parametrize(("query_code", "elapsed_code"), [(700, 0), (0, 1)])
+def test_copy_seconds_raises_on_a_cuda_error(query_code: int, elapsed_code: int) -> None:
+    # As torch's Event.query() / elapsed_time() raise: a failed copy is never read as done
+    # with a made-up time, nor as still running forever.
+    from kvcache_offload.dataplane.copy._kernel_issue import copy_seconds
+
+    events = FakeEvents(fired=True, query_code=query_code, elapsed_code=elapsed_code)
+    with pytest.raises(RuntimeError, match=f"CUDA error {query_code or elapsed_code}"):
+        copy_seconds(*events.functions(), START, END)
+
+
+def test_copy_seconds_refuses_null_handles_before_calling_anything() -> None:
+    from kvcache_offload.dataplane.copy._kernel_issue import copy_seconds
+
+    events = FakeEvents(fired=True)
+    query, elapsed = events.functions()
+    for args in [(0, elapsed, START, END), (query, 0, START, END), (query, elapsed, 0, END),
+                 (query, elapsed, START, 0)]:  # fmt: skip
+        with pytest.raises(ValueError, match="is 0"):
+            copy_seconds(*args)
+    with pytest.raises(TypeError):
+        copy_seconds(query, elapsed, START)
+    assert events.calls == []

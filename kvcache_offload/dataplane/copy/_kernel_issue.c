@@ -651,7 +651,46 @@ static PyObject *wait_through(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(code == 0 ? 0 : (STAGE_WAIT << 16) | code);
 }
 
+/* copy_seconds(event_query, event_elapsed, start, end) -> seconds, or -1.0 while `end` has
+ * not fired: a copy's end and GPU time in one call, for the poller's looks at a lone
+ * copy. Through torch, the look and the time cost two calls of 0.4-0.6 and 1.0-1.6 us on the
+ * H200 host (each with torch's device guard), on the path from a copy's end to its caller.
+ * Any other CUDA error raises RuntimeError, as torch's calls do. */
+typedef int (*query_fn)(void *);
+typedef int (*elapsed_fn)(float *, void *, void *);
+enum { CUDA_NOT_READY = 600 };
+
+static PyObject *copy_seconds(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_seconds(event_query, event_elapsed, start, end)");
+        return NULL;
+    }
+    void *ptrs[4];
+    for (int i = 0; i < 4; i++) {
+        ptrs[i] = PyLong_AsVoidPtr(args[i]);
+        if (ptrs[i] == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "copy_seconds: a function or an event is 0");
+            }
+            return NULL;
+        }
+    }
+    int code = ((query_fn)ptrs[0])(ptrs[3]);
+    if (code == CUDA_NOT_READY) return PyFloat_FromDouble(-1.0);
+    float ms = 0.0f;
+    if (code == 0) code = ((elapsed_fn)ptrs[1])(&ms, ptrs[2], ptrs[3]);
+    if (code != 0) {
+        PyErr_Format(PyExc_RuntimeError, "CUDA error %d reading a copy's events", code);
+        return NULL;
+    }
+    return PyFloat_FromDouble((double)ms * 1e-3);
+}
+
 static PyMethodDef module_methods[] = {
+    {"copy_seconds", (PyCFunction)(void (*)(void))copy_seconds, METH_FASTCALL,
+     "copy_seconds(event_query, event_elapsed, start, end) -> seconds, or -1.0 while end "
+     "has not fired"},
     {"wait_through", (PyCFunction)(void (*)(void))wait_through, METH_FASTCALL,
      "wait_through(stream_wait, event_record, event_sync, end, stream, proxy) -> 0 or "
      "(stage << 16) | code"},

@@ -152,6 +152,15 @@ class CudaRuntime:
         """``cudaMemcpyAsync``'s address in the runtime torch loaded, for C callers."""
         return self._memcpy_addr
 
+    @property
+    def event_calls(self) -> tuple[int, int]:
+        """``cudaEventQuery``'s and ``cudaEventElapsedTime``'s addresses, for C callers."""
+        lib = self.lib
+        return (
+            ctypes.cast(lib.cudaEventQuery, ctypes.c_void_p).value or 0,
+            ctypes.cast(lib.cudaEventElapsedTime, ctypes.c_void_p).value or 0,
+        )
+
     def error_string(self, code: int) -> str:
         msg = self.lib.cudaGetErrorString(int(code))
         return msg.decode() if msg else f"cudaError {code}"

@@ -36,6 +36,7 @@ __all__ = [
     "KernelIssue",
     "bind_kernel_issue",
     "bind_when_compiled",
+    "copy_seconds",
     "kernel_issue_available",
     "raw_event",
 ]
@@ -49,9 +50,11 @@ try:
         MAX_PIECES,
         STAGE_RANGE,
         KernelIssuer,
+        copy_seconds,
     )
 except ImportError:  # built without a C compiler: Python issues every copy
     KernelIssuer = None
+    copy_seconds = None
     STAGE_RANGE = 7
     MAX_PIECES = 0
     KERNEL_ARGS = MAX_PARAMS = 0

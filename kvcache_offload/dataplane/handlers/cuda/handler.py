@@ -28,6 +28,7 @@ from kvcache_offload.contracts.handler import (
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
 from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
+from kvcache_offload.dataplane.copy.kernel_issue import copy_seconds as _copy_seconds
 from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.copy.staged import (
@@ -41,7 +42,12 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     triton_available,
 )
 from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait, end_wait_available
-from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
+from kvcache_offload.dataplane.handlers.cuda.inflight import (
+    CopyPools,
+    CopyWatch,
+    InFlightCopy,
+    LaneCopy,
+)
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
@@ -703,11 +709,24 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if self._fallback is not None:
             return self._fallback.get_finished()
         results = []
+        transfers = self._transfers
         with self._lock:
-            while self._transfers and self._transfers[0].done():
-                t = self._transfers.popleft()
-                failed = t.staged is not None and t.staged.error is not None
-                seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
+            while transfers:
+                t = transfers[0]
+                seconds: float | None
+                if type(t) is LaneCopy and t.event_calls is not None:
+                    # A lone copy (never staged): its end and GPU time in one C call.
+                    assert _copy_seconds is not None
+                    seconds = _copy_seconds(*t.event_calls, t.raw_start, t.raw_end)
+                    if seconds < 0:
+                        break
+                    failed = False
+                else:
+                    if not t.done():
+                        break
+                    failed = t.staged is not None and t.staged.error is not None
+                    seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
+                transfers.popleft()
                 if self._other_direction is not None and seconds is not None:  # copying()'s window
                     self._last_end_seen = time.perf_counter()
                     self._last_copy_s = seconds

@@ -117,6 +117,9 @@ class LaneCopy(InFlightCopy):
     raw_stream: int = 0
     raw_start: int = 0
     raw_end: int = 0
+    event_calls: tuple[int, int] | None = None
+    """``cudaEventQuery`` and ``cudaEventElapsedTime`` for ``copy_seconds`` (the end and the
+    GPU time in one C call); None: through torch's events, as every other copy."""
 
 
 class CompletionWatcher:

@@ -19,6 +19,7 @@ from kvcache_offload.dataplane.copy.dma import CudaRuntime, coalesce_pieces
 from kvcache_offload.dataplane.copy.kernel_issue import (
     KernelIssue,
     bind_when_compiled,
+    copy_seconds,
     kernel_issue_available,
     raw_event,
 )
@@ -324,10 +325,15 @@ class CopyLauncher:
             start, end = self.pools.timing_pair()
             slot = TableSlot(self.device)
             slot.ensure(LANE_TABLE_ENTRIES, need_device=True)
+            runtime = self.runtime
             return LaneCopy(
                 jobs=[], stream=stream, start_event=start, end_event=end, slot=slot,
                 mechanism="kernel", raw_stream=int(stream.cuda_stream),
                 raw_start=raw_event(start, stream), raw_end=raw_event(end, stream),
+                event_calls=(
+                    runtime.event_calls if copy_seconds is not None and runtime is not None
+                    else None
+                ),
             )  # fmt: skip
 
     def _bind(self) -> KernelIssue | None:
