@@ -777,3 +777,66 @@ def test_copy_seconds_refuses_null_handles_before_calling_anything() -> None:
     with pytest.raises(TypeError):
         copy_seconds(query, elapsed, START)
     assert events.calls == []
+
+
+@dataclass
+class FakeStreamQuery:
+    """``cudaStreamQuery``: 0 when the stream has nothing pending, 600 (not ready) while it
+    runs, or any other error."""
+
+    answer: int
+    asked: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._fn = _QUERY(self.query)
+
+    def query(self, stream: int | None) -> int:
+        self.asked.append(stream or 0)
+        return self.answer
+
+    @property
+    def address(self) -> int:
+        return _address_of(self._fn)
+
+
+@pytest.mark.parametrize("before", [BEFORE, 0])
+def test_a_store_skips_its_ordering_while_the_models_stream_is_idle(before: int) -> None:
+    # Nothing pending on the model's stream (the default one included): what the model
+    # enqueued before the store has run, so neither the record there nor the wait is made.
+    cuda = FakeCuda(TRITON_SIZES)
+    query = FakeStreamQuery(0)
+    issuer = cuda.issuer()
+    issuer.set_stream_query(query.address)
+    host, dev = _tables([1, 2])
+    assert _issue(issuer, host, dev, n_units=1, pairs=3, max_size=100, before=before,
+                  mark=MARK) == 0  # fmt: skip
+    assert query.asked == [before]
+    assert [c[0] for c in cuda.calls] == ["memcpy", "record", "launch", "record"]
+    assert cuda.calls[1][:3] == ("record", START, STREAM)
+
+    lone = _units_issuer(cuda)
+    lone.set_stream_query(query.address)
+    cuda.calls.clear()
+    assert _issue_units(lone, *_tables([]), _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
+    assert [c[0] for c in cuda.calls] == ["get_device", "record", "launch", "record"]
+
+
+@pytest.mark.parametrize("answer", [600, 900])  # work pending; an error (e.g. capturing)
+def test_a_store_waits_for_the_models_stream_unless_it_answers_idle(answer: int) -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    query = FakeStreamQuery(answer)
+    issuer = cuda.issuer()
+    issuer.set_stream_query(query.address)
+    host, dev = _tables([1, 2])
+    assert _issue(issuer, host, dev, n_units=1, pairs=3, max_size=100, before=BEFORE) == 0
+    assert query.asked == [BEFORE]
+    assert [c[:4] for c in cuda.calls[1:3]] == [("record", MARK, BEFORE), ("wait", STREAM, MARK, 0)]
+
+
+def test_a_load_never_asks_the_models_stream() -> None:
+    cuda = FakeCuda(TRITON_SIZES)
+    query = FakeStreamQuery(0)
+    issuer = _units_issuer(cuda)
+    issuer.set_stream_query(query.address)
+    assert _issue_units(issuer, *_tables([]), _ids(1), _ids(3, 4), 2) == 0
+    assert query.asked == []

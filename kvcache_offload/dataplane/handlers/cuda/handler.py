@@ -42,12 +42,7 @@ from kvcache_offload.dataplane.copy.triton_kernel import (
     triton_available,
 )
 from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait, end_wait_available
-from kvcache_offload.dataplane.handlers.cuda.inflight import (
-    CopyPools,
-    CopyWatch,
-    InFlightCopy,
-    LaneCopy,
-)
+from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_DMA_MIN_FRAGMENT_BYTES,
@@ -714,8 +709,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             while transfers:
                 t = transfers[0]
                 seconds: float | None
-                if type(t) is LaneCopy and t.event_calls is not None:
-                    # A lone copy (never staged): its end and GPU time in one C call.
+                if t.event_calls is not None:
+                    # A kernel copy issued from C (never staged): its end and GPU time in
+                    # one C call.
                     assert _copy_seconds is not None
                     seconds = _copy_seconds(*t.event_calls, t.raw_start, t.raw_end)
                     if seconds < 0:

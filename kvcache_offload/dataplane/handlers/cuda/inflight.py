@@ -77,6 +77,12 @@ class InFlightCopy:
     watched: bool = False
     """Handed to the completion watcher (on-demand watching leaves it False at first)."""
     """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
+    raw_start: int = 0
+    raw_end: int = 0
+    event_calls: tuple[int, int] | None = None
+    """``cudaEventQuery`` and ``cudaEventElapsedTime`` for ``copy_seconds``: the end and the
+    GPU time of a kernel copy issued from C read in one C call, with the raw events above;
+    None: through torch's events (every other copy)."""
 
     def issued(self) -> bool:
         return self.staged is None or self.staged.issued.is_set()
@@ -115,11 +121,6 @@ class LaneCopy(InFlightCopy):
     handles are read once (:meth:`CopyLauncher.lone_units`)."""
 
     raw_stream: int = 0
-    raw_start: int = 0
-    raw_end: int = 0
-    event_calls: tuple[int, int] | None = None
-    """``cudaEventQuery`` and ``cudaEventElapsedTime`` for ``copy_seconds`` (the end and the
-    GPU time in one C call); None: through torch's events, as every other copy."""
 
 
 class CompletionWatcher:

@@ -101,6 +101,7 @@ class CopyLauncher:
         self._units_geometry: dict[str, int] | None = None
         """The one group's geometry for :meth:`lone_units` (see :meth:`plan_lone_units`)."""
         self._lane_stream: torch.cuda.Stream | None = None
+        self._event_call_addresses: tuple[int, int] | None = None
 
     def close(self) -> None:
         """Release the raw event and the tables (the handler's shutdown, after its copies
@@ -250,12 +251,16 @@ class CopyLauncher:
         issue = self._issue if self._issue is not None or not self._issue_unbound else self._bind()
         if issue is not None:
             with on_device(self.device):
+                raw_start, raw_end = raw_event(start, stream), raw_event(end, stream)
                 if issue.issue(
                     slot.host_ptr, slot.dev_ptr, n_units, self._ref_row, num_fragments,
                     max_size, handle, *self._store_order(), _event_handle(prev, stream),
-                    raw_event(start, stream), raw_event(end, stream),
+                    raw_start, raw_end,
                 ):  # fmt: skip
-                    return InFlightCopy(jobs, stream, start, end, slot, "kernel")
+                    return InFlightCopy(
+                        jobs, stream, start, end, slot, "kernel", raw_start=raw_start,
+                        raw_end=raw_end, event_calls=self._event_calls(),
+                    )  # fmt: skip
         _write_group_row(slot.host_np, n_units, self._ref_row)
         with on_device(self.device):
             self._upload_table(slot, GROUP_ROW + 2 * n_units, stream)
@@ -325,16 +330,19 @@ class CopyLauncher:
             start, end = self.pools.timing_pair()
             slot = TableSlot(self.device)
             slot.ensure(LANE_TABLE_ENTRIES, need_device=True)
-            runtime = self.runtime
             return LaneCopy(
                 jobs=[], stream=stream, start_event=start, end_event=end, slot=slot,
                 mechanism="kernel", raw_stream=int(stream.cuda_stream),
                 raw_start=raw_event(start, stream), raw_end=raw_event(end, stream),
-                event_calls=(
-                    runtime.event_calls if copy_seconds is not None and runtime is not None
-                    else None
-                ),
+                event_calls=self._event_calls(),
             )  # fmt: skip
+
+    def _event_calls(self) -> tuple[int, int] | None:
+        """What :attr:`InFlightCopy.event_calls` holds for the copies issued from C."""
+        calls = self._event_call_addresses
+        if calls is None and copy_seconds is not None and self.runtime is not None:
+            calls = self._event_call_addresses = self.runtime.event_calls
+        return calls
 
     def _bind(self) -> KernelIssue | None:
         """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
