@@ -85,9 +85,6 @@ typedef struct {
     int64_t src_rows, dst_rows, ref_row, pairs_per_unit, max_size;
     /* issue_units passes jobs of at most this many units as kernel parameters (no table). */
     int64_t inline_units;
-    /* cudaStreamQuery (set_stream_query; NULL: none): a store skips its ordering calls while
-     * the model's stream has no work pending. */
-    query_fn stream_query;
 } KernelIssuer;
 
 static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -241,14 +238,7 @@ static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64
                                       table_bytes, MEMCPY_DEFAULT, s);
             if (code) break;
         }
-        /* A store: before is the model's stream (0: the default one). With nothing pending
-         * there (cudaStreamQuery answers cudaSuccess), whatever the model enqueued before
-         * this store has run, and there is nothing to wait for: the record there and the
-         * wait here (two driver calls, and a copy that starts only once the other stream's
-         * queue has executed the record) are skipped. Any other answer (work pending, an
-         * error) takes them, as without the query. */
-        if (mark != 0 &&
-            (self->stream_query == NULL || self->stream_query((void *)(uintptr_t)before) != 0)) {
+        if (mark != 0) { /* a store: before is the model's stream, 0 the default one */
             stage = STAGE_ORDER;
             code = self->event_record((void *)(uintptr_t)mark, (void *)(uintptr_t)before);
             if (code) break;
@@ -351,15 +341,6 @@ static PyObject *issuer_set_units(KernelIssuer *self, PyObject *args) {
     self->get_device = (get_device_fn)(uintptr_t)get_device;
     self->set_device = (set_device_fn)(uintptr_t)set_device;
     self->units_ready = 1;
-    Py_RETURN_NONE;
-}
-
-/* set_stream_query(address) -> None: cudaStreamQuery's address (0: none), for stores
- * whose model stream is idle (see enqueue). */
-static PyObject *issuer_set_stream_query(KernelIssuer *self, PyObject *arg) {
-    void *fn = PyLong_AsVoidPtr(arg);
-    if (fn == NULL && PyErr_Occurred()) return NULL;
-    self->stream_query = (query_fn)fn;
     Py_RETURN_NONE;
 }
 
@@ -621,9 +602,6 @@ static PyMethodDef issuer_methods[] = {
     {"set_units", (PyCFunction)issuer_set_units, METH_VARARGS,
      "set_units(src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device, "
      "set_device) -> None"},
-    {"set_stream_query", (PyCFunction)issuer_set_stream_query, METH_O,
-     "set_stream_query(address) -> None: stores skip their ordering while the model's stream "
-     "is idle (0: never)"},
     {"set_inline", (PyCFunction)issuer_set_inline, METH_O,
      "set_inline(units) -> None: jobs of at most units units go without a job table"},
     {"issue_units", (PyCFunction)(void (*)(void))issuer_issue_units, METH_FASTCALL,

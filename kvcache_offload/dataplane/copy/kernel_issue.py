@@ -99,15 +99,6 @@ class KernelIssue:
         self._runtime = runtime
         self.units_ready = False
         """Whether :meth:`issue_units` can take jobs (after :meth:`set_units`)."""
-        self.set_idle_stream_skip(True)
-
-    def set_idle_stream_skip(self, enabled: bool) -> None:
-        """Let a store skip its ordering calls (a record on the model's stream, a wait on the
-        copy's) while that stream has no work pending (``cudaStreamQuery``): what the model
-        enqueued before the store has then run. On at binding; off for A/B runs."""
-        lib = getattr(self._runtime, "lib", None)  # a runtime without one: no query
-        query = getattr(lib, "cudaStreamQuery", None) if enabled else None
-        self._issuer.set_stream_query(_address(query) if query is not None else 0)
 
     def set_units(
         self,
