@@ -777,3 +777,19 @@ def test_copy_seconds_refuses_null_handles_before_calling_anything() -> None:
     with pytest.raises(TypeError):
         copy_seconds(query, elapsed, START)
     assert events.calls == []
+
+
+def test_a_kernel_copy_issued_from_c_is_done_when_its_end_event_fired() -> None:
+    # InFlightCopy.done() of a copy with raw events asks copy_seconds, not torch's events
+    # (which a copy issued from C does not need; here there are none at all).
+    from kvcache_offload.dataplane.handlers.cuda.inflight import InFlightCopy
+
+    events = FakeEvents()
+    copy = InFlightCopy(
+        jobs=[(1, 2)], stream=None, start_event=None, end_event=None, slot=None,  # type: ignore[arg-type]
+        mechanism="kernel", raw_start=START, raw_end=END, event_calls=events.functions(),
+    )  # fmt: skip
+    assert not copy.done()
+    events.fired = True
+    assert copy.done()
+    assert events.calls[0] == ("query", END)

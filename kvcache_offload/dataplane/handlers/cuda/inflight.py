@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcache_offload.dataplane.copy.kernel_issue import copy_seconds
 from kvcache_offload.dataplane.copy.staged import StagedJob
 from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait
 
@@ -89,6 +90,10 @@ class InFlightCopy:
 
     def done(self) -> bool:
         """Issued and its end event fired (a job that failed to issue is done at once)."""
+        calls = self.event_calls
+        if calls is not None:  # a kernel copy issued from C (never staged): one C call
+            assert copy_seconds is not None
+            return copy_seconds(*calls, self.raw_start, self.raw_end) >= 0
         if self.staged is not None:
             if not self.staged.issued.is_set():
                 return False
