@@ -75,9 +75,9 @@ class InFlightCopy:
     side_stream: torch.cuda.Stream | None = None
     sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     staged: StagedJob | None = None
+    """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
     watched: bool = False
     """Handed to the completion watcher (on-demand watching leaves it False at first)."""
-    """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
     raw_start: int = 0
     raw_end: int = 0
     event_calls: tuple[int, int] | None = None
