@@ -738,17 +738,15 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
            floor_single: dict[str, dict[int, list[float]]],
            floor_paced: dict[str, list[float]]) -> dict[str, Any]:  # fmt: skip
     block_bytes = runs[0]["block_bytes"]
-    one_way = floors.bulk(min(1024 * MiB, floors_max(floors))) if device == "cuda" else (
-        floors.host_stream_rate(STREAM_JOB_BLOCKS * block_bytes, args.tasks)
-    )  # fmt: skip
-    both_ways = (
-        floors.bulk(min(1024 * MiB, floors_max(floors)), both=True) if device == "cuda" else one_way
-    )
-    to_cpu = (
-        floors.bulk(min(1024 * MiB, floors_max(floors)), to_gpu=False)
-        if device == "cuda"
-        else one_way
-    )
+    if device == "cuda":
+        bulk_bytes = min(1024 * MiB, floors_max(floors))
+        one_way = floors.bulk(bulk_bytes)
+        both_ways = floors.bulk(bulk_bytes, both=True)
+        to_cpu = floors.bulk(bulk_bytes, to_gpu=False)
+    else:  # one thread copying the same jobs' bytes, whatever the direction
+        one_way = both_ways = to_cpu = floors.host_stream_rate(
+            STREAM_JOB_BLOCKS * block_bytes, args.tasks
+        )
     table = _job_table(
         f"{layout.name} ({layout.describe}) on {device}: single job, p50 / p99, "
         "and the copy's own p50 (its transfer_seconds)",

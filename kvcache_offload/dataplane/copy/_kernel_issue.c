@@ -36,7 +36,6 @@ typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsig
 typedef int (*get_device_fn)(int *);
 typedef int (*set_device_fn)(int);
 typedef int (*sync_fn)(void *);
-typedef int (*query_fn)(void *);
 
 /* The copy kernel's own arguments: two table pointers, seven ints, then ref_row and
  * INLINE_UNITS units per side, the one-group job whose units travel as parameters. */
@@ -658,6 +657,7 @@ static PyObject *wait_through(PyObject *module, PyObject *const *args, Py_ssize_
  * more queries and a device guard), on the path from a copy's end to its caller; in-engine
  * A/Bs on the H200 host measured single jobs 4-7 us faster this way (docs/transfers.md,
  * twenty-seventh session). Any other CUDA error raises RuntimeError, as torch's calls do. */
+typedef int (*query_fn)(void *);
 typedef int (*elapsed_fn)(float *, void *, void *);
 enum { CUDA_NOT_READY = 600 };
 

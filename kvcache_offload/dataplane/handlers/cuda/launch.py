@@ -101,7 +101,10 @@ class CopyLauncher:
         self._units_geometry: dict[str, int] | None = None
         """The one group's geometry for :meth:`lone_units` (see :meth:`plan_lone_units`)."""
         self._lane_stream: torch.cuda.Stream | None = None
-        self._event_call_addresses: tuple[int, int] | None = None
+        self._event_calls: tuple[int, int] | None = (
+            runtime.event_calls if copy_seconds is not None and runtime is not None else None
+        )
+        """What :attr:`InFlightCopy.event_calls` holds for the copies issued from C."""
 
     def close(self) -> None:
         """Release the raw event and the tables (the handler's shutdown, after its copies
@@ -259,7 +262,7 @@ class CopyLauncher:
                 ):  # fmt: skip
                     return InFlightCopy(
                         jobs, stream, start, end, slot, "kernel", raw_start=raw_start,
-                        raw_end=raw_end, event_calls=self._event_calls(),
+                        raw_end=raw_end, event_calls=self._event_calls,
                     )  # fmt: skip
         _write_group_row(slot.host_np, n_units, self._ref_row)
         with on_device(self.device):
@@ -334,15 +337,8 @@ class CopyLauncher:
                 jobs=[], stream=stream, start_event=start, end_event=end, slot=slot,
                 mechanism="kernel", raw_stream=int(stream.cuda_stream),
                 raw_start=raw_event(start, stream), raw_end=raw_event(end, stream),
-                event_calls=self._event_calls(),
+                event_calls=self._event_calls,
             )  # fmt: skip
-
-    def _event_calls(self) -> tuple[int, int] | None:
-        """What :attr:`InFlightCopy.event_calls` holds for the copies issued from C."""
-        calls = self._event_call_addresses
-        if calls is None and copy_seconds is not None and self.runtime is not None:
-            calls = self._event_call_addresses = self.runtime.event_calls
-        return calls
 
     def _bind(self) -> KernelIssue | None:
         """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
