@@ -15,6 +15,7 @@ from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadS
 from kvcache_offload.dataplane.copy.plan import CopySides  # noqa: E402
 from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
     HOST_INLINE_MAX_BYTES,
+    HOST_LONE_INLINE_MAX_BYTES,
     CpuBackendOffloadingHandlers,
     ThreadedOffloadingHandler,
 )
@@ -487,7 +488,7 @@ def test_closing_the_specs_region_block_memory_releases_the_region(tmp_path, mon
 
 def test_a_small_job_on_an_idle_handler_is_reported_when_submitted():
     kv = _caches(7)
-    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=4096)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, inline_max_bytes=4096, lone_inline_max_bytes=0)
     seen = threading.Event()
     h.gpu_to_cpu_handler.set_completion_callback(seen.set)
     try:
@@ -502,6 +503,116 @@ def test_a_small_job_on_an_idle_handler_is_reported_when_submitted():
         assert [r.job_id for r in finish(h.gpu_to_cpu_handler, [2])] == [2]
     finally:
         h.shutdown()
+
+
+def _recording_handler(
+    gpu_to_cpu: bool, copiers: list[str], gate: threading.Event | None = None
+) -> ThreadedOffloadingHandler:
+    """64-byte blocks; inline copies up to 1 block, lone ones up to 4; each copy records the
+    thread that ran it, and one on the copy thread waits for ``gate`` (when given)."""
+    gpu = [torch.zeros((8, 64), dtype=torch.int8)]
+    cpu = [torch.zeros((8, 64), dtype=torch.int8)]
+    from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
+
+    here = threading.current_thread()
+
+    def run(plan, token):
+        copiers.append(threading.current_thread().name)
+        if gate is not None and threading.current_thread() is not here and not gate.wait(10):
+            raise AssertionError("gate never opened")
+
+    return ThreadedOffloadingHandler(
+        sides=CopySides(gpu, cpu) if gpu_to_cpu else CopySides(cpu, gpu),
+        group_data_refs=[[CanonicalKVCacheRef(0, 64)]],
+        gpu_to_cpu=gpu_to_cpu,
+        run_plan=run,
+        thread_name="copy-" + ("store" if gpu_to_cpu else "load"),
+        inline_max_bytes=64,
+        lone_inline_max_bytes=256,
+    )
+
+
+def _blocks_spec(gpu_to_cpu: bool, blocks: list[int]):
+    gpu, cpu = GPULoadStoreSpec(blocks, [len(blocks)], [0]), CPULoadStoreSpec(blocks)
+    return (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
+
+
+def test_a_lone_job_is_copied_inline_only_while_the_other_direction_is_idle():
+    here = threading.current_thread().name
+    copiers: list[str] = []
+    gate = threading.Event()
+    store = _recording_handler(True, copiers)
+    load = _recording_handler(False, copiers, gate)
+    store.pair_with(load)
+    try:
+        # Both idle: a 2-block job (above the 1-block limit, within the lone one) is copied
+        # by the submitting thread, and is done when submitted.
+        assert store.transfer_async(1, _blocks_spec(True, [0, 1]))
+        assert copiers == [here]
+        assert [r.job_id for r in store.get_finished()] == [1]
+        # Above the lone limit: the copy thread.
+        assert load.transfer_async(2, _blocks_spec(False, [0, 1, 2, 3, 4]))
+        # The load direction copies (held at the gate): the store's 1-block job is still
+        # copied inline, its 2-block job goes to the store's own thread.
+        assert store.transfer_async(3, _blocks_spec(True, [4]))
+        assert copiers[-1] == here
+        assert [r.job_id for r in store.get_finished()] == [3]
+        assert store.transfer_async(4, _blocks_spec(True, [2, 3]))
+        assert [r.job_id for r in finish(store, [4])] == [4]
+        assert copiers[-1] == "copy-store"
+        gate.set()
+        assert [r.job_id for r in finish(load, [2])] == [2]
+        assert sorted(copiers) == sorted([here, here, "copy-load", "copy-store"])
+        # Both idle again: inline again, in either direction.
+        assert load.transfer_async(5, _blocks_spec(False, [0, 1, 2]))
+        assert copiers[-1] == here
+        assert [r.job_id for r in load.get_finished()] == [5]
+    finally:
+        gate.set()
+        store.shutdown()
+        load.shutdown()
+
+
+def test_an_unpaired_handler_takes_its_own_idle_thread_for_a_lone_engine():
+    here = threading.current_thread().name
+    copiers: list[str] = []
+    store = _recording_handler(True, copiers)
+    try:
+        assert store.transfer_async(1, _blocks_spec(True, [0, 1, 2]))
+        assert copiers == [here]
+        assert [r.job_id for r in store.get_finished()] == [1]
+    finally:
+        store.shutdown()
+
+
+@pytest.mark.parametrize("native_queue", QUEUES)
+def test_the_cpu_backend_copies_a_lone_mid_sized_job_inline_unless_inline_copies_are_off(
+    native_queue,
+):
+    kv = _caches(17, page=1 << 16, groups=[[(0, 1 << 16), (1, 1 << 16), (2, 1 << 16)]])
+    ids = list(range(8))  # 1.5 MiB: above HOST_INLINE_MAX_BYTES, within the lone limit
+    job = GPULoadStoreSpec(ids, [8], [0]), CPULoadStoreSpec(ids)
+    assert HOST_INLINE_MAX_BYTES < 8 * 3 * (1 << 16) <= HOST_LONE_INLINE_MAX_BYTES
+    for inline_max_bytes, inline in ((HOST_INLINE_MAX_BYTES, True), (0, False)):
+        h = CpuBackendOffloadingHandlers(
+            kv, 1, 64, inline_max_bytes=inline_max_bytes, native_queue=native_queue
+        )
+        store = h.gpu_to_cpu_handler
+        assert store._other_direction is h.cpu_to_gpu_handler
+        assert h.cpu_to_gpu_handler._other_direction is store
+        seen = threading.Event()
+        store.set_completion_callback(seen.set)
+        try:
+            assert store.transfer_async(1, job)
+            if inline or native_queue:  # else the copy thread may have called back already
+                # An inline copy calls back before transfer_async returns; a native queue's
+                # copy never calls back (it signals its descriptor).
+                assert seen.is_set() is inline
+            assert [r.job_id for r in finish(store, [1])] == [1]
+            for t_gpu, t_cpu in zip(h.gpu_tensors, h.cpu_tensors, strict=True):
+                assert torch.equal(t_cpu[:8].reshape(-1), t_gpu[:8].reshape(-1))
+        finally:
+            h.shutdown()
 
 
 @NATIVE

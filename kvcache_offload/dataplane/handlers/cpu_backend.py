@@ -31,6 +31,7 @@ from kvcache_offload.dataplane.handlers.threaded import (
     GPU_TO_CPU,
     HOST_BATCH_MAX_BYTES,
     HOST_INLINE_MAX_BYTES,
+    HOST_LONE_INLINE_MAX_BYTES,
     ThreadedOffloadingHandler,
 )
 from kvcache_offload.errors import ConfigError
@@ -43,6 +44,7 @@ __all__ = [
     "GPU_TO_CPU",
     "HOST_BATCH_MAX_BYTES",
     "HOST_INLINE_MAX_BYTES",
+    "HOST_LONE_INLINE_MAX_BYTES",
     "CpuBackendOffloadingHandlers",
     "ThreadedOffloadingHandler",
     "allocate_cpu_tensors",
@@ -168,12 +170,19 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         *,
         max_staging_bytes: int = 64 * 1024 * 1024,
         inline_max_bytes: int = HOST_INLINE_MAX_BYTES,
+        lone_inline_max_bytes: int | None = None,
         native_queue: bool = True,
         stream_stores: bool = True,
     ) -> None:
         """``native_queue``: copy on the C extension's GIL-free thread where it is built (a
         Python copy thread otherwise, or with False). ``stream_stores``: stores write the
-        CPU tier with non-temporal stores (x86-64 with the extension; see ``HostCopier``)."""
+        CPU tier with non-temporal stores (x86-64 with the extension; see ``HostCopier``).
+        ``inline_max_bytes``: a job this small that finds its direction's copy thread idle is
+        copied on the submitting thread; ``lone_inline_max_bytes`` (default
+        ``HOST_LONE_INLINE_MAX_BYTES``, or 0 when ``inline_max_bytes`` is 0: no inline copy
+        at all): one this small, when both directions are idle."""
+        if lone_inline_max_bytes is None:
+            lone_inline_max_bytes = HOST_LONE_INLINE_MAX_BYTES if inline_max_bytes > 0 else 0
         self.gpu_tensors = canonical_views_on(kv_caches, "cpu", "the CPU backend needs CPU tensors")
         self.block_size_factor = int(block_size_factor)
         self.cpu_tensors = allocate_cpu_tensors(
@@ -185,8 +194,10 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
         self.host_copiers: dict[str, HostCopier] = {}
         """Each direction's copier ("store", "load"), for its settings."""
         self.gpu_to_cpu_handler, self.cpu_to_gpu_handler = (
-            self._direction(kv_caches, gpu_to_cpu, inline_max_bytes) for gpu_to_cpu in (True, False)
+            self._direction(kv_caches, gpu_to_cpu, inline_max_bytes, lone_inline_max_bytes)
+            for gpu_to_cpu in (True, False)
         )
+        self.gpu_to_cpu_handler.pair_with(self.cpu_to_gpu_handler)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -194,7 +205,11 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
             copier.release()  # they keep the tier's tensors alive for their addresses
 
     def _direction(
-        self, kv_caches: CanonicalKVCaches, gpu_to_cpu: bool, inline_max_bytes: int
+        self,
+        kv_caches: CanonicalKVCaches,
+        gpu_to_cpu: bool,
+        inline_max_bytes: int,
+        lone_inline_max_bytes: int,
     ) -> ThreadedOffloadingHandler:
         sides = CopySides.of_direction(
             self.gpu_tensors, self.cpu_tensors, self.block_size_factor, gpu_to_cpu
@@ -210,5 +225,6 @@ class CpuBackendOffloadingHandlers(HandlerPair[ThreadedOffloadingHandler]):
             thread_name=name,
             can_batch=True,
             inline_max_bytes=inline_max_bytes,
+            lone_inline_max_bytes=lone_inline_max_bytes,
             copy_queue=HostCopyQueue(copier, name) if self.native_queue else None,
         )

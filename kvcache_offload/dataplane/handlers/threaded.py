@@ -3,9 +3,10 @@
 The CPU backend's handlers, and the CUDA handlers' plain-torch fallback, are this class with
 their own ``run_plan``. Jobs of one direction complete strictly in submission order and a copy
 never blocks the caller; a small job that finds the thread idle is copied at once instead
-(two thread hand-offs cost more than its ``memcpy``). Completion is read from the jobs'
-futures, so ``get_finished`` never blocks; with batching on, the jobs submitted in one
-event-loop tick go to the thread as one copy.
+(two thread hand-offs cost more than its ``memcpy``), and so is a larger one that finds both
+directions idle (a lone request: nothing else for the loop thread to do meanwhile).
+Completion is read from the jobs' futures, so ``get_finished`` never blocks; with batching
+on, the jobs submitted in one event-loop tick go to the thread as one copy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "GPU_TO_CPU",
     "HOST_BATCH_MAX_BYTES",
     "HOST_INLINE_MAX_BYTES",
+    "HOST_LONE_INLINE_MAX_BYTES",
     "ThreadedOffloadingHandler",
 ]
 
@@ -50,6 +52,17 @@ HOST_INLINE_MAX_BYTES = 256 * 1024
 """A job this small that finds the copy thread idle is copied at once on the submitting
 thread: a ``memcpy`` of 256 KiB takes ~20 us, the hand-off to the copy thread and the
 report back (two thread wake-ups and GIL hand-overs) cost several times that."""
+HOST_LONE_INLINE_MAX_BYTES = 4 * 1024 * 1024
+"""A job up to this size is copied at once on the submitting thread when *both* directions'
+copy threads are idle (see :meth:`ThreadedOffloadingHandler.pair_with`): a lone request,
+whose caller would otherwise wait for the hand-off and the report back while the loop thread
+has nothing else to copy for. On the 2-vCPU development VM the hand-off and report cost a
+lone 1-4 MiB job 110-150 us, about as long as its copy; 4 MiB is ~0.2-0.4 ms of ``memcpy``,
+the longest a lone job holds the loop thread. Only a lone job: while the other direction
+copies, a large inline copy held the loop the other thread was waiting on (a mixed stream
+of 2 MiB jobs, two tasks: 14 against 21 GB/s), and a direction whose thread is busy holds or
+queues its jobs as before, so streams keep their copies off the loop thread
+(docs/transfers.md, twenty-eighth session)."""
 
 GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
@@ -80,11 +93,14 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         thread_name: str = "kvoffload-copy",
         can_batch: bool = False,
         inline_max_bytes: int = 0,
+        lone_inline_max_bytes: int = 0,
         copy_queue: HostCopyQueue | None = None,
     ) -> None:
         """``copy_queue``: run queued copies there (a native thread that never takes the
         GIL) instead of on a Python thread calling ``run_plan``; inline copies still call
-        ``run_plan`` on the submitting thread."""
+        ``run_plan`` on the submitting thread. A job is copied inline when this direction's
+        thread is idle and the job is at most ``inline_max_bytes``, or at most
+        ``lone_inline_max_bytes`` with the paired direction (:meth:`pair_with`) idle too."""
         if not sides.src or len(sides.src) != len(sides.dst):
             raise ConfigError(
                 f"need equal, non-empty tensor lists, got {len(sides.src)} source and "
@@ -124,8 +140,24 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._open = True
         self._can_batch = can_batch and prepare is None
         self._inline_max_bytes = inline_max_bytes if prepare is None else 0
+        self._lone_inline_max_bytes = (
+            max(lone_inline_max_bytes, self._inline_max_bytes) if prepare is None else 0
+        )
+        self._other_direction: ThreadedOffloadingHandler | None = None
         self._batching = False
         self._held: HeldJobs[TransferPlan] = HeldJobs()
+
+    def pair_with(self, other: ThreadedOffloadingHandler) -> None:
+        """Make ``other`` (the opposite direction) and this handler see each other's copies:
+        a job above ``inline_max_bytes`` is copied inline only while both are idle. Unpaired,
+        a handler takes its own idle thread for the whole engine's."""
+        self._other_direction, other._other_direction = other, self
+
+    def _lone(self) -> bool:
+        """Whether the paired direction has nothing queued, running or held (read on the
+        loop thread, which alone changes it; a stale answer only moves one copy)."""
+        other = self._other_direction
+        return other is None or not (other._jobs or other._held.jobs)
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` (from the copy thread) each time a job finishes, so a poller
@@ -155,7 +187,11 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 if batch.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
                     self._issue(batch.take())
                 return True
-            if not self._jobs and plan.num_bytes <= self._inline_max_bytes:
+            nbytes = plan.num_bytes
+            if not self._jobs and (
+                nbytes <= self._inline_max_bytes
+                or (nbytes <= self._lone_inline_max_bytes and self._lone())
+            ):
                 self._run_inline(job_id, plan)
             else:
                 self._issue([(job_id, plan)])
