@@ -742,3 +742,76 @@ def test_a_job_held_behind_one_copied_at_once_is_still_flushed_by_the_poller(nat
         assert asyncio.run(run()) == [0, 1]
     finally:
         h.shutdown()
+
+
+def _single_group_caches(seed: int, page: int = 1 << 12, num_gpu_blocks: int = 64):
+    return _caches(seed, page=page, groups=[[(0, page), (1, page), (2, page)]],
+                   num_gpu_blocks=num_gpu_blocks)  # fmt: skip
+
+
+def _assert_cpu_rows_hold(h, expected: dict[int, int]) -> None:
+    """CPU block -> the GPU block whose bytes it must hold (factor 1)."""
+    for t_gpu, t_cpu in zip(h.gpu_tensors, h.cpu_tensors, strict=True):
+        for cpu_block, gpu_block in expected.items():
+            assert torch.equal(t_cpu[cpu_block], t_gpu[gpu_block]), (cpu_block, gpu_block)
+
+
+@NATIVE
+def test_jobs_held_behind_a_queued_copy_go_out_as_units_in_order_and_byte_exact():
+    kv = _single_group_caches(21, page=1 << 16)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, native_queue=True)
+    store = h.gpu_to_cpu_handler
+    store.set_batching(True)
+    try:
+        big = list(range(32))  # 6 MiB: above the lone limit, so it goes to the queue
+        assert store.transfer_async(0, (GPULoadStoreSpec(big, [32], [0]), CPULoadStoreSpec(big)))
+        rng = np.random.default_rng(21)
+        expected = {b: b for b in big}
+        small = []
+        for job_id in range(1, 11):
+            gpu = [int(b) for b in rng.choice(64, size=2, replace=False)]
+            cpu = [32 + job_id % 7, 48 + job_id]  # job_id % 7 repeats: a later job wins
+            small.append(job_id)
+            assert store.transfer_async(
+                job_id, (GPULoadStoreSpec(gpu, [2], [0]), CPULoadStoreSpec(cpu))
+            )
+            expected.update(zip(cpu, gpu, strict=True))
+        held = store.held_jobs().jobs
+        assert [job_id for job_id, _ in held] == small
+        assert all(type(job).__name__ == "_HeldUnits" for _, job in held)  # no plan built
+        store.flush()
+        results = finish(store, [0, *small])
+        assert [r.job_id for r in results] == [0, *small]
+        assert all(r.success for r in results)
+        assert [r.transfer_size for r in results[1:]] == [2 * 3 * (1 << 16)] * 10
+        _assert_cpu_rows_hold(h, expected)
+    finally:
+        h.shutdown()
+
+
+@NATIVE
+def test_a_held_batch_mixing_units_and_a_planned_job_is_merged_in_order():
+    kv = _single_group_caches(22)
+    h = CpuBackendOffloadingHandlers(kv, 1, 64, native_queue=True)
+    store = h.gpu_to_cpu_handler
+    store.set_batching(True)
+    try:
+        big = list(range(64))
+        assert store.transfer_async(0, (GPULoadStoreSpec(big, [64], [0]), CPULoadStoreSpec(big)))
+        # A strided id view: the C planner refuses it, so this job is held as a plan.
+        strided = np.arange(0, 8, dtype=np.int64)[::2]
+        planned = (
+            GPULoadStoreSpec.checked_parts(strided, (4,), (0,)),
+            CPULoadStoreSpec([1, 2, 3, 4]),
+        )
+        assert store.transfer_async(1, (GPULoadStoreSpec([10], [1], [0]), CPULoadStoreSpec([1])))
+        assert store.transfer_async(2, planned)
+        assert store.transfer_async(3, (GPULoadStoreSpec([20], [1], [0]), CPULoadStoreSpec([4])))
+        kinds = [type(job).__name__ for _, job in store.held_jobs().jobs]
+        assert kinds == ["_HeldUnits", "TransferPlan", "_HeldUnits"]
+        store.flush()
+        assert [r.job_id for r in finish(store, [0, 1, 2, 3])] == [0, 1, 2, 3]
+        # Job 2 overwrote job 1's block 1, job 3 overwrote job 2's block 4.
+        _assert_cpu_rows_hold(h, {0: 0, 1: 0, 2: 2, 3: 4, 4: 20, 5: 5, 63: 63})
+    finally:
+        h.shutdown()

@@ -129,56 +129,68 @@ class PlanBuilder:
                 src_ids, dst_ids, size, start, src.factor, dst.factor,
                 src.num_rows, dst.num_rows, out,
             )  # fmt: skip
-        except BufferError:  # a strided id view: the general path copes
+        except (BufferError, ValueError):  # a strided id view (numpy raises ValueError)
             return False
         return bool(ok)
 
+    def single_units(self, spec: tuple[object, object], gpu_to_cpu: bool) -> np.ndarray | None:
+        """The units of the common job (the engine's own spec classes, one KV-cache group,
+        native int64 ids the C planner accepts), checked: ``2 * size`` int64 entries, the
+        source units then the destination units. None for any other job, and for one the C
+        planner refuses: :meth:`plan_job`'s general path names what is wrong."""
+        if self._single_parts is None or _plan_units is None:
+            return None
+        if type(spec) is not tuple or len(spec) != 2:
+            return None
+        if gpu_to_cpu:
+            gpu_spec, cpu_spec = spec
+        else:
+            cpu_spec, gpu_spec = spec
+        if type(gpu_spec) is not GPULoadStoreSpec or type(cpu_spec) is not CPULoadStoreSpec:
+            return None
+        sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
+        # The arrays as the specs hold them once built (no property call each).
+        gpu_ids = gpu_spec._block_ids
+        if gpu_ids is None:
+            gpu_ids = gpu_spec.block_ids
+        cpu_ids = cpu_spec._block_ids
+        if cpu_ids is None:
+            cpu_ids = cpu_spec.block_ids
+        src_ids, dst_ids = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
+        size = int(sizes[0]) if len(sizes) == 1 and len(starts) == 1 else 0
+        if (
+            size <= 0
+            or src_ids.dtype is not _INT64
+            or dst_ids.dtype is not _INT64
+            or src_ids.ndim != 1
+            or dst_ids.ndim != 1
+        ):
+            return None
+        units = np.empty(2 * size, dtype=_INT64)
+        try:
+            ok = _plan_units(src_ids, dst_ids, size, int(starts[0]), *self._unit_geometry, units)
+        except (BufferError, ValueError):  # a strided id view (numpy raises ValueError)
+            return None
+        return units if ok else None
+
     def plan_job(self, spec: tuple[object, object], gpu_to_cpu: bool) -> TransferPlan:
         """``build(*parse_job(spec, gpu_to_cpu))``: the plan of one job's (source,
-        destination) spec pair, with the common job (the engine's own spec classes, one
-        KV-cache group, native int64 ids the C planner accepts) in one frame; any other job
+        destination) spec pair, the common job from :meth:`single_units`; any other job
         takes :func:`parse_job` and :meth:`build`, which name what is wrong."""
-        parts = self._single_parts
-        if parts is not None and _plan_units is not None and type(spec) is tuple and len(spec) == 2:
-            if gpu_to_cpu:
-                gpu_spec, cpu_spec = spec
-            else:
-                cpu_spec, gpu_spec = spec
-            if type(gpu_spec) is GPULoadStoreSpec and type(cpu_spec) is CPULoadStoreSpec:
-                sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
-                # The arrays as the specs hold them once built (no property call each).
-                gpu_ids = gpu_spec._block_ids
-                if gpu_ids is None:
-                    gpu_ids = gpu_spec.block_ids
-                cpu_ids = cpu_spec._block_ids
-                if cpu_ids is None:
-                    cpu_ids = cpu_spec.block_ids
-                src_ids, dst_ids = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
-                size = int(sizes[0]) if len(sizes) == 1 and len(starts) == 1 else 0
-                if (
-                    size > 0
-                    and src_ids.dtype is _INT64
-                    and dst_ids.dtype is _INT64
-                    and src_ids.ndim == 1
-                    and dst_ids.ndim == 1
-                ):
-                    units = np.empty(2 * size, dtype=_INT64)
-                    try:
-                        ok = _plan_units(
-                            src_ids, dst_ids, size, int(starts[0]), *self._unit_geometry, units
-                        )
-                    except BufferError:  # a strided id view: the general path copes
-                        ok = False
-                    if ok:  # _single_plan inline
-                        tensors, ref_sizes, num_refs, unit_bytes, max_size = parts
-                        return TransferPlan(
-                            [GroupPlan(tensors, ref_sizes, units[:size], units[size:])],
-                            num_refs * size,
-                            unit_bytes * size,
-                            self._single_uniform,
-                            max_size,
-                            self._single_alignment,
-                        )
+        units = self.single_units(spec, gpu_to_cpu)
+        if units is not None:  # _single_plan inline
+            parts = self._single_parts
+            assert parts is not None
+            tensors, ref_sizes, num_refs, unit_bytes, max_size = parts
+            size = len(units) >> 1
+            return TransferPlan(
+                [GroupPlan(tensors, ref_sizes, units[:size], units[size:])],
+                num_refs * size,
+                unit_bytes * size,
+                self._single_uniform,
+                max_size,
+                self._single_alignment,
+            )
         return self.build(*parse_job(spec, gpu_to_cpu))
 
     def build(
@@ -213,7 +225,7 @@ class PlanBuilder:
                     ok = _plan_units is not None and _plan_units(
                         src_ids, dst_ids, size, int(block_indices[0]), *self._unit_geometry, units
                     )
-                except BufferError:  # a strided id view: the general path copes
+                except (BufferError, ValueError):  # a strided id view (numpy raises ValueError)
                     ok = False
                 if ok:
                     return self._single_plan(single, units[:size], units[size:])

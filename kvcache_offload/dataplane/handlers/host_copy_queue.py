@@ -90,6 +90,22 @@ class HostCopyQueue:
         self.in_flight[copy.seq] = copy
         return copy
 
+    def submit_units(
+        self,
+        ref_tensors: np.ndarray,
+        ref_sizes: np.ndarray,
+        jobs: list[tuple[np.ndarray, int]],
+    ) -> NativeCopy:
+        """Queue jobs of one group given as their checked units (``2 * size`` int64 each:
+        source units, then destination units) as one copy, one part per job in order: a
+        batch of held one-group jobs without a plan built or merged for it. Raises
+        RuntimeError once closed."""
+        gid = self._group_id(ref_tensors, ref_sizes)
+        parts = [(gid, units[:size], units[size:]) for units, size in jobs]
+        copy = NativeCopy(int(self._native.submit(parts)))
+        self.in_flight[copy.seq] = copy
+        return copy
+
     @property
     def runs_now(self) -> bool:
         """Whether :meth:`run_now` copies through the registered groups (an extension built

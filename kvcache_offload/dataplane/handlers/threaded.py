@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
+import numpy as np
+
 from kvcache_offload.contracts.handler import (
     OffloadingHandler,
     TransferResult,
@@ -66,6 +68,17 @@ queues its jobs as before, so streams keep their copies off the loop thread
 
 GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")
+
+
+@dataclass(slots=True)
+class _HeldUnits:
+    """A one-group job held for a batch as its checked units, with no plan: the batch goes
+    to the native queue as one part per job (:meth:`HostCopyQueue.submit_units`)."""
+
+    units: np.ndarray
+    """``2 * size`` int64 entries: the source units, then the destination units."""
+    size: int
+    num_bytes: int
 
 
 @dataclass(slots=True)
@@ -145,7 +158,15 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         )
         self._other_direction: ThreadedOffloadingHandler | None = None
         self._batching = False
-        self._held: HeldJobs[TransferPlan] = HeldJobs()
+        self._held: HeldJobs[TransferPlan | _HeldUnits] = HeldJobs()
+        single = self._planner.single_group
+        self._single_refs = (single.tensors, single.sizes) if single is not None else None
+        """The one group's refs, when jobs held for the native queue go as units."""
+        self._hold_units = copy_queue is not None and single is not None and self._can_batch
+        """Whether a one-group job held behind queued copies is kept as its units (see
+        :class:`_HeldUnits`): in a 1-block load stream the plan built, merged and parsed
+        per job cost the loop thread more than the job's other steps together."""
+        self._unit_bytes = single.bytes_per_unit if single is not None else 0
 
     def pair_with(self, other: ThreadedOffloadingHandler) -> None:
         """Make ``other`` (the opposite direction) and this handler see each other's copies:
@@ -169,7 +190,16 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return self._planner.build(src_ids, dst_ids, group_sizes, block_indices)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        plan = self._planner.plan_job(spec, self.gpu_to_cpu)
+        job: TransferPlan | _HeldUnits | None = None
+        if self._hold_units and self._batching and (self._jobs or self._held.jobs):
+            # Copies are queued: the job will be held (below), as its units if it is a
+            # one-group job.
+            units = self._planner.single_units(spec, self.gpu_to_cpu)
+            if units is not None:
+                size = len(units) >> 1
+                job = _HeldUnits(units, size, self._unit_bytes * size)
+        if job is None:
+            job = self._planner.plan_job(spec, self.gpu_to_cpu)
         with self._lock:
             if not self._open:
                 raise TransferError(f"job {job_id}: the handler is shut down")
@@ -181,12 +211,13 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 # Copies are queued or running: hold this job for the batch. An idle thread
                 # gets the job at once, so a lone request pays no extra loop iteration.
                 # (HeldJobs.add inline: one call less per held job.)
-                held.append((job_id, plan))
+                held.append((job_id, job))
                 batch.ids.add(job_id)
-                batch.nbytes += plan.num_bytes
+                batch.nbytes += job.num_bytes
                 if batch.nbytes >= HOST_BATCH_MAX_BYTES:  # keep the thread fed meanwhile
                     self._issue(batch.take())
                 return True
+            plan = self._as_plan(job)
             nbytes = plan.num_bytes
             if not self._jobs and (
                 nbytes <= self._inline_max_bytes
@@ -234,9 +265,28 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if held and self._open:
             self._issue(held)
 
-    def _issue(self, jobs: list[tuple[int, TransferPlan]]) -> None:
-        plan = HeldJobs.merged(jobs)
+    def _as_plan(self, job: TransferPlan | _HeldUnits) -> TransferPlan:
+        if type(job) is _HeldUnits:
+            return self._planner.units_plan(job.units[: job.size], job.units[job.size :])
+        return job  # type: ignore[return-value]
+
+    def _issue(self, jobs: list[tuple[int, TransferPlan | _HeldUnits]]) -> None:
         future: QueuedCopy
+        refs = self._single_refs
+        if (
+            refs is not None
+            and self._queue is not None
+            and all(type(job) is _HeldUnits for _, job in jobs)
+        ):
+            # A batch held behind queued copies: one part per job, no plan.
+            units = [(job.units, job.size) for _, job in jobs]  # type: ignore[union-attr]
+            future = self._queue.submit_units(refs[0], refs[1], units)
+            for job_id, held in jobs:
+                queued = _Job(job_id, held.num_bytes, future)
+                self._jobs.append(queued)
+                self._pending[job_id] = queued
+            return
+        plan = HeldJobs.merged([(job_id, self._as_plan(job)) for job_id, job in jobs])
         if self._queue is not None:
             future = self._queue.submit(plan)
         else:
