@@ -97,12 +97,22 @@ class HostCopyQueue:
         jobs: list[tuple[np.ndarray, int]],
     ) -> NativeCopy:
         """Queue jobs of one group given as their checked units (``2 * size`` int64 each:
-        source units, then destination units) as one copy, one part per job in order: a
-        batch of held one-group jobs without a plan built or merged for it. Raises
-        RuntimeError once closed."""
+        source units, then destination units) as one copy: a batch of held one-group jobs
+        without a plan built or merged for it. One part, the jobs' units in order (the
+        thread walks a part layer by layer, so a batch of adjacent blocks reads each
+        layer's blocks in one sweep: one part per job ran 4-block streams 6-7 % slower).
+        Raises RuntimeError once closed."""
         gid = self._group_id(ref_tensors, ref_sizes)
-        parts = [(gid, units[:size], units[size:]) for units, size in jobs]
-        copy = NativeCopy(int(self._native.submit(parts)))
+        if len(jobs) == 1:
+            units, size = jobs[0]
+            part = (gid, units[:size], units[size:])
+        else:
+            part = (
+                gid,
+                np.concatenate([units[:size] for units, size in jobs]),
+                np.concatenate([units[size:] for units, size in jobs]),
+            )
+        copy = NativeCopy(int(self._native.submit([part])))
         self.in_flight[copy.seq] = copy
         return copy
 

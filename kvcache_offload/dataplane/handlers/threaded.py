@@ -73,7 +73,7 @@ CPU_TO_GPU: TransferType = ("CPU", "GPU")
 @dataclass(slots=True)
 class _HeldUnits:
     """A one-group job held for a batch as its checked units, with no plan: the batch goes
-    to the native queue as one part per job (:meth:`HostCopyQueue.submit_units`)."""
+    to the native queue as one part, without a plan (:meth:`HostCopyQueue.submit_units`)."""
 
     units: np.ndarray
     """``2 * size`` int64 entries: the source units, then the destination units."""
@@ -278,7 +278,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
             and self._queue is not None
             and all(type(job) is _HeldUnits for _, job in jobs)
         ):
-            # A batch held behind queued copies: one part per job, no plan.
+            # A batch held behind queued copies: its units as one part, no plan.
             units = [(job.units, job.size) for _, job in jobs]  # type: ignore[union-attr]
             future = self._queue.submit_units(refs[0], refs[1], units)
             for job_id, held in jobs:
