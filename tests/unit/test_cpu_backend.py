@@ -506,10 +506,14 @@ def test_a_small_job_on_an_idle_handler_is_reported_when_submitted():
 
 
 def _recording_handler(
-    gpu_to_cpu: bool, copiers: list[str], gate: threading.Event | None = None
+    gpu_to_cpu: bool,
+    copiers: list[str],
+    gate: threading.Event | None = None,
+    started: threading.Event | None = None,
 ) -> ThreadedOffloadingHandler:
     """64-byte blocks; inline copies up to 1 block, lone ones up to 4; each copy records the
-    thread that ran it, and one on the copy thread waits for ``gate`` (when given)."""
+    thread that ran it, and one on the copy thread sets ``started`` and then waits for
+    ``gate`` (when given)."""
     gpu = [torch.zeros((8, 64), dtype=torch.int8)]
     cpu = [torch.zeros((8, 64), dtype=torch.int8)]
     from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
@@ -518,7 +522,11 @@ def _recording_handler(
 
     def run(plan, token):
         copiers.append(threading.current_thread().name)
-        if gate is not None and threading.current_thread() is not here and not gate.wait(10):
+        if threading.current_thread() is here:
+            return
+        if started is not None:
+            started.set()
+        if gate is not None and not gate.wait(10):
             raise AssertionError("gate never opened")
 
     return ThreadedOffloadingHandler(
@@ -540,9 +548,9 @@ def _blocks_spec(gpu_to_cpu: bool, blocks: list[int]):
 def test_a_lone_job_is_copied_inline_only_while_the_other_direction_is_idle():
     here = threading.current_thread().name
     copiers: list[str] = []
-    gate = threading.Event()
+    gate, load_started = threading.Event(), threading.Event()
     store = _recording_handler(True, copiers)
-    load = _recording_handler(False, copiers, gate)
+    load = _recording_handler(False, copiers, gate, load_started)
     store.pair_with(load)
     try:
         # Both idle: a 2-block job (above the 1-block limit, within the lone one) is copied
@@ -552,6 +560,7 @@ def test_a_lone_job_is_copied_inline_only_while_the_other_direction_is_idle():
         assert [r.job_id for r in store.get_finished()] == [1]
         # Above the lone limit: the copy thread.
         assert load.transfer_async(2, _blocks_spec(False, [0, 1, 2, 3, 4]))
+        assert load_started.wait(10)  # its copy thread has recorded itself
         # The load direction copies (held at the gate): the store's 1-block job is still
         # copied inline, its 2-block job goes to the store's own thread.
         assert store.transfer_async(3, _blocks_spec(True, [4]))
