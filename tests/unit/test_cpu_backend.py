@@ -824,3 +824,31 @@ def test_a_held_batch_mixing_units_and_a_planned_job_is_merged_in_order():
         _assert_cpu_rows_hold(h, {0: 0, 1: 0, 2: 2, 3: 4, 4: 20, 5: 5, 63: 63})
     finally:
         h.shutdown()
+
+
+async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_engine():
+    """A strided view (every other block) used to make the handler raise inside the C
+    planner's buffer check, so the engine refused the job ("worker refused job")."""
+    from kvcache_offload import make_offload_key
+    from kvcache_offload.aio import OffloadEngine
+    from kvcache_offload.dataplane import layouts
+
+    tensors = [torch.randint(-128, 128, (16, 2, 16, 2, 32), dtype=torch.int8) for _ in range(4)]
+    kv = layouts.blocks_first_per_layer(tensors)
+    page = layouts.block_nbytes(kv)
+    config = OffloadConfig(
+        cpu_bytes_to_use=16 * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=16),
+    )
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(4)]
+    evens = np.arange(0, 8, dtype=np.int64)[::2]  # blocks 0, 2, 4, 6: a strided view
+    odds = np.arange(8, 16, dtype=np.int64)[1::2]  # blocks 9, 11, 13, 15
+    assert not evens.flags.c_contiguous and not odds.flags.c_contiguous
+    want = [t[evens].clone() for t in tensors]
+    async with OffloadEngine(config, kv_caches=kv) as engine:
+        stored = await engine.store(keys, evens)
+        assert stored.keys_stored == keys
+        loaded = await engine.load(keys, odds)
+        assert loaded.keys_loaded == keys
+    for t, w in zip(tensors, want, strict=True):
+        assert torch.equal(t[odds], w)
