@@ -35,6 +35,26 @@ def _group_sizes(keys: Sequence[OffloadKey], num_groups: int, factor: int) -> li
     return counts
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _block_ids(gpu_blocks: object) -> np.ndarray:
+    """The ids as int64; anything but integers (floats, booleans, strings, a tensor numpy
+    cannot read) is a :class:`ConfigError` rather than a silent truncation or a raw numpy
+    error. The inferred conversion costs what ``dtype=int64`` does for a list of ints."""
+    try:
+        ids = np.asarray(gpu_blocks)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"GPU block ids must be integers: {exc}") from exc
+    if ids.dtype is not _INT64:
+        if ids.dtype.kind not in "iu":
+            if ids.size == 0:  # an empty list infers float64
+                return np.empty(0, dtype=np.int64)
+            raise ConfigError(f"GPU block ids must be integers, got {ids.dtype} values")
+        ids = ids.astype(np.int64)  # range checks come later: an overflow reads as negative
+    return ids
+
+
 def gpu_spec_for_keys(
     keys: Sequence[OffloadKey],
     gpu_blocks: Sequence[int] | np.ndarray | GPULoadStoreSpec,
@@ -52,7 +72,7 @@ def gpu_spec_for_keys(
     if type(gpu_blocks) is list and selected is None and num_groups == 1:
         # The common call (a flat list of ids, one KV-cache group, every key): the path
         # below without its checks of other cases.
-        ids = np.asarray(gpu_blocks, dtype=np.int64)
+        ids = _block_ids(gpu_blocks)
         if ids.ndim != 1:
             ids = ids.reshape(-1)
         elif len(ids) == len(keys) * factor:
@@ -68,7 +88,7 @@ def gpu_spec_for_keys(
                 "cannot be narrowed to the keys that need storing; pass one id per GPU block"
             )
     else:
-        ids = np.asarray(gpu_blocks, dtype=np.int64)
+        ids = _block_ids(gpu_blocks)
         if ids.ndim != 1:  # a flat list is 1-D already: no reshape call per job
             ids = ids.reshape(-1)
     if selected is not None and len(selected) != len(keys):

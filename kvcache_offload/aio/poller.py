@@ -231,9 +231,12 @@ class TransferPoller:
             self._submitting = False
         if not submitted:
             self._done_in_submit = False
+            refusal = getattr(self.worker, "last_refusal", None)
+            cause = refusal[1] if refusal is not None and refusal[0] == job_id else None
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
-            )
+                + (f": {cause}" if cause is not None else "")
+            ) from cause
         # A job issued at once (its handler was idle) leaves nothing to flush: the flush is
         # scheduled by the first submission of the tick that a handler held. (A job done
         # during the call was not held, and its handler holds no other: it went at once.)

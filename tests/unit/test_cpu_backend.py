@@ -852,3 +852,42 @@ async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_
         assert loaded.keys_loaded == keys
     for t, w in zip(tensors, want, strict=True):
         assert torch.equal(t[odds], w)
+
+
+def _small_engine():
+    from kvcache_offload.aio import OffloadEngine
+    from kvcache_offload.dataplane import layouts
+
+    tensors = [torch.randint(-128, 128, (16, 2, 16, 2, 32), dtype=torch.int8) for _ in range(2)]
+    kv = layouts.blocks_first_per_layer(tensors)
+    page = layouts.block_nbytes(kv)
+    config = OffloadConfig(
+        cpu_bytes_to_use=16 * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=16),
+    )
+    return OffloadEngine(config, kv_caches=kv)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "error", "message"),
+    [
+        ([0.0, 1.0], ConfigError, "must be integers, got float64"),
+        ([True, False], ConfigError, "must be integers, got bool"),
+        (["a", "b"], ConfigError, "must be integers"),
+        ([0, None], ConfigError, "must be integers, got object"),
+        ([-1, 0], TransferError, r"refused job \d+ \(GPU -> CPU\): source block ids must be in"),
+        ([0, 99], TransferError, r"must be in \[0, 16\), got 0\.\.99"),
+    ],
+)
+async def test_bad_gpu_block_ids_name_the_problem_and_leave_nothing_behind(blocks, error, message):
+    from kvcache_offload import make_offload_key
+
+    keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(2)]
+    async with _small_engine() as engine:
+        with pytest.raises(error, match=message):
+            await engine.store(keys, blocks)
+        stats = engine.stats()
+        assert (stats.blocks_writing, stats.blocks_reading) == (0, 0)
+        assert (await engine.lookup(keys)).hits == 0
+        # The engine still works: the same keys store from valid ids.
+        assert (await engine.store(keys, np.array([3, 4], dtype=np.int32))).keys_stored == keys

@@ -18,7 +18,7 @@ from kvcache_offload.contracts.handler import (
 )
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec
 from kvcache_offload.dataplane.handlers.held_jobs import BatchingSwitch, HeldJobs
-from kvcache_offload.errors import ConfigError
+from kvcache_offload.errors import ConfigError, TransferError
 
 __all__ = ["OffloadingWorker"]
 
@@ -51,6 +51,9 @@ class OffloadingWorker:
         self._hold_probes: list[Callable[[], bool]] = []
         """``holds_jobs`` of the other batching handlers."""
         self._on_demand: list[WatchesOnDemand] = []
+        self.last_refusal: tuple[int, Exception] | None = None
+        """The job id and the exception of the last job a handler raised for (the poller
+        names it in its error)."""
 
     def register_handler(
         self,
@@ -82,12 +85,15 @@ class OffloadingWorker:
             self._by_classes[classes] = handler
         try:
             success = handler.transfer_async(job_id, spec)
-        except Exception:
+        except Exception as exc:
+            self.last_refusal = (job_id, exc)
             logger.warning(
-                "handler raised submitting job %d (%s)",
+                "handler raised submitting job %d (%s): %s",
                 job_id,
                 (src.medium(), dst.medium()),
-                exc_info=True,
+                exc,
+                # A job the handler checked and refused (ids out of range) needs no trace.
+                exc_info=not isinstance(exc, TransferError),
             )
             return False
         if not success:
