@@ -875,7 +875,7 @@ def _small_engine():
         ([True, False], ConfigError, "must be integers, got bool"),
         (["a", "b"], ConfigError, "must be integers"),
         ([0, None], ConfigError, "must be integers, got object"),
-        ([-1, 0], TransferError, r"refused job \d+ \(GPU -> CPU\): source block ids must be in"),
+        ([-1, 0], TransferError, r"refused job \d+ \(\w+ -> \w+\): source block ids must be in"),
         ([0, 99], TransferError, r"must be in \[0, 16\), got 0\.\.99"),
     ],
 )
@@ -891,3 +891,9 @@ async def test_bad_gpu_block_ids_name_the_problem_and_leave_nothing_behind(block
         assert (await engine.lookup(keys)).hits == 0
         # The engine still works: the same keys store from valid ids.
         assert (await engine.store(keys, np.array([3, 4], dtype=np.int32))).keys_stored == keys
+        # Loading into the same bad ids fails alike and unpins the keys.
+        with pytest.raises(error, match=message.replace("source", "destination")):
+            await engine.load(keys, blocks)
+        stats = engine.stats()
+        assert (stats.blocks_writing, stats.blocks_reading) == (0, 0)
+        assert (await engine.load(keys, [5, 6])).keys_loaded == keys
