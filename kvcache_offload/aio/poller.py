@@ -233,6 +233,8 @@ class TransferPoller:
             self._done_in_submit = False
             refusal = getattr(self.worker, "last_refusal", None)
             cause = refusal[1] if refusal is not None and refusal[0] == job_id else None
+            if cause is not None:  # the error keeps it; the worker need not (its frames)
+                self.worker.last_refusal = None
             raise TransferError(
                 f"worker refused job {job_id} ({spec[0].medium()} -> {spec[1].medium()})"
                 + (f": {cause}" if cause is not None else "")

@@ -59,7 +59,7 @@ HOST_LONE_INLINE_MAX_BYTES = 4 * 1024 * 1024
 copy threads are idle (see :meth:`ThreadedOffloadingHandler.pair_with`): a lone request,
 whose caller would otherwise wait for the hand-off and the report back while the loop thread
 has nothing else to copy for. On the 2-vCPU development VM the hand-off and report cost a
-lone 1-4 MiB job 110-150 us, about as long as its copy; 4 MiB is ~0.2-0.4 ms of ``memcpy``,
+lone 1-4 MiB job 100-120 us, about as long as its copy; 4 MiB is ~0.2-0.4 ms of ``memcpy``,
 the longest a lone job holds the loop thread. Only a lone job: while the other direction
 copies, a large inline copy held the loop the other thread was waiting on (a mixed stream
 of 2 MiB jobs, two tasks: 14 against 21 GB/s), and a direction whose thread is busy holds or
@@ -266,6 +266,7 @@ class ThreadedOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self._issue(held)
 
     def _as_plan(self, job: TransferPlan | _HeldUnits) -> TransferPlan:
+        """The plan of a job held either way (a batch that also holds a planned job)."""
         if type(job) is _HeldUnits:
             return self._planner.units_plan(job.units[: job.size], job.units[job.size :])
         return job  # type: ignore[return-value]
