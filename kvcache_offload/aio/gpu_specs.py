@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec
+from kvcache_offload.contracts.load_store_spec import GPULoadStoreSpec, int64_block_ids
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
 
@@ -35,26 +35,6 @@ def _group_sizes(keys: Sequence[OffloadKey], num_groups: int, factor: int) -> li
     return counts
 
 
-_INT64 = np.dtype(np.int64)
-
-
-def _block_ids(gpu_blocks: object) -> np.ndarray:
-    """The ids as int64; anything but integers (floats, booleans, strings, a tensor numpy
-    cannot read) is a :class:`ConfigError` rather than a silent truncation or a raw numpy
-    error. The inferred conversion costs what ``dtype=int64`` does for a list of ints."""
-    try:
-        ids = np.asarray(gpu_blocks)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"GPU block ids must be integers: {exc}") from exc
-    if ids.dtype is not _INT64:
-        if ids.dtype.kind not in "iu":
-            if ids.size == 0:  # an empty list infers float64
-                return np.empty(0, dtype=np.int64)
-            raise ConfigError(f"GPU block ids must be integers, got {ids.dtype} values")
-        ids = ids.astype(np.int64)  # range checks come later: an overflow reads as negative
-    return ids
-
-
 def gpu_spec_for_keys(
     keys: Sequence[OffloadKey],
     gpu_blocks: Sequence[int] | np.ndarray | GPULoadStoreSpec,
@@ -72,7 +52,7 @@ def gpu_spec_for_keys(
     if type(gpu_blocks) is list and selected is None and num_groups == 1:
         # The common call (a flat list of ids, one KV-cache group, every key): the path
         # below without its checks of other cases.
-        ids = _block_ids(gpu_blocks)
+        ids = int64_block_ids(gpu_blocks, "GPU block ids")
         if ids.ndim != 1:
             ids = ids.reshape(-1)
         elif len(ids) == len(keys) * factor:
@@ -88,7 +68,7 @@ def gpu_spec_for_keys(
                 "cannot be narrowed to the keys that need storing; pass one id per GPU block"
             )
     else:
-        ids = _block_ids(gpu_blocks)
+        ids = int64_block_ids(gpu_blocks, "GPU block ids")
         if ids.ndim != 1:  # a flat list is 1-D already: no reshape call per job
             ids = ids.reshape(-1)
     if selected is not None and len(selected) != len(keys):

@@ -38,6 +38,7 @@ __all__ = [
     "WatchesOnDemand",
     "get_offload_block_hash",
     "get_offload_group_idx",
+    "int64_block_ids",
     "make_offload_key",
     "validate_offload_key",
 ]

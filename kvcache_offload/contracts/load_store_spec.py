@@ -10,7 +10,33 @@ import numpy as np
 
 from kvcache_offload.errors import ConfigError
 
-__all__ = ["BlockIDsLoadStoreSpec", "CPULoadStoreSpec", "GPULoadStoreSpec", "LoadStoreSpec"]
+__all__ = [
+    "BlockIDsLoadStoreSpec",
+    "CPULoadStoreSpec",
+    "GPULoadStoreSpec",
+    "LoadStoreSpec",
+    "int64_block_ids",
+]
+
+_INT64 = np.dtype(np.int64)
+
+
+def int64_block_ids(block_ids: object, what: str = "block ids") -> np.ndarray:
+    """``block_ids`` as an int64 array (its shape kept). Anything but integers (floats,
+    booleans, strings, a tensor numpy cannot read) is a :class:`ConfigError`: a cast to
+    int64 would truncate ``0.5`` to block 0 without a word. For a list of ints the inferred
+    conversion costs what the cast does."""
+    try:
+        ids = np.asarray(block_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{what} must be integers: {exc}") from exc
+    if ids.dtype is not _INT64:
+        if ids.dtype.kind not in "iu":
+            if ids.size == 0:  # an empty list infers float64
+                return np.empty(ids.shape, dtype=np.int64)
+            raise ConfigError(f"{what} must be integers, got {ids.dtype} values")
+        ids = ids.astype(np.int64)  # range checks come later: an overflow reads as negative
+    return ids
 
 
 class LoadStoreSpec(ABC):
@@ -27,7 +53,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
         self._owned_ids: list[int] | None = None
-        self._block_ids: np.ndarray | None = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self._block_ids: np.ndarray | None = int64_block_ids(block_ids).reshape(-1)
 
     @classmethod
     def from_owned_list(cls, block_ids: list[int]) -> Self:
@@ -55,7 +81,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     @block_ids.setter
     def block_ids(self, value: Sequence[int] | np.ndarray) -> None:
         self._owned_ids = None
-        self._block_ids = np.asarray(value, dtype=np.int64).reshape(-1)
+        self._block_ids = int64_block_ids(value).reshape(-1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids!r})"

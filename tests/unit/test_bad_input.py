@@ -121,3 +121,30 @@ def test_offload_key_round_trips_hash_and_group() -> None:
         make_offload_key("h", 0)  # type: ignore[arg-type]
     with pytest.raises(InvalidKeyError):
         get_offload_group_idx(b"abc")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([0.5, 1], "must be integers, got float64"),
+        ([True], "must be integers, got bool"),
+        (["a"], "must be integers"),
+        ([0, None], "must be integers, got object"),
+    ],
+)
+def test_block_id_specs_refuse_anything_but_integers(ids: list[object], message: str) -> None:
+    import numpy as np
+
+    from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
+
+    with pytest.raises(ConfigError, match=message):
+        CPULoadStoreSpec(ids)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        GPULoadStoreSpec(ids, [len(ids)], [0])  # type: ignore[arg-type]
+    spec = CPULoadStoreSpec([1])
+    with pytest.raises(ConfigError, match=message):
+        spec.block_ids = ids  # type: ignore[assignment]
+    # Integers of any width and kind are taken as int64; an empty list is no ids.
+    assert CPULoadStoreSpec(np.array([[3], [4]], dtype=np.uint16)).block_ids.tolist() == [3, 4]
+    assert CPULoadStoreSpec(np.array([5, 6], dtype=np.int32)).block_ids.dtype == np.int64
+    assert CPULoadStoreSpec([]).block_ids.tolist() == []
