@@ -618,8 +618,7 @@ def test_the_cpu_backend_copies_a_lone_mid_sized_job_inline_unless_inline_copies
                 # copy never calls back (it signals its descriptor).
                 assert seen.is_set() is inline
             assert [r.job_id for r in finish(store, [1])] == [1]
-            for t_gpu, t_cpu in zip(h.gpu_tensors, h.cpu_tensors, strict=True):
-                assert torch.equal(t_cpu[:8].reshape(-1), t_gpu[:8].reshape(-1))
+            _assert_cpu_rows_hold(h, {b: b for b in ids})
         finally:
             h.shutdown()
 
@@ -826,46 +825,40 @@ def test_a_held_batch_mixing_units_and_a_planned_job_is_merged_in_order():
         h.shutdown()
 
 
-async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_engine():
-    """A strided view (every other block) used to make the handler raise inside the C
-    planner's buffer check, so the engine refused the job ("worker refused job")."""
-    from kvcache_offload import make_offload_key
+def _small_engine(layers: int = 2):
+    """An engine over ``layers`` CPU tensors of 16 blocks (a 16-block CPU tier), and them."""
     from kvcache_offload.aio import OffloadEngine
     from kvcache_offload.dataplane import layouts
 
-    tensors = [torch.randint(-128, 128, (16, 2, 16, 2, 32), dtype=torch.int8) for _ in range(4)]
+    shape = (16, 2, 16, 2, 32)
+    tensors = [torch.randint(-128, 128, shape, dtype=torch.int8) for _ in range(layers)]
     kv = layouts.blocks_first_per_layer(tensors)
     page = layouts.block_nbytes(kv)
     config = OffloadConfig(
         cpu_bytes_to_use=16 * page,
         layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=16),
     )
+    return OffloadEngine(config, kv_caches=kv), tensors
+
+
+async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_engine():
+    """A strided view (every other block) used to make the handler raise inside the C
+    planner's buffer check, so the engine refused the job ("worker refused job")."""
+    from kvcache_offload import make_offload_key
+
+    engine, tensors = _small_engine(layers=4)
     keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(4)]
     evens = np.arange(0, 8, dtype=np.int64)[::2]  # blocks 0, 2, 4, 6: a strided view
     odds = np.arange(8, 16, dtype=np.int64)[1::2]  # blocks 9, 11, 13, 15
     assert not evens.flags.c_contiguous and not odds.flags.c_contiguous
     want = [t[evens].clone() for t in tensors]
-    async with OffloadEngine(config, kv_caches=kv) as engine:
+    async with engine:
         stored = await engine.store(keys, evens)
         assert stored.keys_stored == keys
         loaded = await engine.load(keys, odds)
         assert loaded.keys_loaded == keys
     for t, w in zip(tensors, want, strict=True):
         assert torch.equal(t[odds], w)
-
-
-def _small_engine():
-    from kvcache_offload.aio import OffloadEngine
-    from kvcache_offload.dataplane import layouts
-
-    tensors = [torch.randint(-128, 128, (16, 2, 16, 2, 32), dtype=torch.int8) for _ in range(2)]
-    kv = layouts.blocks_first_per_layer(tensors)
-    page = layouts.block_nbytes(kv)
-    config = OffloadConfig(
-        cpu_bytes_to_use=16 * page,
-        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=16),
-    )
-    return OffloadEngine(config, kv_caches=kv)
 
 
 @pytest.mark.parametrize(
@@ -883,7 +876,8 @@ async def test_bad_gpu_block_ids_name_the_problem_and_leave_nothing_behind(block
     from kvcache_offload import make_offload_key
 
     keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(2)]
-    async with _small_engine() as engine:
+    engine, _ = _small_engine()
+    async with engine:
         with pytest.raises(error, match=message):
             await engine.store(keys, blocks)
         stats = engine.stats()
