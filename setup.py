@@ -24,19 +24,29 @@ def _warn(message: str) -> None:
     print(f"kvcache-offload: {message}; installing the pure-Python manager", file=sys.stderr)
 
 
+_COMPILED = runpy.run_path(str(HERE / "kvcache_offload" / "_compiled.py"))
+C_EXTENSIONS: dict[str, tuple[str, ...]] = _COMPILED["C_EXTENSIONS"]
+"""The hand-written C extensions (module -> source, then its headers). Each is optional: one
+that fails to build is simply missing (its module's Python code is the fallback), unlike
+mypyc's, which all need mypyc's shared runtime."""
+STANDALONE = tuple(C_EXTENSIONS)
+
+_C_FLAGS: dict[str, tuple[list[str], list[str]]] = {
+    # The host side of a job in C: the CPU backend's GIL-free copy and its copy queue, which
+    # runs a thread of its own, and the planner of one-group jobs.
+    "kvcache_offload.dataplane.copy._hostcopy": (["-O3", "-pthread"], ["-pthread"]),
+    # The adaptive LRU's weight miniatures (the compiled ``_mini_sim`` code is the fallback).
+    "kvcache_offload.control.policies._native_duel": (["-O3"], []),
+    # A lone kernel copy's CUDA calls in one C call (no CUDA headers needed: the functions
+    # come as addresses at run time).
+    "kvcache_offload.dataplane.copy._kernel_issue": (["-O3"], []),
+}
+"""Compile and link flags per C extension."""
+
+
 def _compiled_sources() -> list[str]:
-    names = runpy.run_path(str(HERE / "kvcache_offload" / "_compiled.py"))["COMPILED_MODULES"]
-    return [name.replace(".", "/") + ".py" for name in names]
+    return [name.replace(".", "/") + ".py" for name in _COMPILED["COMPILED_MODULES"]]
 
-
-HOSTCOPY = "kvcache_offload.dataplane.copy._hostcopy"
-NATIVE_DUEL = "kvcache_offload.control.policies._native_duel"
-KERNEL_ISSUE = "kvcache_offload.dataplane.copy._kernel_issue"
-UNITS_HEADER = "kvcache_offload/dataplane/copy/_units.h"
-"""The one-group unit planner both C extensions include."""
-STANDALONE = (HOSTCOPY, NATIVE_DUEL, KERNEL_ISSUE)
-"""C extensions of their own: each one that fails to build is simply missing (its module's
-Python code is the fallback), unlike mypyc's, which all need mypyc's shared runtime."""
 
 SERVICE = "kvcache_offload_service"
 """The import name of the HTTP service, whose sources stay in the api/ folder: a top-level
@@ -51,43 +61,22 @@ def _packages() -> list[str]:
     return [*library, "kvcache_offload.data", *service]
 
 
-def _hostcopy_extension() -> Any:
-    """The host side of a job in C: the CPU backend's GIL-free copy and copy thread, and the
-    planner of one-group jobs (optional: Python and ctypes are the fallback)."""
+def _c_extensions() -> list[Any]:
     from setuptools import Extension
 
-    return Extension(
-        HOSTCOPY,
-        ["kvcache_offload/dataplane/copy/_hostcopy.c"],
-        depends=[UNITS_HEADER],
-        extra_compile_args=["-O3", "-pthread"],  # its copy queue runs a thread of its own
-        extra_link_args=["-pthread"],
-    )
-
-
-def _native_duel_extension() -> Any:
-    """The adaptive LRU's weight miniatures in C (optional: the compiled ``_mini_sim`` code
-    is the fallback)."""
-    from setuptools import Extension
-
-    return Extension(
-        NATIVE_DUEL,
-        ["kvcache_offload/control/policies/_native_duel.c"],
-        extra_compile_args=["-O3"],
-    )
-
-
-def _kernel_issue_extension() -> Any:
-    """A lone kernel copy's CUDA calls in one C call (optional: Python issues them otherwise;
-    no CUDA headers needed, the functions come as addresses at run time)."""
-    from setuptools import Extension
-
-    return Extension(
-        KERNEL_ISSUE,
-        ["kvcache_offload/dataplane/copy/_kernel_issue.c"],
-        depends=[UNITS_HEADER],
-        extra_compile_args=["-O3"],
-    )
+    out = []
+    for name, (source, *headers) in C_EXTENSIONS.items():
+        compile_args, link_args = _C_FLAGS[name]
+        out.append(
+            Extension(
+                name,
+                [source],
+                depends=headers,
+                extra_compile_args=compile_args,
+                extra_link_args=link_args,
+            )
+        )
+    return out
 
 
 def _ext_modules() -> list[Any]:
@@ -96,9 +85,7 @@ def _ext_modules() -> list[Any]:
         return []
     return [
         *_mypyc_modules(),
-        _hostcopy_extension(),
-        _native_duel_extension(),
-        _kernel_issue_extension(),
+        *_c_extensions(),
     ]
 
 

@@ -8,8 +8,8 @@ source. Setting
 sources instead (for debugging, line profilers, or to compare both); a build without a C
 compiler, or with ``KVCACHE_OFFLOAD_COMPILE=0``, has only the sources.
 
-Stdlib only: ``setup.py`` reads :data:`COMPILED_MODULES` from this file before any dependency
-is installed.
+Stdlib only: ``setup.py`` reads :data:`COMPILED_MODULES` and :data:`C_EXTENSIONS` from this
+file before any dependency is installed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from importlib.abc import MetaPathFinder
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["COMPILED_MODULES", "PURE_PYTHON_ENV", "compiled_modules", "pure_python_requested"]
+__all__ = [
+    "COMPILED_MODULES",
+    "C_EXTENSIONS",
+    "PURE_PYTHON_ENV",
+    "compiled_modules",
+    "pure_python_requested",
+]
 
 COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies.base",
@@ -44,6 +50,25 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.manager",
 )
 """Compiled together, in one mypyc group: the manager's hot path never leaves C for them."""
+
+_UNITS_HEADER = "kvcache_offload/dataplane/copy/_units.h"
+C_EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "kvcache_offload.dataplane.copy._hostcopy": (
+        "kvcache_offload/dataplane/copy/_hostcopy.c",
+        _UNITS_HEADER,
+    ),
+    "kvcache_offload.control.policies._native_duel": (
+        "kvcache_offload/control/policies/_native_duel.c",
+    ),
+    "kvcache_offload.dataplane.copy._kernel_issue": (
+        "kvcache_offload/dataplane/copy/_kernel_issue.c",
+        _UNITS_HEADER,
+    ),
+}
+"""The hand-written C extensions: module -> its source, then the headers it includes (paths
+from the project root). Each is optional (its module's Python code is the fallback). One
+table for the build, the setup script's rebuild check and the staleness test, so an edited
+header rebuilds what includes it."""
 
 PURE_PYTHON_ENV = "KVCACHE_OFFLOAD_PURE_PYTHON"
 

@@ -16,9 +16,15 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "${KVCACHE_OFFLOAD_TORCH:-torch==2.13.0}"
 fi
 stamp=.venv/.kvcache-offload-install
-sources=$(.venv/bin/python -c "import runpy; print(' '.join(m.replace('.', '/') + '.py' for m in runpy.run_path('kvcache_offload/_compiled.py')['COMPILED_MODULES']))")
+# Every compiled source: the mypyc modules, and each C extension's source and headers.
+sources=$(.venv/bin/python -c "
+import runpy
+table = runpy.run_path('kvcache_offload/_compiled.py')
+paths = [m.replace('.', '/') + '.py' for m in table['COMPILED_MODULES']]
+paths += sorted({p for files in table['C_EXTENSIONS'].values() for p in files})
+print(' '.join(paths))")
 # shellcheck disable=SC2086
-wanted="compile=${KVCACHE_OFFLOAD_COMPILE:-1} $(cat pyproject.toml setup.py mypyc.ini kvcache_offload/dataplane/copy/_hostcopy.c $sources | sha256sum | cut -d' ' -f1)"
+wanted="compile=${KVCACHE_OFFLOAD_COMPILE:-1} $(cat pyproject.toml setup.py mypyc.ini $sources | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   .venv/bin/python -m pip install -q -e ".[server,plot,dev]"
   echo "$wanted" > "$stamp"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from kvcache_offload import CPUOffloadingManager, compiled_modules
-from kvcache_offload._compiled import COMPILED_MODULES, PURE_PYTHON_ENV
+from kvcache_offload._compiled import C_EXTENSIONS, COMPILED_MODULES, PURE_PYTHON_ENV
 from kvcache_offload.control.policies import (
     CachePolicy,
     LRUCachePolicy,
@@ -54,6 +55,44 @@ def test_extensions_are_not_older_than_their_sources() -> None:
             f"{origin.name} is older than {source.name}: rebuild with ./scripts/setup.sh "
             f"or set {PURE_PYTHON_ENV}=1"
         )
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_c_extensions_are_not_older_than_their_sources_and_headers() -> None:
+    # An edited .c or header (the unit planner both copy extensions include) must not leave
+    # the tests running the old extension. A missing one is the other test's business.
+    checked = 0
+    for name, files in C_EXTENSIONS.items():
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        built = Path(spec.origin)
+        for source in files:
+            path = ROOT / source
+            assert path.is_file(), f"{source} (listed for {name}) does not exist"
+            assert built.stat().st_mtime >= path.stat().st_mtime, (
+                f"{built.name} is older than {path.name}: rebuild with ./scripts/setup.sh"
+            )
+        checked += 1
+    if os.environ.get("KVCACHE_OFFLOAD_EXPECT_COMPILED") == "1":
+        assert checked == len(C_EXTENSIONS)
+
+
+def test_every_c_source_is_listed_and_shipped() -> None:
+    # setup.py builds what C_EXTENSIONS lists and setup.sh rebuilds when those files change;
+    # a source missing from the table, or from the sdist's MANIFEST.in, would go unbuilt.
+    listed = {path for files in C_EXTENSIONS.values() for path in files}
+    on_disk = {
+        str(path.relative_to(ROOT))
+        for pattern in ("*.c", "*.h")
+        for path in (ROOT / "kvcache_offload").rglob(pattern)
+        if "build" not in path.parts
+    }
+    assert on_disk == listed
+    manifest = (ROOT / "MANIFEST.in").read_text().split()
+    assert listed <= set(manifest)
 
 
 def test_pure_python_switch_loads_the_sources() -> None:
