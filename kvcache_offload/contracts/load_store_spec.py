@@ -28,8 +28,10 @@ def int64_block_ids(block_ids: object, what: str = "block ids") -> np.ndarray:
     conversion costs what the cast does."""
     try:
         ids = np.asarray(block_ids)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"{what} must be integers: {exc}") from exc
+    except (TypeError, ValueError, RuntimeError) as exc:  # a device tensor, a ragged list
+        raise ConfigError(
+            f"{what} must be integers in host memory (a list, a numpy array or a CPU tensor): {exc}"
+        ) from exc
     if ids.dtype is not _INT64:
         if ids.dtype.kind not in "iu":
             if ids.size == 0:  # an empty list infers float64

@@ -868,6 +868,9 @@ async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_
         ([True, False], ConfigError, "must be integers, got bool"),
         (["a", "b"], ConfigError, "must be integers"),
         ([0, None], ConfigError, "must be integers, got object"),
+        # Not on the host (a CUDA tensor reads the same): no silent device sync.
+        (torch.zeros(2, dtype=torch.int64, device="meta"), ConfigError, "in host memory"),
+        ([[0, 1], [2]], ConfigError, "must be integers in host memory"),  # ragged
         ([-1, 0], TransferError, r"refused job \d+ \(\w+ -> \w+\): source block ids must be in"),
         ([0, 99], TransferError, r"must be in \[0, 16\), got 0\.\.99"),
     ],
