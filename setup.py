@@ -31,17 +31,12 @@ that fails to build is simply missing (its module's Python code is the fallback)
 mypyc's, which all need mypyc's shared runtime."""
 STANDALONE = tuple(C_EXTENSIONS)
 
-_C_FLAGS: dict[str, tuple[list[str], list[str]]] = {
-    # The host side of a job in C: the CPU backend's GIL-free copy and its copy queue, which
-    # runs a thread of its own, and the planner of one-group jobs.
-    "kvcache_offload.dataplane.copy._hostcopy": (["-O3", "-pthread"], ["-pthread"]),
-    # The adaptive LRU's weight miniatures (the compiled ``_mini_sim`` code is the fallback).
-    "kvcache_offload.control.policies._native_duel": (["-O3"], []),
-    # A lone kernel copy's CUDA calls in one C call (no CUDA headers needed: the functions
-    # come as addresses at run time).
-    "kvcache_offload.dataplane.copy._kernel_issue": (["-O3"], []),
+_C_THREADS: dict[str, tuple[list[str], list[str]]] = {
+    # The CPU backend's copy queue runs a thread of its own.
+    "kvcache_offload.dataplane.copy._hostcopy": (["-pthread"], ["-pthread"]),
 }
-"""Compile and link flags per C extension."""
+"""Extra compile and link flags of the C extensions that need them (all build with -O3): an
+extension added to the table in ``_compiled.py`` builds without an entry here."""
 
 
 def _compiled_sources() -> list[str]:
@@ -66,13 +61,13 @@ def _c_extensions() -> list[Any]:
 
     out = []
     for name, (source, *headers) in C_EXTENSIONS.items():
-        compile_args, link_args = _C_FLAGS[name]
+        compile_args, link_args = _C_THREADS.get(name, ([], []))
         out.append(
             Extension(
                 name,
                 [source],
                 depends=headers,
-                extra_compile_args=compile_args,
+                extra_compile_args=["-O3", *compile_args],
                 extra_link_args=link_args,
             )
         )
