@@ -16,4 +16,5 @@ echo "pure-Python manager and policies:"
 KVCACHE_OFFLOAD_PURE_PYTHON=1 KVCACHE_OFFLOAD_EXPECT_COMPILED=0 .venv/bin/python -m pytest -q \
   tests/unit/test_compiled.py tests/unit/test_manager.py \
   tests/unit/test_manager_stateful.py tests/unit/test_arc_policy.py \
-  tests/unit/test_bad_input.py tests/unit/test_policies_more.py tests/unit/test_reuse_manager.py
+  tests/unit/test_bad_input.py tests/unit/test_policies_more.py tests/unit/test_reuse_manager.py \
+  tests/unit/test_evict_ahead.py

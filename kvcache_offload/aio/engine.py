@@ -43,7 +43,12 @@ from kvcache_offload.aio.slot_fence import BlockCopies, SlotQuarantine
 from kvcache_offload.aio.tiering import EngineTiers
 from kvcache_offload.aio.types import EngineStats, EventType, Histogram
 from kvcache_offload.config import OffloadConfig
-from kvcache_offload.contracts.capabilities import FencesSlots, ReportsStats, ShutsDown
+from kvcache_offload.contracts.capabilities import (
+    EvictsAhead,
+    FencesSlots,
+    ReportsStats,
+    ShutsDown,
+)
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
 from kvcache_offload.contracts.manager import OffloadingManager
 from kvcache_offload.contracts.offload_key import OffloadKey
@@ -118,6 +123,11 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._fences: FencesSlots | None = (
             self.manager if isinstance(self.manager, FencesSlots) else None
         )
+        # A store keeps room for the next one of its size, up to this many blocks (0: off).
+        self._evict_ahead_max = 0
+        if isinstance(self.manager, EvictsAhead) and isinstance(self.manager, ReportsStats):
+            capacity = int(self.manager.stats().num_blocks)
+            self._evict_ahead_max = int(capacity * config.evict_ahead_fraction)
         self._worker: OffloadingWorker | None = None
         self._poller: TransferPoller | None = None
         if kv_caches is not None:

@@ -64,6 +64,7 @@ class EngineBase:
     _quarantine: SlotQuarantine
     _observers: AccessObservers
     _fences: FencesSlots | None
+    _evict_ahead_max: int
     _worker: OffloadingWorker | None
     _poller: TransferPoller | None
     _block_memory: BlockMemory | None

@@ -131,6 +131,12 @@ class TransferJobs(Lifecycle):
                 self._publish_manager_events()
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
+            # The copy is on its way: make room for the next store in its shadow.
+            evicted = out.evicted_keys
+            if self._evict_ahead_max:
+                ahead = self._evict_ahead(len(stored))
+                if ahead:
+                    evicted = evicted + ahead
         finally:
             self._publish_manager_events()  # a no-op when published above
         if mode:
@@ -139,7 +145,7 @@ class TransferJobs(Lifecycle):
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
         return job_store_result(
-            stored, out.evicted_keys, result.transfer_size or 0, result.transfer_time or 0.0
+            stored, evicted, result.transfer_size or 0, result.transfer_time or 0.0
         )
 
     @staticmethod

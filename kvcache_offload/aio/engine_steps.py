@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvcache_offload.aio.engine_base import EngineBase
 from kvcache_offload.aio.types import EventType
@@ -19,6 +19,7 @@ from kvcache_offload.errors import CapacityError, ConfigError, OffloadError
 
 if TYPE_CHECKING:
     from kvcache_offload.aio.leases import Lease
+    from kvcache_offload.contracts.capabilities import EvictsAhead
     from kvcache_offload.contracts.handler import TransferResult
     from kvcache_offload.contracts.manager import PrepareStoreOutput, ReqContext
     from kvcache_offload.contracts.offload_key import OffloadKey
@@ -72,6 +73,17 @@ class ManagerSteps(EngineBase):
         if publish:
             self._publish_manager_events()
         return out
+
+    def _evict_ahead(self, stored: int) -> list[OffloadKey]:
+        """After a store's copy was launched: evict what the next store of ``stored`` blocks
+        would (at most ``_evict_ahead_max``), in the copy's shadow; the events are the
+        caller's to publish before it yields. ``config.evict_ahead_fraction`` says why."""
+        evicted = cast("EvictsAhead", self.manager).evict_ahead(min(stored, self._evict_ahead_max))
+        if evicted:
+            self._totals.evicted_blocks += len(evicted)
+            if self._tiers is not None:
+                self._tiers.on_evicted(evicted)
+        return evicted
 
     def _finish_store(
         self, keys: list[OffloadKey], ctx: ReqContext, success: bool, reason: str = ""

@@ -109,6 +109,8 @@ class StoreResult(WireShape):
     keys_stored: list[HexKey]
     """Keys actually written by this call (keys already offloaded are skipped)."""
     evicted_keys: list[HexKey]
+    """Keys evicted by this call: to make its own room and, once an engine store's copy is
+    on its way, ahead of the next store (``OffloadConfig.evict_ahead_fraction``)."""
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
 

@@ -18,6 +18,7 @@ __all__ = [
     "CapacityObserver",
     "CountsFencedSlots",
     "DiscardsBlocks",
+    "EvictsAhead",
     "FencesSlots",
     "HasBlockMemory",
     "LookupObserver",
@@ -107,6 +108,14 @@ class DiscardsBlocks(Protocol):
     def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]: ...
 
     def release(self, keys: Sequence[OffloadKey]) -> int: ...
+
+
+@runtime_checkable
+class EvictsAhead(Protocol):
+    """A manager that can evict before a store asks: ``evict_ahead(n)`` frees idle blocks
+    until ``n`` slots are free and returns the keys evicted (see ``CPUOffloadingManager``)."""
+
+    def evict_ahead(self, free_target: int) -> list[OffloadKey]: ...
 
 
 @runtime_checkable

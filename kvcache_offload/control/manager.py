@@ -332,39 +332,9 @@ class CPUOffloadingManager(OffloadingManager):
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         recycled: list[BlockStatus] = []  # this call's victims (two lists: no tuple each)
-        if needed > 0:
-            evicted = False
-            if self._num_idle() >= needed:
-                # Every key of this call must survive the eviction. The ready ones are pinned
-                # for it (blocks being read or written are never evicted anyway): the same
-                # effect as passing the keys as ``protected``, without building a set of them.
-                for block in present:
-                    block.ref_cnt += 1
-                chosen = self._released_victims(needed) if self._released else []
-                try:
-                    # The released victims are pinned while the policy picks the rest, so
-                    # a refused store changes nothing; they go only if it succeeds.
-                    evicted = len(chosen) == needed or self._policy.evict_blocks(
-                        needed - len(chosen), _NOTHING_PROTECTED, evicted_keys, recycled
-                    )
-                finally:
-                    for block in present:
-                        block.ref_cnt -= 1
-                    for _key, block in chosen:
-                        block.ref_cnt -= 1
-                if evicted and chosen:
-                    self._take_released(chosen, evicted_keys, recycled)
-            if not evicted:
-                self._rejected_stores += 1
-                return None
-            for block in recycled:
-                block.ref_cnt = -1  # freed slots wait in the state a new store needs
-            if not self._shared_table:
-                for key in evicted_keys:
-                    del table[key]
-            self._evictions += len(recycled)
-            if self.events is not None:
-                self.events.append(_event(evicted_keys, True))
+        if needed > 0 and not self._evict(needed, present, evicted_keys, recycled):
+            self._rejected_stores += 1
+            return None
 
         # Slots: fresh ids in ascending order first, then freed slots, most recently freed
         # first: this call's victims last to first (as if pushed on the free list and popped
@@ -401,6 +371,72 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.insert_blocks(keys_to_store, new_blocks)
         self._writing += len(keys_to_store)
         return _store_output(keys_to_store, _cpu_spec(block_ids), evicted_keys)
+
+    def _evict(
+        self,
+        needed: int,
+        present: list[BlockStatus],
+        evicted_keys: list[OffloadKey],
+        recycled: list[BlockStatus],
+    ) -> bool:
+        """Evict ``needed`` idle blocks (released ones first, then the policy's choice) into
+        ``evicted_keys`` and ``recycled``, their slots reset for a new store and published as
+        one eviction event; ``present`` (ready blocks of the caller's keys) survive. False,
+        with nothing changed, when too few blocks are evictable."""
+        if self._num_idle() < needed:
+            return False
+        # Every key of this call must survive the eviction. The ready ones are pinned for it
+        # (blocks being read or written are never evicted anyway): the same effect as passing
+        # the keys as ``protected``, without building a set of them.
+        for block in present:
+            block.ref_cnt += 1
+        chosen = self._released_victims(needed) if self._released else []
+        evicted = False
+        try:
+            # The released victims are pinned while the policy picks the rest, so a refused
+            # store changes nothing; they go only if it succeeds.
+            evicted = len(chosen) == needed or self._policy.evict_blocks(
+                needed - len(chosen), _NOTHING_PROTECTED, evicted_keys, recycled
+            )
+        finally:
+            for block in present:
+                block.ref_cnt -= 1
+            for _key, block in chosen:
+                block.ref_cnt -= 1
+        if not evicted:
+            return False
+        if chosen:
+            self._take_released(chosen, evicted_keys, recycled)
+        for block in recycled:
+            block.ref_cnt = -1  # freed slots wait in the state a new store needs
+        if not self._shared_table:
+            table = self._blocks
+            for key in evicted_keys:
+                del table[key]
+        self._evictions += len(recycled)
+        if self.events is not None:
+            self.events.append(_event(evicted_keys, True))
+        return True
+
+    def evict_ahead(self, free_target: int) -> list[OffloadKey]:
+        """Evict idle blocks until ``free_target`` slots are free (as many as are idle, when
+        fewer): the blocks the next store of that size would evict, chosen now. Returns the
+        keys evicted, published as one eviction event, their slots free.
+
+        The engine calls it once a store's copy is on its way, so the next store finds room
+        and its copy starts without an eviction in front of it (``docs/transfers.md``,
+        thirtieth session); the same victims go, one store earlier."""
+        needed = min(free_target - self._num_free(), self._num_idle())
+        if needed <= 0:
+            return []
+        evicted_keys: list[OffloadKey] = []
+        recycled: list[BlockStatus] = []
+        if not self._evict(needed, [], evicted_keys, recycled):
+            return []
+        # Pushed so the next store pops them as if it had evicted them itself: last victim
+        # first (``prepare_store`` takes its own victims from the end of its list).
+        self._free_list.extend(recycled)
+        return evicted_keys
 
     def complete_store(
         self,

@@ -30,7 +30,7 @@ from tests._redis import (
     skip_without_redis,
 )
 from tests.unit._aio_fakes import wait_for
-from tests.unit._keys import key, keys
+from tests.unit._keys import key, key_ids, keys
 
 BLOCK = 4096
 
@@ -320,3 +320,38 @@ async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path)
             assert await tier.get(ks) == [data(i) for i in range(len(ks))]
         finally:
             await tier.aclose()
+
+
+async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_path: Path) -> None:
+    """A store evicts ahead for the next one once its copy is on its way (64 CPU blocks keep
+    two free): those victims go below like any other, and load back byte-exact."""
+    pytest.importorskip("torch")
+    from tests.integration.test_aio_engine_cpu_backend import build_engine, gpu_block
+
+    engine, tensors = build_engine(
+        num_cpu_blocks=64,
+        config={
+            "disk_path": tmp_path,
+            "disk_bytes": "64MiB",
+            "tier_write": "back",
+            "eviction_policy": "lru",
+        },
+    )
+    async with engine:
+        expected = {i: gpu_block(tensors, i % 32) for i in range(66)}
+        evicted = []
+        for start in range(0, 64, 16):
+            ks = keys(*range(start, start + 16))
+            result = await engine.store(ks, [i % 32 for i in range(start, start + 16)])
+            evicted.append(key_ids(result.evicted_keys))
+        # The store that filled the tier evicted two idle blocks ahead (its own are still
+        # being written); the next store found its room and evicted two more ahead.
+        assert evicted == [[], [], [], [0, 1]]
+        result = await engine.store(keys(64, 65), [0, 1])
+        assert key_ids(result.evicted_keys) == [2, 3]
+        await written(engine, "disk", 4)
+        found = await engine.lookup(keys(0, 1, 2, 3))
+        assert found.hits == 4 and found.tiers == ["disk"] * 4
+        await engine.load(keys(2, 3), [20, 21])
+        assert gpu_block(tensors, 20) == expected[2]
+        assert gpu_block(tensors, 21) == expected[3]

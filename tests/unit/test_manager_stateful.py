@@ -133,6 +133,24 @@ class ManagerModel(RuleBasedStateMachine):
         else:
             assert events == []
 
+    @rule(free_target=st.integers(0, CAPACITY + 2))
+    def evict_ahead(self, free_target: int) -> None:
+        # Idle blocks only, until ``target`` slots are free or none is idle; one event.
+        list(self.m.take_events())
+        free = CAPACITY - len(self.writing) - len(self.ready)
+        idle = [k for k in self.ready if self.readers[k] == 0]
+        evicted = self.m.evict_ahead(free_target)
+        assert len(evicted) == min(max(free_target - free, 0), len(idle))
+        for k in evicted:
+            assert k in self.ready and self.readers[k] == 0, "evicted a pinned block"
+            del self.ready[k]
+        events = list(self.m.take_events())
+        if evicted:
+            (event,) = events
+            assert event.removed and event.keys == evicted
+        else:
+            assert events == []
+
     @rule(i=st.integers(0, KEY_SPACE - 1))
     def misuse_is_rejected_without_change(self, i: int) -> None:
         k = key(i)
