@@ -163,13 +163,16 @@ class OffloadConfig(BaseSettings):
     and the streams moved within their run-to-run spread (docs/transfers.md). Off: every
     end is found by the poller task."""
     evict_ahead_fraction: float = Field(default=1 / 32, ge=0, le=0.5)
-    """Once a store's copy is on its way, evict now what the next store of the same size
-    would evict, keeping at most this fraction of the CPU tier free for it: the next store
-    then finds room, and its copy starts without an eviction in front of it. On an H200 a
-    full tier cost a lone 8-block store 4-11 us against one with room (docs/transfers.md,
-    twenty-ninth and thirtieth sessions). The same victims go, one store earlier, so the
-    tier holds up to this fraction fewer blocks; 0 turns it off (each store evicts for
-    itself, as vLLM's manager does). Tiers under 32 blocks keep none free at the default."""
+    """Once a lone store's copy is on its way (nothing else in flight, the copy not done
+    during its submission), evict in its shadow what the next store of the same size would
+    evict, keeping at most this fraction of the CPU tier free for it: that store then finds
+    room, and its copy starts without an eviction in front of it. On an H200 a full tier
+    cost a lone 8-block store 4-11 us against one with room (docs/transfers.md, twenty-ninth
+    and thirtieth sessions). Stores behind other jobs evict at need, as before (the loop
+    thread is the stream's bottleneck there, with no copy to hide behind). The same victims
+    go, one store earlier, so the tier holds up to this fraction fewer blocks; 0 turns it
+    off (each store evicts for itself, as vLLM's manager does). Tiers under 32 blocks keep
+    none free at the default."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with

@@ -131,9 +131,11 @@ class TransferJobs(Lifecycle):
                 self._publish_manager_events()
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
-            # The copy is on its way: make room for the next store in its shadow.
+            # A lone store's copy is on its way (not done during the submission, nothing
+            # else in flight): make room for the next store in its shadow. Behind other
+            # jobs, or after an inline copy, there is no shadow: stores evict at need.
             evicted = out.evicted_keys
-            if self._evict_ahead_max:
+            if self._evict_ahead_max and mode != COLLECT and poller.lone_in_flight():
                 ahead = self._evict_ahead(len(stored))
                 if ahead:
                     evicted = evicted + ahead

@@ -278,6 +278,11 @@ class TransferPoller:
             waker.wake()
         return future, AWAIT
 
+    def lone_in_flight(self) -> bool:
+        """Whether exactly one job is in flight (the caller's own, just submitted): the loop
+        has nothing else to do while its copy runs."""
+        return len(self._jobs) == 1
+
     def caller_look(self) -> bool:
         """One look by the caller of a :data:`LOOK` job: collect what finished (closely, in a
         tight loop, when its end is predicted within ``close_look_s``). True: look again

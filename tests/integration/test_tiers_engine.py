@@ -323,35 +323,44 @@ async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path)
 
 
 async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_path: Path) -> None:
-    """A store evicts ahead for the next one once its copy is on its way (64 CPU blocks keep
-    two free): those victims go below like any other, and load back byte-exact."""
-    pytest.importorskip("torch")
-    from tests.integration.test_aio_engine_cpu_backend import build_engine, gpu_block
+    """A lone store evicts ahead for the next one once its copy is on its way (a 5 MiB store
+    goes to the CPU backend's copy thread, so it is in flight alone): those victims go below
+    like any other, and load back byte-exact."""
+    torch = pytest.importorskip("torch")
+    from kvcache_offload.dataplane import layouts
 
-    engine, tensors = build_engine(
-        num_cpu_blocks=64,
-        config={
-            "disk_path": tmp_path,
-            "disk_bytes": "64MiB",
-            "tier_write": "back",
-            "eviction_policy": "lru",
-        },
+    gen = torch.Generator().manual_seed(5)
+    # One layer, 8 GPU blocks of 1.25 MiB: four of them are one store above the CPU
+    # backend's 4 MiB limit for copying a lone job inline.
+    tensors = [torch.randint(-128, 127, (8, 2, 16, 5, 8192), dtype=torch.int8, generator=gen)]
+    kv = layouts.blocks_first_per_layer(tensors)
+    page = layouts.block_nbytes(kv)
+    cfg = OffloadConfig(
+        cpu_bytes_to_use=8 * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=8),
+        backend="cpu",
+        model_id="test-model",
+        disk_path=tmp_path,
+        disk_bytes="64MiB",
+        tier_write="back",
+        eviction_policy="lru",
+        evict_ahead_fraction=0.5,  # up to 4 of the 8 blocks kept free
     )
-    async with engine:
-        expected = {i: gpu_block(tensors, i % 32) for i in range(66)}
-        evicted = []
-        for start in range(0, 64, 16):
-            ks = keys(*range(start, start + 16))
-            result = await engine.store(ks, [i % 32 for i in range(start, start + 16)])
-            evicted.append(key_ids(result.evicted_keys))
-        # The store that filled the tier evicted two idle blocks ahead (its own are still
-        # being written); the next store found its room and evicted two more ahead.
-        assert evicted == [[], [], [], [0, 1]]
-        result = await engine.store(keys(64, 65), [0, 1])
-        assert key_ids(result.evicted_keys) == [2, 3]
+
+    def gpu_block(b: int) -> bytes:
+        return tensors[0][b].numpy().tobytes()
+
+    expected = {i: gpu_block(i) for i in range(8)}
+    async with OffloadEngine(cfg, kv_caches=kv) as engine:
+        first = await engine.store(keys(0, 1, 2, 3), [0, 1, 2, 3])
+        second = await engine.store(keys(4, 5, 6, 7), [4, 5, 6, 7])
+        # The second store filled the tier and, its copy in flight, evicted the first
+        # store's blocks ahead of the next store.
+        assert (key_ids(first.evicted_keys), key_ids(second.evicted_keys)) == ([], [0, 1, 2, 3])
+        assert engine.stats().evicted_blocks == 4
         await written(engine, "disk", 4)
         found = await engine.lookup(keys(0, 1, 2, 3))
         assert found.hits == 4 and found.tiers == ["disk"] * 4
-        await engine.load(keys(2, 3), [20, 21])
-        assert gpu_block(tensors, 20) == expected[2]
-        assert gpu_block(tensors, 21) == expected[3]
+        await engine.load(keys(2, 3), [0, 1])
+        assert gpu_block(0) == expected[2]
+        assert gpu_block(1) == expected[3]

@@ -8,6 +8,7 @@ counted, at most ``evict_ahead_fraction`` of the tier is kept free, and 0 turns 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from kvcache_offload.aio import EventType, OffloadEngine
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.control.manager import CPUOffloadingManager
-from tests.unit._aio_fakes import NO_KV, FakeSpec, small_config
+from tests.unit._aio_fakes import NO_KV, FakeHandler, FakeSpec, small_config, wait_for
 from tests.unit._keys import key_ids, keys
 
 POLICIES = ["lru", "arc", "adaptive", "s3fifo", "sieve", "lru2"]
@@ -144,3 +145,25 @@ async def test_no_room_is_kept_when_off_or_in_a_tier_too_small(
         assert key_ids(result.evicted_keys) == [0, 1]
         assert engine.manager.stats().free == 0  # type: ignore[attr-defined]
         assert engine.stats().evicted_blocks == 2
+
+
+async def test_stores_behind_other_jobs_in_flight_evict_only_at_need() -> None:
+    # In a stream the loop thread is the bottleneck and no lone copy hides the work: only a
+    # store whose copy is in flight alone evicts ahead.
+    handler = FakeHandler()
+    cfg = small_config(64, eviction_policy="lru")
+    async with OffloadEngine(cfg, spec=FakeSpec(cfg, handler), kv_caches=NO_KV) as engine:
+        await engine.store(keys(*range(64)), list(range(64)))
+        handler.auto = False  # copies now end when the test says
+        lone = asyncio.create_task(engine.store(keys(100, 101), [0, 1]))
+        await wait_for(lambda: len(handler.pending) == 1)
+        behind = asyncio.create_task(engine.store(keys(102, 103), [2, 3]))
+        await wait_for(lambda: len(handler.pending) == 2)
+        third = asyncio.create_task(engine.store(keys(104, 105), [4, 5]))
+        await wait_for(lambda: len(handler.pending) == 3)
+        handler.release()
+        results = await asyncio.gather(lone, behind, third)
+        # The lone one: two for its room, two ahead; the next found that room and evicted
+        # nothing; the third evicted its own two.
+        assert [key_ids(r.evicted_keys) for r in results] == [[0, 1, 2, 3], [], [4, 5]]
+        assert engine.manager.stats().free == 0  # type: ignore[attr-defined]
