@@ -93,3 +93,29 @@ def test_each_new_watcher_gets_its_own_end_wait_from_the_factory() -> None:
     last.close()
     assert made[1].closed == 1
     assert len(made) == 2  # stopping the watch builds none
+
+
+class ReusedCopy(FakeCopy):
+    """A copy the loop collected and started again while the watcher still held it: reading
+    its events fails, as CUDA's ``cudaEventElapsedTime`` does on a start not reached yet."""
+
+    def done(self) -> bool:
+        raise RuntimeError("CUDA error 600 reading a copy's events")
+
+
+def test_a_copy_reused_under_the_watcher_neither_stops_it_nor_holds_later_copies() -> None:
+    log: list[tuple[str, object]] = []
+    calls = threading.Semaphore(0)
+    watcher = CompletionWatcher(calls.release, "test-watcher")
+    head, reused = FakeCopy("head", log), ReusedCopy("reused", log)
+    reused.ended.set()
+    watcher.watch(head)  # type: ignore[arg-type]
+    watcher.watch(reused)  # type: ignore[arg-type]
+    head.ended.set()
+    assert calls.acquire(timeout=10.0)  # the scan past the head took the reused one
+    later = FakeCopy("later", log)
+    watcher.watch(later)  # type: ignore[arg-type]
+    later.ended.set()
+    assert calls.acquire(timeout=10.0)  # still watching
+    watcher.close()
+    assert [name for name, _ in log] == ["head", "later"]

@@ -180,12 +180,26 @@ class CompletionWatcher:
             except Exception:
                 logger.exception("waiting for a transfer's end failed")
             with self._cond:
-                while self._queue and self._queue[0].done():
+                while self._queue and _ended(self._queue[0]):
                     self._queue.popleft()
             try:
                 self._callback()
             except Exception:
                 logger.exception("completion callback raised; ignored")
+
+
+def _ended(copy: InFlightCopy) -> bool:
+    """Whether a copy the watcher holds has ended, never raising: a copy the loop already
+    collected may be in use again meanwhile (a lone lane copy is reused whole, its events
+    recorded anew), and reading its end and GPU time then fails ("CUDA error 600": its new
+    start not reached yet). It ended, as far as this watcher goes; an error that lasts is
+    met again where the copies are collected. (An H200 run lost its store watcher to this
+    before: every later end was found by polls and backstops, and a stream ran 8 % slower
+    with a 12 ms p99.)"""
+    try:
+        return copy.done()
+    except Exception:
+        return True
 
 
 class CopyPools:
