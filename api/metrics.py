@@ -130,6 +130,11 @@ class EngineCollector(Collector):
             "evicted_blocks", "Blocks evicted.", "policy", {s.policy: s.evicted_blocks}
         )
         yield _counter(
+            "evicted_ahead_blocks",
+            "Of the blocks evicted, those evicted ahead of the next store (behind a lone copy).",
+            s.evicted_ahead_blocks,
+        )
+        yield _counter(
             "released_evictions",
             "Evictions that took a released block (a session's end) before the policy chose.",
             s.released_evictions,

@@ -81,6 +81,7 @@ class ManagerSteps(EngineBase):
         evicted = cast("EvictsAhead", self.manager).evict_ahead(min(stored, self._evict_ahead_max))
         if evicted:
             self._totals.evicted_blocks += len(evicted)
+            self._totals.evicted_ahead_blocks += len(evicted)
             if self._tiers is not None:
                 self._tiers.on_evicted(evicted)
         return evicted

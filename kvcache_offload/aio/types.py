@@ -263,6 +263,9 @@ class EngineStats(WireShape):
     """Blocks whose load transfer failed (they were unpinned, the caller got TransferError)."""
     evicted_blocks: int = 0
     """Blocks the eviction policy dropped to make room."""
+    evicted_ahead_blocks: int = 0
+    """Of ``evicted_blocks``, those evicted ahead of the next store, behind a lone store's
+    copy (``OffloadConfig.evict_ahead_fraction``)."""
     discarded_blocks: int = 0
     """Blocks freed because a caller said nobody needs them again (``discard``)."""
     released_evictions: int = 0

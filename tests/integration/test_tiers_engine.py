@@ -357,7 +357,8 @@ async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_pat
         # The second store filled the tier and, its copy in flight, evicted the first
         # store's blocks ahead of the next store.
         assert (key_ids(first.evicted_keys), key_ids(second.evicted_keys)) == ([], [0, 1, 2, 3])
-        assert engine.stats().evicted_blocks == 4
+        stats = engine.stats()
+        assert (stats.evicted_blocks, stats.evicted_ahead_blocks) == (4, 4)
         await written(engine, "disk", 4)
         found = await engine.lookup(keys(0, 1, 2, 3))
         assert found.hits == 4 and found.tiers == ["disk"] * 4

@@ -115,7 +115,8 @@ async def test_an_engine_store_evicts_ahead_for_the_next_store_and_reports_it() 
 
         second = await engine.store(keys(102, 103), [2, 3])
         assert key_ids(second.evicted_keys) == [4, 5]  # both ahead: its room was there
-        assert engine.stats().evicted_blocks == 6
+        stats = engine.stats()
+        assert (stats.evicted_blocks, stats.evicted_ahead_blocks) == (6, 4)
         evicted_events = [
             key_ids(e.keys) for e in engine.event_hub.recent(0) if e.type is EventType.EVICTED
         ]
@@ -144,7 +145,7 @@ async def test_no_room_is_kept_when_off_or_in_a_tier_too_small(
         result = await engine.store(keys(100, 101), [0, 1])
         assert key_ids(result.evicted_keys) == [0, 1]
         assert engine.manager.stats().free == 0  # type: ignore[attr-defined]
-        assert engine.stats().evicted_blocks == 2
+        assert (engine.stats().evicted_blocks, engine.stats().evicted_ahead_blocks) == (2, 0)
 
 
 async def test_stores_behind_other_jobs_in_flight_evict_only_at_need() -> None:
