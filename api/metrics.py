@@ -131,7 +131,7 @@ class EngineCollector(Collector):
         )
         yield _counter(
             "evicted_ahead_blocks",
-            "Of the blocks evicted, those evicted ahead of the next store (behind a lone copy).",
+            "Evictions that took a block chosen ahead of the store (behind a lone copy).",
             s.evicted_ahead_blocks,
         )
         yield _counter(

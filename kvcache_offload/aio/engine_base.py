@@ -44,7 +44,7 @@ class EngineTotals:
     def __init__(self) -> None:
         self.lookups = self.lookup_keys = self.lookup_hit_blocks = 0
         self.store_blocks_prepared = self.store_blocks_completed = self.store_blocks_failed = 0
-        self.stores_rejected = self.evicted_blocks = self.evicted_ahead_blocks = 0
+        self.stores_rejected = self.evicted_blocks = 0
         self.load_blocks_completed = self.load_blocks_failed = 0
 
 

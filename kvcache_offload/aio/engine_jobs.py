@@ -132,13 +132,10 @@ class TransferJobs(Lifecycle):
                 self._finish_store(stored, ctx, False, "transfer refused")
                 raise
             # A lone store's copy is on its way (not done during the submission, nothing
-            # else in flight): make room for the next store in its shadow. Behind other
-            # jobs, or after an inline copy, there is no shadow: stores evict at need.
-            evicted = out.evicted_keys
+            # else in flight): choose the next store's victims in its shadow. Behind other
+            # jobs, or after an inline copy, there is no shadow: stores choose at need.
             if self._evict_ahead_max and mode != COLLECT and poller.lone_in_flight():
-                ahead = self._evict_ahead(len(stored))
-                if ahead:
-                    evicted = evicted + ahead
+                self._evict_ahead(len(stored))
         finally:
             self._publish_manager_events()  # a no-op when published above
         if mode:
@@ -147,7 +144,7 @@ class TransferJobs(Lifecycle):
         if not result.success:
             raise TransferError(f"storing {len(stored)} blocks failed (job {result.job_id})")
         return job_store_result(
-            stored, evicted, result.transfer_size or 0, result.transfer_time or 0.0
+            stored, out.evicted_keys, result.transfer_size or 0, result.transfer_time or 0.0
         )
 
     @staticmethod

@@ -40,6 +40,7 @@ def tier_counts(snap: Any, policy: str) -> dict[str, Any]:
         # the manager counts its hints' effects (a manager without hints reports none)
         "discarded_blocks": int(getattr(snap, "discarded_blocks", 0)),
         "released_evictions": int(getattr(snap, "released_evictions", 0)),
+        "evicted_ahead_blocks": int(getattr(snap, "ahead_evictions", 0)),
         "blocks_released": int(getattr(snap, "released", 0)),
     }
 

@@ -74,17 +74,12 @@ class ManagerSteps(EngineBase):
             self._publish_manager_events()
         return out
 
-    def _evict_ahead(self, stored: int) -> list[OffloadKey]:
-        """After a store's copy was launched: evict what the next store of ``stored`` blocks
-        would (at most ``_evict_ahead_max``), in the copy's shadow; the events are the
-        caller's to publish before it yields. ``config.evict_ahead_fraction`` says why."""
-        evicted = cast("EvictsAhead", self.manager).evict_ahead(min(stored, self._evict_ahead_max))
-        if evicted:
-            self._totals.evicted_blocks += len(evicted)
-            self._totals.evicted_ahead_blocks += len(evicted)
-            if self._tiers is not None:
-                self._tiers.on_evicted(evicted)
-        return evicted
+    def _evict_ahead(self, stored: int) -> None:
+        """After a lone store's copy was launched: have the manager choose, in the copy's
+        shadow, what the next store of ``stored`` blocks would evict (at most
+        ``_evict_ahead_max``); they stay loadable until that store takes their slots.
+        ``config.evict_ahead_fraction`` says why."""
+        cast("EvictsAhead", self.manager).evict_ahead(min(stored, self._evict_ahead_max))
 
     def _finish_store(
         self, keys: list[OffloadKey], ctx: ReqContext, success: bool, reason: str = ""

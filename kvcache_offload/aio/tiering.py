@@ -127,10 +127,6 @@ class EngineTiers:
         if keys_to_store:
             self._preparing.update(zip(keys_to_store, _ids(store_spec), strict=True))
 
-    def on_evicted(self, keys: Sequence[OffloadKey]) -> None:
-        """Blocks evicted ahead of the next store: save the victims not yet written below."""
-        self._save_victims(keys)
-
     def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
             self._preparing.pop(key, None)

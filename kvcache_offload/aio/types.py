@@ -109,8 +109,6 @@ class StoreResult(WireShape):
     keys_stored: list[HexKey]
     """Keys actually written by this call (keys already offloaded are skipped)."""
     evicted_keys: list[HexKey]
-    """Keys evicted by this call: to make its own room and, once an engine store's copy is
-    on its way, ahead of the next store (``OffloadConfig.evict_ahead_fraction``)."""
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
 
@@ -264,8 +262,8 @@ class EngineStats(WireShape):
     evicted_blocks: int = 0
     """Blocks the eviction policy dropped to make room."""
     evicted_ahead_blocks: int = 0
-    """Of ``evicted_blocks``, those evicted ahead of the next store, behind a lone store's
-    copy (``OffloadConfig.evict_ahead_fraction``)."""
+    """Of the evictions, those that took a block chosen ahead, behind a lone store's copy
+    (``OffloadConfig.evict_ahead_fraction``); counted in the tier's evictions."""
     discarded_blocks: int = 0
     """Blocks freed because a caller said nobody needs them again (``discard``)."""
     released_evictions: int = 0

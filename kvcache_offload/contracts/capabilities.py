@@ -112,10 +112,11 @@ class DiscardsBlocks(Protocol):
 
 @runtime_checkable
 class EvictsAhead(Protocol):
-    """A manager that can evict before a store asks: ``evict_ahead(n)`` frees idle blocks
-    until ``n`` slots are free and returns the keys evicted (see ``CPUOffloadingManager``)."""
+    """A manager that can choose victims before a store asks: ``evict_ahead(n)`` chooses
+    idle blocks until ``n`` slots are free or chosen, and returns how many it chose; they
+    stay loadable until a store takes them (see ``CPUOffloadingManager``)."""
 
-    def evict_ahead(self, free_target: int) -> list[OffloadKey]: ...
+    def evict_ahead(self, free_target: int) -> int: ...
 
 
 @runtime_checkable

@@ -96,6 +96,13 @@ class CPUManagerStats:
     """Evictions that took a released block before asking the policy (see ``release``)."""
     released: int = 0
     """Blocks released and not evicted yet: at most the blocks held (a gauge)."""
+    chosen_ahead: int = 0
+    """Idle blocks the policy chose ahead of the next store (see ``evict_ahead``): still
+    loadable, the first to go when room is needed (a gauge)."""
+    ahead_evictions: int = 0
+    """Evictions that took a block chosen ahead (also in ``evictions``)."""
+    ahead_rescued: int = 0
+    """Blocks chosen ahead, then used again before their slot was needed: kept."""
 
     @property
     def used(self) -> int:
@@ -176,6 +183,12 @@ class CPUOffloadingManager(OffloadingManager):
         # leaves only through ``_take_released`` or ``_forget``, which drop its mark (the
         # policy is never asked to evict one: ``_released_victims`` pins them all first).
         self._released: dict[OffloadKey, None] = {}
+        # Idle blocks chosen ahead of the next store (``evict_ahead``), oldest first: out of
+        # the policy and the table, still loadable (lookups and loads find them here, and a
+        # use puts them back), taken first when a store needs room.
+        self._ahead: dict[OffloadKey, BlockStatus] = {}
+        self._ahead_evictions = 0
+        self._ahead_rescued = 0
 
     # -- introspection -------------------------------------------------------------------
 
@@ -213,6 +226,9 @@ class CPUOffloadingManager(OffloadingManager):
             discarded_blocks=self._discarded_blocks,
             released_evictions=self._released_evictions,
             released=len(self._released),
+            chosen_ahead=len(self._ahead),
+            ahead_evictions=self._ahead_evictions,
+            ahead_rescued=self._ahead_rescued,
         )
 
     # -- lookups and loads ---------------------------------------------------------------
@@ -221,6 +237,8 @@ class CPUOffloadingManager(OffloadingManager):
         # ``key: Any``: a malformed key must raise InvalidKeyError, also when compiled.
         block = self._blocks.get(key)
         if block is None:
+            if self._ahead and key in self._ahead:  # chosen ahead: loadable until taken
+                return True
             _check_keys((key,))
             return False
         return None if block.ref_cnt == -1 else True
@@ -229,6 +247,8 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> CPULoadStoreSpec:
         blocks = self._blocks_at_least(keys, 0, "load", "ready")
+        if self._ahead:
+            self._rescue(keys)
         newly_read = 0
         for block in blocks:
             if block.ref_cnt == 0:
@@ -252,6 +272,8 @@ class CPUOffloadingManager(OffloadingManager):
             if type(key) is not bytes:
                 _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)  # compiled: one C call; a bound ``get`` is a generic call
+            if block is None and self._ahead:
+                block = self._ahead.get(key)
             if block is None or block.ref_cnt < min_ref_cnt:
                 # A malformed key anywhere is named before a state error (a bytes key found
                 # in the table equals a stored, valid one, so only these need the full check).
@@ -268,6 +290,8 @@ class CPUOffloadingManager(OffloadingManager):
             released = self._released
             for key in keys:
                 released.pop(key, None)
+        if self._ahead:
+            self._rescue(keys)
         self._policy.touch(keys)
 
     def complete_load(
@@ -307,6 +331,7 @@ class CPUOffloadingManager(OffloadingManager):
         keys_to_store: list[OffloadKey] = []
         distinct: set[OffloadKey] = set()  # built in the loop: cheaper than ``set(list)``
         present: list[BlockStatus] = []
+        rescued: list[OffloadKey] = []  # keys chosen ahead: present, kept once checked
         # The keys are checked in this loop (``_check_keys`` per key, as it goes): a bytes key
         # found in the table equals a stored key, so only the absent ones need their length
         # checked. Nothing changes before the loop ends, and the first malformed key raises.
@@ -317,6 +342,10 @@ class CPUOffloadingManager(OffloadingManager):
             if type(key) is not bytes:
                 _check_keys((key,))  # InvalidKeyError, unless a bytes subclass: then usable
             block = table.get(key)
+            if block is None and self._ahead:
+                block = self._ahead.get(key)
+                if block is not None:
+                    rescued.append(key)
             if block is None:
                 if len(cast(bytes, key)) <= 4:
                     _check_keys((key,))
@@ -325,10 +354,14 @@ class CPUOffloadingManager(OffloadingManager):
             elif block.ref_cnt >= 0:
                 present.append(block)
         if not keys_to_store:
+            if rescued:
+                self._rescue(rescued)
             return _store_output([], _cpu_spec([]), [])
         if len(distinct) != len(keys_to_store):
             keys_to_store = list(dict.fromkeys(keys_to_store))
 
+        if rescued:  # chosen ahead, and asked for again: kept (nothing raises from here)
+            self._rescue(rescued)
         needed = len(keys_to_store) - self._num_free()
         evicted_keys: list[OffloadKey] = []
         recycled: list[BlockStatus] = []  # this call's victims (two lists: no tuple each)
@@ -379,12 +412,50 @@ class CPUOffloadingManager(OffloadingManager):
         evicted_keys: list[OffloadKey],
         recycled: list[BlockStatus],
     ) -> bool:
-        """Evict ``needed`` idle blocks (released ones first, then the policy's choice) into
-        ``evicted_keys`` and ``recycled``, their slots reset for a new store and published as
-        one eviction event; ``present`` (ready blocks of the caller's keys) survive. False,
-        with nothing changed, when too few blocks are evictable."""
+        """Evict ``needed`` idle blocks into ``evicted_keys`` and ``recycled``, their slots
+        reset for a new store, published as one eviction event: blocks chosen ahead first,
+        then the choice of :meth:`_choose`; ``present`` (ready blocks of the caller's keys)
+        survive. False, with nothing changed, when too few blocks are evictable."""
         if self._num_idle() < needed:
             return False
+        ahead = self._ahead
+        taken = 0
+        if ahead:
+            taken = min(needed, len(ahead))
+            if taken < needed and not self._choose(needed - taken, present, evicted_keys, recycled):
+                return False
+            # Oldest first, ahead of the policy's own victims (they were chosen first).
+            chosen_keys: list[OffloadKey] = []
+            chosen_blocks: list[BlockStatus] = []
+            for key in ahead:
+                if len(chosen_keys) == taken:
+                    break
+                chosen_keys.append(key)
+            for key in chosen_keys:
+                chosen_blocks.append(ahead.pop(key))
+            evicted_keys[:0] = chosen_keys
+            recycled[:0] = chosen_blocks
+            self._ahead_evictions += taken
+        elif not self._choose(needed, present, evicted_keys, recycled):
+            return False
+        for block in recycled:
+            block.ref_cnt = -1  # freed slots wait in the state a new store needs
+        self._evictions += len(recycled)
+        if self.events is not None:
+            self.events.append(_event(evicted_keys, True))
+        return True
+
+    def _choose(
+        self,
+        needed: int,
+        present: list[BlockStatus],
+        evicted_keys: list[OffloadKey],
+        recycled: list[BlockStatus],
+    ) -> bool:
+        """Take ``needed`` idle blocks out of the policy and the table (released ones first,
+        then the policy's choice) into ``evicted_keys`` and ``recycled``, their state left
+        as it was (idle); ``present`` survive. False, with nothing changed, when the policy
+        cannot find that many."""
         # Every key of this call must survive the eviction. The ready ones are pinned for it
         # (blocks being read or written are never evicted anyway): the same effect as passing
         # the keys as ``protected``, without building a set of them.
@@ -392,6 +463,7 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt += 1
         chosen = self._released_victims(needed) if self._released else []
         evicted = False
+        first = len(evicted_keys)
         try:
             # The released victims are pinned while the policy picks the rest, so a refused
             # store changes nothing; they go only if it succeeds.
@@ -407,36 +479,54 @@ class CPUOffloadingManager(OffloadingManager):
             return False
         if chosen:
             self._take_released(chosen, evicted_keys, recycled)
-        for block in recycled:
-            block.ref_cnt = -1  # freed slots wait in the state a new store needs
         if not self._shared_table:
             table = self._blocks
-            for key in evicted_keys:
-                del table[key]
-        self._evictions += len(recycled)
-        if self.events is not None:
-            self.events.append(_event(evicted_keys, True))
+            for index in range(first, len(evicted_keys)):
+                del table[evicted_keys[index]]
         return True
 
-    def evict_ahead(self, free_target: int) -> list[OffloadKey]:
-        """Evict idle blocks until ``free_target`` slots are free (as many as are idle, when
-        fewer): the blocks the next store of that size would evict, chosen now. Returns the
-        keys evicted, published as one eviction event, their slots free.
+    def evict_ahead(self, free_target: int) -> int:
+        """Choose now the idle blocks the next store would evict, so that ``free_target``
+        slots are free or chosen (as many as are idle, when fewer); returns how many were
+        chosen. They leave the policy but stay loadable (a lookup finds them, a load or a
+        touch keeps them) until a store needs their slots: it takes them first, and only
+        then are they evicted, published and counted as evictions.
 
-        The engine calls it once a store's copy is on its way, so the next store finds room
-        and its copy starts without an eviction in front of it (``docs/transfers.md``,
-        thirtieth session); the same victims go, one store earlier."""
-        needed = min(free_target - self._num_free(), self._num_idle())
+        The engine calls it once a lone store's copy is on its way, so the next store's
+        copy starts without the policy's choice in front of it (``docs/transfers.md``,
+        thirtieth session). A block used meanwhile is put back in the policy as a new one:
+        LRU then decides as it would have; the others may differ in what they remember."""
+        ahead = self._ahead
+        needed = min(free_target - self._num_free() - len(ahead), self._num_idle() - len(ahead))
         if needed <= 0:
-            return []
-        evicted_keys: list[OffloadKey] = []
-        recycled: list[BlockStatus] = []
-        if not self._evict(needed, [], evicted_keys, recycled):
-            return []
-        # Pushed so the next store pops them as if it had evicted them itself: last victim
-        # first (``prepare_store`` takes its own victims from the end of its list).
-        self._free_list.extend(recycled)
-        return evicted_keys
+            return 0
+        keys: list[OffloadKey] = []
+        blocks: list[BlockStatus] = []
+        if not self._choose(needed, [], keys, blocks):
+            return 0
+        for index in range(len(keys)):
+            ahead[keys[index]] = blocks[index]
+        return len(keys)
+
+    def _rescue(self, keys: Sequence[OffloadKey]) -> None:
+        """Put the blocks of ``keys`` chosen ahead back in the table and the policy (as newly
+        stored: the caller's touch, if any, follows)."""
+        ahead = self._ahead
+        back_keys: list[OffloadKey] = []
+        back_blocks: list[BlockStatus] = []
+        for key in keys:
+            block = ahead.pop(key, None)
+            if block is not None:
+                back_keys.append(key)
+                back_blocks.append(block)
+        if not back_keys:
+            return
+        if not self._shared_table:
+            table = self._blocks
+            for index in range(len(back_keys)):
+                table[back_keys[index]] = back_blocks[index]
+        self._policy.insert_blocks(back_keys, back_blocks)
+        self._ahead_rescued += len(back_keys)
 
     def complete_store(
         self,
@@ -554,8 +644,16 @@ class CPUOffloadingManager(OffloadingManager):
         table = self._blocks
         free_list = self._free_list
         dropped: list[OffloadKey] = []
+        ahead = self._ahead
         for key in keys:
             block = table.get(key)
+            if block is None and ahead:
+                block = ahead.pop(key, None)
+                if block is not None:  # chosen ahead: out of the policy and table already
+                    block.ref_cnt = -1
+                    free_list.append(block)
+                    dropped.append(key)
+                continue
             if block is None or block.ref_cnt != 0:
                 continue
             self._forget(key, block)
@@ -584,8 +682,16 @@ class CPUOffloadingManager(OffloadingManager):
         _check_keys(keys)
         table = self._blocks
         fenced: list[int] = []
+        ahead = self._ahead
         for key in keys:
             block = table.get(key)
+            if block is None and ahead:
+                block = ahead.pop(key, None)
+                if block is not None:  # chosen ahead: idle, out of the policy and table
+                    block.ref_cnt = -1
+                    self._fenced[block.block_id] = block
+                    fenced.append(block.block_id)
+                continue
             if block is None:
                 continue
             if block.ref_cnt == -1:
@@ -610,6 +716,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.clear()
         self._blocks.clear()
         self._released.clear()
+        self._ahead.clear()
         self._free_list.clear()
         self._num_allocated = 0
         self._writing = 0

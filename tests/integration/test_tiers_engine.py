@@ -322,10 +322,13 @@ async def test_a_cluster_tier_outlives_the_node_named_in_its_url(tmp_path: Path)
             await tier.aclose()
 
 
-async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_path: Path) -> None:
-    """A lone store evicts ahead for the next one once its copy is on its way (a 5 MiB store
-    goes to the CPU backend's copy thread, so it is in flight alone): those victims go below
-    like any other, and load back byte-exact."""
+async def test_blocks_chosen_ahead_stay_in_the_cpu_tier_until_taken_then_go_below(
+    tmp_path: Path,
+) -> None:
+    """A lone store chooses the next store's victims once its copy is on its way (a 5 MiB
+    store goes to the CPU backend's copy thread, so it is in flight alone): they stay in the
+    CPU tier, loadable, until a store takes their slots; then (write-back) they go below and
+    load back byte-exact."""
     torch = pytest.importorskip("torch")
     from kvcache_offload.dataplane import layouts
 
@@ -344,7 +347,7 @@ async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_pat
         disk_bytes="64MiB",
         tier_write="back",
         eviction_policy="lru",
-        evict_ahead_fraction=0.5,  # up to 4 of the 8 blocks kept free
+        evict_ahead_fraction=0.5,  # up to 4 of the 8 blocks chosen ahead
     )
 
     def gpu_block(b: int) -> bytes:
@@ -352,16 +355,22 @@ async def test_write_back_saves_blocks_evicted_ahead_and_loads_them_back(tmp_pat
 
     expected = {i: gpu_block(i) for i in range(8)}
     async with OffloadEngine(cfg, kv_caches=kv) as engine:
-        first = await engine.store(keys(0, 1, 2, 3), [0, 1, 2, 3])
-        second = await engine.store(keys(4, 5, 6, 7), [4, 5, 6, 7])
-        # The second store filled the tier and, its copy in flight, evicted the first
-        # store's blocks ahead of the next store.
-        assert (key_ids(first.evicted_keys), key_ids(second.evicted_keys)) == ([], [0, 1, 2, 3])
+        await engine.store(keys(0, 1, 2, 3), [0, 1, 2, 3])
+        await engine.store(keys(4, 5, 6, 7), [4, 5, 6, 7])
+        # The second store filled the tier and, its copy in flight, had the first store's
+        # blocks chosen for the next one: still in the CPU tier, nothing written below.
+        assert engine.manager.stats().chosen_ahead == 4  # type: ignore[attr-defined]
+        found = await engine.lookup(keys(0, 1, 2, 3))
+        assert found.hits == 4 and found.tiers == ["CPU"] * 4
+        assert tier_stats(engine, "disk").put_blocks == 0
+
+        third = await engine.store(keys(8, 9, 10, 11), [0, 1, 2, 3])
+        assert key_ids(third.evicted_keys) == [0, 1, 2, 3]
         stats = engine.stats()
         assert (stats.evicted_blocks, stats.evicted_ahead_blocks) == (4, 4)
         await written(engine, "disk", 4)
         found = await engine.lookup(keys(0, 1, 2, 3))
         assert found.hits == 4 and found.tiers == ["disk"] * 4
-        await engine.load(keys(2, 3), [0, 1])
-        assert gpu_block(0) == expected[2]
-        assert gpu_block(1) == expected[3]
+        await engine.load(keys(2, 3), [6, 7])
+        assert gpu_block(6) == expected[2]
+        assert gpu_block(7) == expected[3]

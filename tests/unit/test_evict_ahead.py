@@ -1,9 +1,11 @@
-"""Evicting ahead: once a store's copy is on its way, the engine frees the room the next
-store of its size needs, so that store's copy starts without an eviction in front of it.
+"""Choosing victims ahead: once a lone store's copy is on its way, the policy chooses what
+the next store of its size would evict, so that store's copy starts without the choice in
+front of it.
 
-What users rely on: the victims are the ones the next store would have evicted (same keys,
-same slots), nothing being read or written is ever taken, every eviction is published and
-counted, at most ``evict_ahead_fraction`` of the tier is kept free, and 0 turns it off.
+What users rely on: the next store evicts the keys and reuses the slots it would have
+anyway; the chosen blocks stay loadable until then (a lookup finds them, a load or touch
+keeps them), so hit rates and eviction events do not change; nothing being read or written
+is chosen; at most ``evict_ahead_fraction`` of the tier is chosen, and 0 turns it off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from kvcache_offload.aio import EventType, OffloadEngine
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.control.manager import CPUOffloadingManager
 from tests.unit._aio_fakes import NO_KV, FakeHandler, FakeSpec, small_config, wait_for
-from tests.unit._keys import key_ids, keys
+from tests.unit._keys import key, key_ids, keys
 
 POLICIES = ["lru", "arc", "adaptive", "s3fifo", "sieve", "lru2"]
 
@@ -42,129 +44,172 @@ def slot_ids(spec: object) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_evicting_ahead_takes_the_victims_and_slots_the_next_store_would(policy: str) -> None:
+def test_the_next_store_evicts_the_keys_and_reuses_the_slots_it_would_have(policy: str) -> None:
     at_need, ahead = filled(policy), filled(policy)
     new = keys(100, 101, 102)
 
     out_at_need = at_need.prepare_store(new)
-    evicted_ahead = ahead.evict_ahead(3)
+    assert ahead.evict_ahead(3) == 3
     out_ahead = ahead.prepare_store(new)
 
     assert out_at_need is not None and out_ahead is not None
-    assert len(evicted_ahead) == 3
-    assert evicted_ahead == out_at_need.evicted_keys
-    assert out_ahead.evicted_keys == []
+    assert out_ahead.evicted_keys == out_at_need.evicted_keys
+    assert len(out_ahead.evicted_keys) == 3
     assert slot_ids(out_ahead.store_spec) == slot_ids(out_at_need.store_spec)
+    assert [(e.removed, e.keys) for e in ahead.take_events()] == [
+        (e.removed, e.keys) for e in at_need.take_events()
+    ]
     assert ahead.stats().evictions == at_need.stats().evictions == 3
+    assert (ahead.stats().ahead_evictions, ahead.stats().chosen_ahead) == (3, 0)
 
 
-def test_evicting_ahead_publishes_one_eviction_event_and_frees_the_slots() -> None:
+def test_chosen_blocks_stay_loadable_and_nothing_is_published_until_a_store_takes_them() -> None:
     manager = filled("lru")
-    evicted = manager.evict_ahead(2)
-    assert key_ids(evicted) == [0, 2]
-    events = list(manager.take_events())
-    assert [(e.removed, key_ids(e.keys)) for e in events] == [(True, [0, 2])]
-    stats = manager.stats()
-    assert (stats.free, stats.idle, stats.evictions) == (2, 14, 2)
-    assert manager.lookup(evicted[0]) is False
-    # Room already there: nothing more is evicted.
-    assert manager.evict_ahead(2) == []
-    assert manager.evict_ahead(1) == []
+    assert manager.evict_ahead(2) == 2
     assert list(manager.take_events()) == []
+    stats = manager.stats()
+    assert (stats.free, stats.idle, stats.evictions, stats.chosen_ahead) == (0, 16, 0, 2)
+    assert manager.lookup(key(0)) is True and manager.lookup(key(2)) is True
+    # Already chosen: asking again chooses no more.
+    assert manager.evict_ahead(2) == 0
+    assert manager.evict_ahead(1) == 0
+    out = manager.prepare_store(keys(100))
+    assert out is not None and key_ids(out.evicted_keys) == [0]
+    assert [(e.removed, key_ids(e.keys)) for e in manager.take_events()] == [(True, [0])]
+    assert manager.lookup(key(0)) is False
+    assert manager.lookup(key(2)) is True  # still chosen, still loadable
 
 
-def test_evicting_ahead_never_takes_blocks_being_read_or_written() -> None:
+@pytest.mark.parametrize("use", ["load", "touch", "store"])
+def test_a_chosen_block_used_again_is_kept_and_lru_decides_as_at_need(use: str) -> None:
+    at_need, ahead = filled("lru"), filled("lru")
+    assert ahead.evict_ahead(2) == 2  # keys 0 and 2 (LRU)
+    for manager in (at_need, ahead):
+        if use == "load":
+            spec = manager.prepare_load(keys(0))
+            manager.complete_load(keys(0))
+            manager.touch(keys(0))
+        elif use == "touch":
+            manager.touch(keys(0))
+        else:  # a store naming a present key skips it, then touches all its keys
+            out = manager.prepare_store(keys(0))
+            assert out is not None and out.keys_to_store == []
+            manager.touch(keys(0))
+    if use == "load":
+        assert slot_ids(spec) == [0]
+    assert ahead.stats().ahead_rescued == 1
+    out_at_need = at_need.prepare_store(keys(100, 101))
+    out_ahead = ahead.prepare_store(keys(100, 101))
+    assert out_at_need is not None and out_ahead is not None
+    assert key_ids(out_ahead.evicted_keys) == key_ids(out_at_need.evicted_keys) == [2, 4]
+    assert ahead.lookup(key(0)) is True
+
+
+def test_choosing_ahead_never_takes_blocks_being_read_or_written() -> None:
     manager = CPUOffloadingManager(4, "lru", enable_events=True)
     out = manager.prepare_store(keys(0, 1, 2, 3))
     assert out is not None
-    assert manager.evict_ahead(2) == []  # all four being written
+    assert manager.evict_ahead(2) == 0  # all four being written
     manager.complete_store(keys(0, 1))
     manager.prepare_load(keys(0))
-    # One idle block (1): only it goes, though two were asked for.
-    assert key_ids(manager.evict_ahead(2)) == [1]
-    assert manager.lookup(keys(0)[0]) is True
-    assert manager.lookup(keys(2)[0]) is None
+    assert manager.evict_ahead(2) == 1  # one idle block (1): only it, though two were asked
+    assert manager.stats().chosen_ahead == 1
     manager.complete_load(keys(0))
-    assert key_ids(manager.evict_ahead(2)) == [0]
+    assert manager.evict_ahead(2) == 1
+    out = manager.prepare_store(keys(10, 11))
+    assert out is not None and key_ids(out.evicted_keys) == [1, 0]
 
 
-def test_evicting_ahead_takes_released_keys_first() -> None:
+def test_released_keys_are_chosen_first_as_at_need() -> None:
     manager, at_need = filled("lru"), filled("lru")
     assert manager.release(keys(9, 11)) == at_need.release(keys(9, 11)) == 2
-    evicted = manager.evict_ahead(3)
-    assert sorted(key_ids(evicted)) == [0, 9, 11]
-    out = at_need.prepare_store(keys(100, 101, 102))
-    assert out is not None and out.evicted_keys == evicted
+    assert manager.evict_ahead(3) == 3
+    out = manager.prepare_store(keys(100, 101, 102))
+    expected = at_need.prepare_store(keys(100, 101, 102))
+    assert out is not None and expected is not None
+    assert sorted(key_ids(out.evicted_keys)) == sorted(key_ids(expected.evicted_keys)) == [0, 9, 11]
     assert manager.stats().released_evictions == 2
 
 
-def make_engine(num_blocks: int, **config: Any) -> OffloadEngine:
+def test_discard_fence_and_reset_handle_chosen_blocks() -> None:
+    manager = filled("lru")
+    assert manager.evict_ahead(3) == 3  # keys 0, 2, 4
+    assert key_ids(manager.discard(keys(2))) == [2]
+    assert manager.stats().free == 1
+    assert manager.lookup(key(2)) is False
+    fenced = manager.fence(keys(4))
+    assert len(fenced) == 1 and manager.stats().fenced == 1
+    assert manager.lookup(key(4)) is False
+    assert manager.stats().chosen_ahead == 1
+    manager.reset_cache()
+    stats = manager.stats()
+    assert (stats.chosen_ahead, stats.idle) == (0, 0)
+    assert manager.lookup(key(0)) is False
+
+
+def make_engine(
+    num_blocks: int, handler: FakeHandler | None = None, **config: Any
+) -> OffloadEngine:
     cfg = small_config(num_blocks, eviction_policy="lru", **config)
-    return OffloadEngine(cfg, spec=FakeSpec(cfg), kv_caches=NO_KV)
+    return OffloadEngine(cfg, spec=FakeSpec(cfg, handler), kv_caches=NO_KV)
 
 
-async def test_an_engine_store_evicts_ahead_for_the_next_store_and_reports_it() -> None:
-    async with make_engine(64) as engine:  # 1/32 of 64 blocks: at most 2 kept free
+async def test_a_lone_engine_store_chooses_the_next_stores_victims() -> None:
+    async with make_engine(64) as engine:  # 1/32 of 64 blocks: at most 2 chosen ahead
         await engine.store(keys(*range(64)), list(range(64)))
-        assert engine.stats().evicted_blocks == 0
-
         first = await engine.store(keys(100, 101), [0, 1])
-        # Two evicted for its own room, two ahead for the next store of two.
-        assert key_ids(first.evicted_keys) == [0, 1, 2, 3]
-        assert engine.manager.stats().free == 2  # type: ignore[attr-defined]
+        assert key_ids(first.evicted_keys) == [0, 1]
+        # 2 and 3 are chosen for the next store, and still there.
+        assert engine.manager.stats().chosen_ahead == 2  # type: ignore[attr-defined]
+        assert (await engine.lookup(keys(2, 3))).hits == 2
 
         second = await engine.store(keys(102, 103), [2, 3])
-        assert key_ids(second.evicted_keys) == [4, 5]  # both ahead: its room was there
+        assert key_ids(second.evicted_keys) == [2, 3]
         stats = engine.stats()
-        assert (stats.evicted_blocks, stats.evicted_ahead_blocks) == (6, 4)
+        assert (stats.evicted_blocks, stats.evicted_ahead_blocks) == (4, 2)
         evicted_events = [
             key_ids(e.keys) for e in engine.event_hub.recent(0) if e.type is EventType.EVICTED
         ]
-        assert evicted_events == [[0, 1], [2, 3], [4, 5]]
+        assert evicted_events == [[0, 1], [2, 3]]
         assert (await engine.lookup(keys(100, 101, 102, 103))).hits == 4
-        assert (await engine.lookup(keys(6))).hits == 1
 
 
-async def test_the_free_reserve_is_capped_by_the_fraction_of_the_tier() -> None:
+async def test_at_most_the_fraction_of_the_tier_is_chosen() -> None:
     async with make_engine(64) as engine:
         await engine.store(keys(*range(64)), list(range(64)))
-        result = await engine.store(keys(*range(100, 108)), list(range(8)))
-        # Eight evicted for its room, two (1/32 of 64) ahead.
-        assert len(result.evicted_keys) == 10
-        assert engine.manager.stats().free == 2  # type: ignore[attr-defined]
+        await engine.store(keys(*range(100, 108)), list(range(8)))
+        assert engine.manager.stats().chosen_ahead == 2  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
     ("num_blocks", "fraction"), [(64, 0.0), (16, 1 / 32)], ids=["off", "small-tier"]
 )
-async def test_no_room_is_kept_when_off_or_in_a_tier_too_small(
+async def test_nothing_is_chosen_when_off_or_in_a_tier_too_small(
     num_blocks: int, fraction: float
 ) -> None:
     async with make_engine(num_blocks, evict_ahead_fraction=fraction) as engine:
         await engine.store(keys(*range(num_blocks)), list(range(num_blocks)))
-        result = await engine.store(keys(100, 101), [0, 1])
-        assert key_ids(result.evicted_keys) == [0, 1]
-        assert engine.manager.stats().free == 0  # type: ignore[attr-defined]
-        assert (engine.stats().evicted_blocks, engine.stats().evicted_ahead_blocks) == (2, 0)
+        await engine.store(keys(100, 101), [0, 1])
+        assert engine.manager.stats().chosen_ahead == 0  # type: ignore[attr-defined]
+        assert engine.stats().evicted_ahead_blocks == 0
 
 
-async def test_stores_behind_other_jobs_in_flight_evict_only_at_need() -> None:
+async def test_stores_behind_other_jobs_in_flight_choose_at_need() -> None:
     # In a stream the loop thread is the bottleneck and no lone copy hides the work: only a
-    # store whose copy is in flight alone evicts ahead.
+    # store whose copy is in flight alone chooses ahead.
     handler = FakeHandler()
-    cfg = small_config(64, eviction_policy="lru")
-    async with OffloadEngine(cfg, spec=FakeSpec(cfg, handler), kv_caches=NO_KV) as engine:
+    async with make_engine(64, handler) as engine:
         await engine.store(keys(*range(64)), list(range(64)))
         handler.auto = False  # copies now end when the test says
         lone = asyncio.create_task(engine.store(keys(100, 101), [0, 1]))
         await wait_for(lambda: len(handler.pending) == 1)
+        assert engine.manager.stats().chosen_ahead == 2  # type: ignore[attr-defined]
         behind = asyncio.create_task(engine.store(keys(102, 103), [2, 3]))
         await wait_for(lambda: len(handler.pending) == 2)
         third = asyncio.create_task(engine.store(keys(104, 105), [4, 5]))
         await wait_for(lambda: len(handler.pending) == 3)
+        assert engine.manager.stats().chosen_ahead == 0  # type: ignore[attr-defined]
         handler.release()
         results = await asyncio.gather(lone, behind, third)
-        # The lone one: two for its room, two ahead; the next found that room and evicted
-        # nothing; the third evicted its own two.
-        assert [key_ids(r.evicted_keys) for r in results] == [[0, 1, 2, 3], [], [4, 5]]
-        assert engine.manager.stats().free == 0  # type: ignore[attr-defined]
+        assert [key_ids(r.evicted_keys) for r in results] == [[0, 1], [2, 3], [4, 5]]
+        assert engine.stats().evicted_ahead_blocks == 2
