@@ -421,20 +421,27 @@ class CPUOffloadingManager(OffloadingManager):
         ahead = self._ahead
         taken = 0
         if ahead:
+            # Oldest first, ahead of the policy's own victims (they were chosen first); out
+            # of the chosen ones only once the policy found the rest.
             taken = min(needed, len(ahead))
+            if taken == len(ahead):
+                evicted_keys.extend(ahead)
+                recycled.extend(ahead.values())
+            else:
+                for key, block in ahead.items():
+                    if len(evicted_keys) == taken:
+                        break
+                    evicted_keys.append(key)
+                    recycled.append(block)
             if taken < needed and not self._choose(needed - taken, present, evicted_keys, recycled):
+                del evicted_keys[:]
+                del recycled[:]
                 return False
-            # Oldest first, ahead of the policy's own victims (they were chosen first).
-            chosen_keys: list[OffloadKey] = []
-            chosen_blocks: list[BlockStatus] = []
-            for key in ahead:
-                if len(chosen_keys) == taken:
-                    break
-                chosen_keys.append(key)
-            for key in chosen_keys:
-                chosen_blocks.append(ahead.pop(key))
-            evicted_keys[:0] = chosen_keys
-            recycled[:0] = chosen_blocks
+            if taken == len(ahead):
+                ahead.clear()
+            else:
+                for index in range(taken):
+                    del ahead[evicted_keys[index]]
             self._ahead_evictions += taken
         elif not self._choose(needed, present, evicted_keys, recycled):
             return False

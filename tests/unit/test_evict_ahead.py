@@ -213,3 +213,19 @@ async def test_stores_behind_other_jobs_in_flight_choose_at_need() -> None:
         results = await asyncio.gather(lone, behind, third)
         assert [key_ids(r.evicted_keys) for r in results] == [[0, 1], [2, 3], [4, 5]]
         assert engine.stats().evicted_ahead_blocks == 2
+
+
+def test_a_refused_store_leaves_the_chosen_blocks_chosen() -> None:
+    manager = CPUOffloadingManager(4, "lru", enable_events=True)
+    out = manager.prepare_store(keys(0, 1, 2, 3))
+    assert out is not None
+    manager.complete_store(out.keys_to_store)
+    assert manager.evict_ahead(1) == 1  # key 0
+    # Three new keys need three slots: key 0, then two of the policy's, but keys 1 and 2
+    # are this store's own and survive it, which leaves only key 3.
+    assert manager.prepare_store(keys(1, 2, 10, 11, 12)) is None
+    stats = manager.stats()
+    assert (stats.chosen_ahead, stats.evictions, stats.rejected_stores) == (1, 0, 1)
+    assert manager.lookup(key(0)) is True and manager.lookup(key(3)) is True
+    out = manager.prepare_store(keys(10))
+    assert out is not None and key_ids(out.evicted_keys) == [0]
