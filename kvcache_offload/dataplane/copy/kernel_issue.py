@@ -133,6 +133,14 @@ class KernelIssue:
         job table uploaded; larger jobs upload their table. For A/B runs of the two forms."""
         self._issuer.set_inline(units)
 
+    def set_store_start(self, on: bool) -> None:
+        """Whether :meth:`issue_units` orders a store after the model's writes by recording
+        the copy's start event on the model's stream (the copy's stream waits on it: one
+        driver call less per lone store, the default) or, as :meth:`issue` does, by a
+        separate mark recorded there and the start recorded on the copy's stream. For A/B
+        runs of the two forms (docs/transfers.md, thirtieth session)."""
+        self._issuer.set_store_start(on)
+
     def issue_units(
         self,
         host_ptr: int,
