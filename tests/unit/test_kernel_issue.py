@@ -539,19 +539,15 @@ def test_a_unit_an_int32_parameter_cannot_hold_issues_nothing() -> None:
 
 
 def test_a_lone_store_waits_for_the_models_stream_on_the_kernels_device() -> None:
-    # Its start event, recorded on the model's stream and waited on by the copy's, orders it
-    # after the model's writes: no separate mark (one driver call less).
     cuda = FakeCuda(TRITON_SIZES, current_device=1)
     host, dev = _tables([])
     issuer = _units_issuer(cuda, device=2)
     assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=BEFORE) == 0
     names = [c[0] for c in cuda.calls]
-    assert names == ["get_device", "set_device", "record", "wait", "launch", "record",
+    assert names == ["get_device", "set_device", "record", "wait", "record", "launch", "record",
                      "set_device"]  # fmt: skip
     assert cuda.calls[1] == ("set_device", 2) and cuda.calls[-1] == ("set_device", 1)
-    assert cuda.calls[2][:3] == ("record", START, BEFORE)
-    assert cuda.calls[3] == ("wait", STREAM, START, 0)
-    assert cuda.calls[5][:3] == ("record", END, STREAM)
+    assert cuda.calls[2][:3] == ("record", MARK, BEFORE)
 
 
 def test_a_lone_store_waits_for_the_default_stream_too() -> None:
@@ -559,27 +555,30 @@ def test_a_lone_store_waits_for_the_default_stream_too() -> None:
     host, dev = _tables([])
     assert _issue_units(_units_issuer(cuda), host, dev, _ids(1), _ids(3, 4), 2, mark=MARK) == 0
     names = [c[0] for c in cuda.calls]
-    assert names == ["get_device", "record", "wait", "launch", "record"]
-    assert cuda.calls[1][:3] == ("record", START, None)  # on the default stream (handle 0)
-    assert cuda.calls[2] == ("wait", STREAM, START, 0)
+    assert names == ["get_device", "record", "wait", "record", "launch", "record"]
+    assert cuda.calls[1][:3] == ("record", MARK, None)  # on the default stream (handle 0)
+    assert cuda.calls[2] == ("wait", STREAM, MARK, 0)
 
 
 @pytest.mark.parametrize("before", [BEFORE, 0], ids=["models-stream", "default-stream"])
-def test_with_store_start_off_a_lone_store_records_a_mark_as_issue_does(before: int) -> None:
+def test_with_store_start_a_lone_store_is_ordered_by_its_start_event(before: int) -> None:
+    # Its start event, recorded on the model's stream and waited on by the copy's, orders it
+    # after the model's writes: no separate mark (one driver call less).
     cuda = FakeCuda(TRITON_SIZES)
     host, dev = _tables([])
     issuer = _units_issuer(cuda)
-    issuer.set_store_start(False)
-    assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
-    names = [c[0] for c in cuda.calls]
-    assert names == ["get_device", "record", "wait", "record", "launch", "record"]
-    assert cuda.calls[1][:3] == ("record", MARK, before or None)
-    assert cuda.calls[2] == ("wait", STREAM, MARK, 0)
-    assert cuda.calls[3][:3] == ("record", START, STREAM)
     issuer.set_store_start(True)
-    cuda.calls.clear()
     assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
     assert [c[0] for c in cuda.calls] == ["get_device", "record", "wait", "launch", "record"]
+    assert cuda.calls[1][:3] == ("record", START, before or None)
+    assert cuda.calls[2] == ("wait", STREAM, START, 0)
+    assert cuda.calls[4][:3] == ("record", END, STREAM)
+    issuer.set_store_start(False)
+    cuda.calls.clear()
+    assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
+    assert [c[0] for c in cuda.calls] == ["get_device", "record", "wait", "record", "launch",
+                                         "record"]  # fmt: skip
+    assert cuda.calls[1][:3] == ("record", MARK, before or None)
 
 
 @pytest.mark.parametrize(

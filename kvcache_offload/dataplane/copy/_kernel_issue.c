@@ -85,7 +85,8 @@ typedef struct {
     /* issue_units passes jobs of at most this many units as kernel parameters (no table). */
     int64_t inline_units;
     /* issue_units orders a store by recording its start event on the model's stream, which
-     * the lane waits on, instead of a separate mark: one driver call less (set_store_start). */
+     * the lane waits on, instead of a separate mark: one driver call less (set_store_start;
+     * off until measured on a GPU). */
     int store_start_on_before;
 } KernelIssuer;
 
@@ -160,7 +161,7 @@ static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->src_factor = src_factor;
     self->dst_factor = dst_factor;
     self->inline_units = INLINE_UNITS;
-    self->store_start_on_before = 1;
+    self->store_start_on_before = 0;
     return (PyObject *)self;
 }
 
@@ -377,8 +378,8 @@ static PyObject *issuer_set_inline(KernelIssuer *self, PyObject *arg) {
 
 /* set_store_start(on) -> None: whether issue_units orders a store (a mark with nothing
  * queued before it) by recording its start event on the model's stream, which the copy's
- * stream waits on, instead of recording a separate mark there first (1, the default: one
- * driver call less per lone store) or as issue() does (0). */
+ * stream waits on, instead of recording a separate mark there first (1: one driver call
+ * less per lone store) or as issue() does (0, the default until an A/B on a GPU). */
 static PyObject *issuer_set_store_start(KernelIssuer *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;

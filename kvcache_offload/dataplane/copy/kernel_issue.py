@@ -136,9 +136,9 @@ class KernelIssue:
     def set_store_start(self, on: bool) -> None:
         """Whether :meth:`issue_units` orders a store after the model's writes by recording
         the copy's start event on the model's stream (the copy's stream waits on it: one
-        driver call less per lone store, the default) or, as :meth:`issue` does, by a
-        separate mark recorded there and the start recorded on the copy's stream. For A/B
-        runs of the two forms (docs/transfers.md, thirtieth session)."""
+        driver call less per lone store) or, as :meth:`issue` does and by default, by a
+        separate mark recorded there and the start recorded on the copy's stream. Off until
+        an A/B of the two forms on a GPU (docs/transfers.md, thirtieth session)."""
         self._issuer.set_store_start(on)
 
     def issue_units(
