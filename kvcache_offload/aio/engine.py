@@ -123,7 +123,8 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._fences: FencesSlots | None = (
             self.manager if isinstance(self.manager, FencesSlots) else None
         )
-        # A store keeps room for the next one of its size, up to this many blocks (0: off).
+        # Behind a lone store's copy, the policy chooses up to this many of the next store's
+        # victims ahead (0: off; config.evict_ahead_fraction).
         self._evict_ahead_max = 0
         if isinstance(self.manager, EvictsAhead) and isinstance(self.manager, ReportsStats):
             capacity = int(self.manager.stats().num_blocks)

@@ -262,8 +262,8 @@ class EngineStats(WireShape):
     evicted_blocks: int = 0
     """Blocks the eviction policy dropped to make room."""
     evicted_ahead_blocks: int = 0
-    """Of the evictions, those that took a block chosen ahead, behind a lone store's copy
-    (``OffloadConfig.evict_ahead_fraction``); counted in the tier's evictions."""
+    """Of ``evicted_blocks``, those that took a block the policy had chosen ahead, behind a
+    lone store's copy (``OffloadConfig.evict_ahead_fraction``)."""
     discarded_blocks: int = 0
     """Blocks freed because a caller said nobody needs them again (``discard``)."""
     released_evictions: int = 0
