@@ -221,3 +221,17 @@ async def test_a_copy_the_backend_rejects_rolls_the_store_back(
     assert stats.blocks_writing == 0 and stats.blocks_free == stats.capacity_blocks
     await engine.store(keys(1), [0])  # the engine keeps working
     assert (await engine.lookup(keys(1))).hits == 1
+
+
+async def test_stores_copied_inline_choose_their_victims_at_need() -> None:
+    # A small lone store is copied during its submission: no copy runs afterwards for the
+    # policy's choice to hide behind, so nothing is chosen ahead (the choice would only add
+    # to the store's own time).
+    engine, _ = build_engine(num_cpu_blocks=64, config={"eviction_policy": "lru"})
+    async with engine:
+        for start in range(0, 64, 8):
+            await engine.store(keys(*range(start, start + 8)), list(range(8)))
+        result = await engine.store(keys(100, 101), [0, 1])
+        assert key_ids(result.evicted_keys) == [0, 1]
+        assert engine.manager.stats().chosen_ahead == 0  # type: ignore[attr-defined]
+        assert engine.stats().evicted_ahead_blocks == 0
