@@ -582,13 +582,23 @@ class CPUOffloadingManager(OffloadingManager):
         """Drop ``key`` from the policy, the table and the released marks, its slot left as
         a new store needs it (``ref_cnt`` -1): the one way a key leaves outside an eviction
         (a failed store, a discard, a fence), so no route forgets one of the three. The
-        caller frees or fences the slot."""
+        caller frees or fences the slot. A key chosen ahead leaves by
+        :meth:`_forget_chosen` instead."""
         self._policy.remove(key)
         if not self._shared_table:
             del self._blocks[key]
         block.ref_cnt = -1
         if self._released:
             self._released.pop(key, None)
+
+    def _forget_chosen(self, key: OffloadKey) -> BlockStatus | None:
+        """:meth:`_forget` for a key chosen ahead (already out of the policy, the table and
+        the released marks): its block, slot left as a new store needs it, or None when
+        ``key`` was not chosen. The caller frees or fences the slot."""
+        block = self._ahead.pop(key, None)
+        if block is not None:
+            block.ref_cnt = -1
+        return block
 
     def release(self, keys: Sequence[OffloadKey]) -> int:
         """Mark ``keys`` as probably dead (a closed session's own blocks): when room is
@@ -655,9 +665,8 @@ class CPUOffloadingManager(OffloadingManager):
         for key in keys:
             block = table.get(key)
             if block is None and ahead:
-                block = ahead.pop(key, None)
-                if block is not None:  # chosen ahead: out of the policy and table already
-                    block.ref_cnt = -1
+                block = self._forget_chosen(key)
+                if block is not None:
                     free_list.append(block)
                     dropped.append(key)
                 continue
@@ -693,9 +702,8 @@ class CPUOffloadingManager(OffloadingManager):
         for key in keys:
             block = table.get(key)
             if block is None and ahead:
-                block = ahead.pop(key, None)
-                if block is not None:  # chosen ahead: idle, out of the policy and table
-                    block.ref_cnt = -1
+                block = self._forget_chosen(key)
+                if block is not None:
                     self._fenced[block.block_id] = block
                     fenced.append(block.block_id)
                 continue
