@@ -117,18 +117,22 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._copies = BlockCopies()
         self._quarantine = SlotQuarantine(config.lease_grace_s)
         self._observers = AccessObservers(access_observers, budget=observer_budget)
+        capacity = (
+            int(self.manager.stats().num_blocks) if isinstance(self.manager, ReportsStats) else 0
+        )
         # Shadow simulations (lab/shadow.py) size their samples from the tier's capacity.
         if isinstance(self.manager, ReportsStats):
-            self._observers.bind_capacity(int(self.manager.stats().num_blocks))
+            self._observers.bind_capacity(capacity)
         self._fences: FencesSlots | None = (
             self.manager if isinstance(self.manager, FencesSlots) else None
         )
         # Behind a lone store's copy, the policy chooses up to this many of the next store's
         # victims ahead (0: off; config.evict_ahead_fraction).
-        self._evict_ahead_max = 0
-        if isinstance(self.manager, EvictsAhead) and isinstance(self.manager, ReportsStats):
-            capacity = int(self.manager.stats().num_blocks)
-            self._evict_ahead_max = int(capacity * config.evict_ahead_fraction)
+        self._evict_ahead_max = (
+            int(capacity * config.evict_ahead_fraction)
+            if isinstance(self.manager, EvictsAhead)
+            else 0
+        )
         self._worker: OffloadingWorker | None = None
         self._poller: TransferPoller | None = None
         if kv_caches is not None:
