@@ -164,15 +164,18 @@ class OffloadConfig(BaseSettings):
     end is found by the poller task."""
     evict_ahead_fraction: float = Field(default=1 / 32, ge=0, le=0.5)
     """Once a lone store's copy is on its way (nothing else in flight, the copy not done
-    during its submission), the policy chooses in its shadow the blocks the next store of
-    the same size would evict, at most this fraction of the CPU tier: that store's copy then
-    starts without the policy's choice in front of it. On an H200 this took about 10 us off
-    a lone 8-block store into a full tier on each layout (docs/transfers.md, thirtieth
-    session). The chosen blocks stay loadable (a lookup finds them; a load or a touch keeps
-    them) until a store needs their slots, and only then are they evicted and published, so
-    the hit rate and the events stay as they were. Stores behind other jobs choose at need.
-    0 turns it off (each store's eviction chooses for itself, as vLLM's manager does). Tiers
-    under 32 blocks keep none chosen at the default."""
+    during its submission), an ``lru`` policy chooses in its shadow the blocks the next
+    store of the same size would evict, at most this fraction of the CPU tier: that store's
+    copy then starts without the policy's choice in front of it. On an H200 this took 4-9 us
+    off a lone 8-block store into a full tier on two layouts of three (docs/transfers.md,
+    thirtieth session). The chosen blocks stay loadable (a lookup finds them; a load, a
+    touch or a store naming them puts them back where they were) until a store needs their
+    slots, and only then are they evicted and published, so LRU's decisions and events stay
+    as they were. Other policies (the default ``adaptive`` among them) choose at need: their
+    choice, made while the previous store's blocks are still being written, would differ
+    (``CachePolicy.chooses_ahead``). Stores behind other jobs choose at need. 0 turns it
+    off (each store's eviction chooses for itself, as vLLM's manager does). Tiers under 32
+    blocks keep none chosen at the default."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
     event-loop iteration) and lets the completion watchers wake it while every direction with

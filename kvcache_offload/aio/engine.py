@@ -127,10 +127,11 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             self.manager if isinstance(self.manager, FencesSlots) else None
         )
         # Behind a lone store's copy, the policy chooses up to this many of the next store's
-        # victims ahead (0: off; config.evict_ahead_fraction).
+        # victims ahead (0: off; config.evict_ahead_fraction; only a policy whose choice
+        # ahead is the one made at need, as LRU's).
         self._evict_ahead_max = (
             int(capacity * config.evict_ahead_fraction)
-            if isinstance(self.manager, EvictsAhead)
+            if isinstance(self.manager, EvictsAhead) and self.manager.chooses_ahead
             else 0
         )
         self._worker: OffloadingWorker | None = None

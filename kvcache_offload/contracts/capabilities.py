@@ -114,7 +114,11 @@ class DiscardsBlocks(Protocol):
 class EvictsAhead(Protocol):
     """A manager that can choose victims before a store asks: ``evict_ahead(n)`` chooses
     idle blocks until ``n`` slots are free or chosen, and returns how many it chose; they
-    stay loadable until a store takes them (see ``CPUOffloadingManager``)."""
+    stay loadable until a store takes them (see ``CPUOffloadingManager``); it chooses
+    nothing unless ``chooses_ahead`` (its policy's choice ahead is the one made at need)."""
+
+    @property
+    def chooses_ahead(self) -> bool: ...
 
     def evict_ahead(self, free_target: int) -> int: ...
 

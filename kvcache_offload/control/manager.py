@@ -187,6 +187,7 @@ class CPUOffloadingManager(OffloadingManager):
         # the policy and the table, still loadable (lookups and loads find them here, and a
         # use puts them back), taken first when a store needs room.
         self._ahead: dict[OffloadKey, BlockStatus] = {}
+        self._chooses_ahead = bool(self._policy.chooses_ahead)
         self._ahead_evictions = 0
         self._ahead_rescued = 0
 
@@ -199,6 +200,12 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def policy(self) -> CachePolicy:
         return self._policy
+
+    @property
+    def chooses_ahead(self) -> bool:
+        """Whether :meth:`evict_ahead` chooses anything: where the policy's choice ahead is
+        the one it makes at need (``CachePolicy.chooses_ahead``)."""
+        return self._chooses_ahead
 
     def _num_free(self) -> int:
         return len(self._free_list) + self._num_blocks - self._num_allocated
@@ -501,8 +508,12 @@ class CPUOffloadingManager(OffloadingManager):
 
         The engine calls it once a lone store's copy is on its way, so the next store's
         copy starts without the policy's choice in front of it (``docs/transfers.md``,
-        thirtieth session). A block used meanwhile is put back in the policy as a new one:
-        LRU then decides as it would have; the others may differ in what they remember."""
+        thirtieth session). A block used meanwhile goes back where the policy had it
+        (``CachePolicy.reinstate_blocks``). Nothing is chosen while released keys wait:
+        those leave first at need, without the policy (and a rescued one would come back
+        to a policy that never evicted it)."""
+        if self._released or not self._chooses_ahead:
+            return 0
         ahead = self._ahead
         needed = min(free_target - self._num_free() - len(ahead), self._num_idle() - len(ahead))
         if needed <= 0:
@@ -516,23 +527,27 @@ class CPUOffloadingManager(OffloadingManager):
         return len(keys)
 
     def _rescue(self, keys: Sequence[OffloadKey]) -> None:
-        """Put the blocks of ``keys`` chosen ahead back in the table and the policy (as newly
-        stored: the caller's touch, if any, follows)."""
+        """Give the blocks of ``keys`` chosen ahead back to the table and to the policy,
+        which puts them where they were (``CachePolicy.reinstate_blocks``), in the order
+        chosen; the caller's touch, if any, follows."""
         ahead = self._ahead
         back_keys: list[OffloadKey] = []
-        back_blocks: list[BlockStatus] = []
         for key in keys:
-            block = ahead.pop(key, None)
-            if block is not None:
+            if key in ahead:
                 back_keys.append(key)
-                back_blocks.append(block)
         if not back_keys:
             return
+        if len(back_keys) > 1:  # the order they were chosen in (``ahead`` keeps it)
+            wanted = set(back_keys)
+            back_keys = [key for key in ahead if key in wanted]
+        back_blocks: list[BlockStatus] = []
+        for key in back_keys:
+            back_blocks.append(ahead.pop(key))
         if not self._shared_table:
             table = self._blocks
             for index in range(len(back_keys)):
                 table[back_keys[index]] = back_blocks[index]
-        self._policy.insert_blocks(back_keys, back_blocks)
+        self._policy.reinstate_blocks(back_keys, back_blocks)
         self._ahead_rescued += len(back_keys)
 
     def complete_store(

@@ -26,6 +26,7 @@ class LRUCachePolicy(CachePolicy):
     """
 
     name = "lru"
+    chooses_ahead = True  # a new block is the most recent: never chosen before an older one
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -116,6 +117,18 @@ class LRUCachePolicy(CachePolicy):
         for index in range(start, len(keys)):
             del table[keys[index]]
         return True
+
+    def reinstate_blocks(self, keys: list[OffloadKey], blocks: list[BlockStatus]) -> None:
+        # Back at the least-recent end, the earliest chosen first: where eviction took them
+        # (a pinned block they had passed over may now stand behind them).
+        if not self._plain_insert:  # a subclass's ``insert`` sees them
+            super().reinstate_blocks(keys, blocks)
+            return
+        table = self.blocks
+        for index in range(len(keys) - 1, -1, -1):
+            key = keys[index]
+            table[key] = blocks[index]
+            table.move_to_end(key, last=False)
 
     def clear(self) -> None:
         self.blocks.clear()
