@@ -75,7 +75,9 @@ class CachePolicy(ABC):
     take older blocks instead. Replayed with choices ahead after every store, the default
     policy lost 13 % of its block hits on the shipped sample and ARC 5 % on a Mooncake
     trace (docs/transfers.md, thirty-first session). LRU stores a new block as its most
-    recent, and a use only moves a block away from eviction: it chooses ahead."""
+    recent, and a use only moves a block away from eviction: it chooses ahead. A subclass
+    inherits the flag: one that changes where a new block goes, or what a use does, sets it
+    False."""
 
     def __init__(self, cache_capacity: int) -> None:
         # Concrete (not abstract) so compiled subclasses can chain to it.
@@ -150,11 +152,10 @@ class CachePolicy(ABC):
         ghost it became, so that its later choices are those it would have made had the
         block never been chosen.
 
-        The default inserts them as newly stored blocks, which suits a policy with no
-        memory of evicted keys (SIEVE, SLRU and S3-FIFO keep it). One that learns from
-        stores or ghosts (ARC, LRU-2, the adaptive LRU and policy) would count a store that
-        never happened and lose the block's history: those override it, as LRU does to
-        keep its order.
+        The default inserts them as newly stored blocks. For a policy that learns from
+        stores or ghosts that counts a store that never happened and loses the block's
+        history; only policies that choose ahead (:attr:`chooses_ahead`) are ever asked,
+        and LRU, the one shipped, overrides it to put them back at its least-recent end.
         """
         self.insert_blocks(keys, blocks)
 
