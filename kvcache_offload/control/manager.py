@@ -102,7 +102,8 @@ class CPUManagerStats:
     ahead_evictions: int = 0
     """Evictions that took a block chosen ahead (also in ``evictions``)."""
     ahead_rescued: int = 0
-    """Blocks chosen ahead, then used again before their slot was needed: kept."""
+    """Blocks chosen ahead, then put back before their slot was needed: used again, or
+    every chosen one when keys were released (see ``release``)."""
 
     @property
     def used(self) -> int:
@@ -620,8 +621,13 @@ class CPUOffloadingManager(OffloadingManager):
         needed they are evicted first, oldest release first, before the policy chooses; a
         key used again (``touch``) meanwhile is kept as the policy would. Returns how many
         present keys were marked. The soft form of :meth:`discard`: nothing leaves until
-        its slot is wanted, so a wrong hint costs nothing while the cache has room."""
+        its slot is wanted, so a wrong hint costs nothing while the cache has room.
+
+        Blocks chosen ahead go back to the policy first (``evict_ahead`` chooses none while
+        released keys wait): at need the released keys leave before the policy's choice."""
         _check_keys(keys)
+        if self._ahead:
+            self._rescue(list(self._ahead))
         table = self._blocks
         released = self._released
         marked = 0

@@ -203,6 +203,19 @@ def test_nothing_is_chosen_while_released_keys_wait_and_they_go_first_at_need() 
     assert manager.stats().released_evictions == 2
 
 
+def test_keys_released_after_a_choice_ahead_still_go_first_as_at_need() -> None:
+    manager, at_need = filled("lru"), filled("lru")
+    assert manager.evict_ahead(2) == 2  # keys 0 and 2
+    assert manager.release(keys(9, 11)) == at_need.release(keys(9, 11)) == 2
+    assert manager.stats().chosen_ahead == 0  # put back where LRU had them
+    for step in range(2):  # the released keys, then LRU's own choice
+        out = manager.prepare_store(keys(100 + step * 2, 101 + step * 2))
+        expected = at_need.prepare_store(keys(100 + step * 2, 101 + step * 2))
+        assert out is not None and expected is not None
+        assert key_ids(out.evicted_keys) == key_ids(expected.evicted_keys)
+    assert key_ids(expected.evicted_keys) == [0, 2]
+
+
 def test_discard_fence_and_reset_handle_chosen_blocks() -> None:
     manager = filled("lru")
     assert manager.evict_ahead(3) == 3  # keys 0, 2, 4
