@@ -188,7 +188,6 @@ class CPUOffloadingManager(OffloadingManager):
         # the policy and the table, still loadable (lookups and loads find them here, and a
         # use puts them back), taken first when a store needs room.
         self._ahead: dict[OffloadKey, BlockStatus] = {}
-        self._chooses_ahead = bool(self._policy.chooses_ahead)
         self._ahead_evictions = 0
         self._ahead_rescued = 0
 
@@ -206,7 +205,7 @@ class CPUOffloadingManager(OffloadingManager):
     def chooses_ahead(self) -> bool:
         """Whether :meth:`evict_ahead` chooses anything: where the policy's choice ahead is
         the one it makes at need (``CachePolicy.chooses_ahead``)."""
-        return self._chooses_ahead
+        return bool(self._policy.chooses_ahead)
 
     def _num_free(self) -> int:
         return len(self._free_list) + self._num_blocks - self._num_allocated
@@ -513,7 +512,7 @@ class CPUOffloadingManager(OffloadingManager):
         (``CachePolicy.reinstate_blocks``). Nothing is chosen while released keys wait:
         those leave first at need, without the policy (and a rescued one would come back
         to a policy that never evicted it)."""
-        if self._released or not self._chooses_ahead:
+        if self._released or not self._policy.chooses_ahead:
             return 0
         ahead = self._ahead
         needed = min(free_target - self._num_free() - len(ahead), self._num_idle() - len(ahead))
