@@ -373,8 +373,9 @@ def host_probe(reps: int = 5) -> float:
     """Seconds the host takes for a fixed piece of Python and numpy work (the median of
     ``reps``). On the lent H200 VMs the host's speed drifts over seconds: one engine's
     1-block load stream cost 35 us of CPU per job in one phase and 57-72 us in the next, with
-    the code unchanged (docs/transfers.md, "How to measure a change"), and these streams are bound by
-    the event-loop thread. A probe next to each stream says which phase the stream ran in."""
+    the code unchanged (docs/transfers.md, "How to measure a change"), and these streams are
+    bound by the event-loop thread. A probe next to each stream says which phase the stream ran
+    in."""
     times = []
     arr = np.arange(64)
     for _ in range(reps):
