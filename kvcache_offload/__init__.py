@@ -9,7 +9,12 @@ from kvcache_offload import _moved
 _moved.install()  # old module paths (before the renovation) resolve with a warning
 
 from kvcache_offload._compiled import compiled_modules  # noqa: E402
-from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config  # noqa: E402
+from kvcache_offload.config import (  # noqa: E402
+    KVCacheLayout,
+    OffloadConfig,
+    TransferTuning,
+    load_config,
+)
 from kvcache_offload.contracts import *  # noqa: E402, F403  (the names listed in __all__)
 from kvcache_offload.control.manager import (  # noqa: E402
     CPUManagerStats,
@@ -53,6 +58,7 @@ __all__ = [
     "ReqContext",
     "TierError",
     "TransferError",
+    "TransferTuning",
     "UnknownPolicyError",
     "UnknownSpecError",
     "__version__",
