@@ -46,7 +46,7 @@ class KVCacheLayout(BaseModel):
     bytes_per_block: int = Field(default=2 * 1024 * 1024, gt=0)
     """Bytes of one GPU block on one worker, all layers of all groups together."""
     num_gpu_blocks: int = Field(default=1024, ge=0)
-    """GPU blocks in the KV cache (the service's HTTP block-byte routes use it as a bound)."""
+    """GPU blocks in the KV cache (informational: the vLLM plug-in records its own count)."""
     world_size: int = Field(default=1, ge=1)
     """Workers (tensor-parallel ranks) sharing the CPU tier; each holds 1/world_size of it."""
 
