@@ -15,6 +15,7 @@ import typer
 
 from kvcache_offload.config import OffloadConfig, load_config
 from kvcache_offload.errors import OffloadError
+from kvcache_offload.extras import require
 
 __all__ = ["build_config", "serve"]
 
@@ -88,13 +89,10 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
-    from .app import create_app
-    from .heap import FrozenStartupHeap
-    from .startup import OneLineStartupErrors, preflight
-
     if log_level.lower() not in _LOG_LEVELS:
         raise typer.BadParameter(f"expected one of {_LOG_LEVELS}", param_hint="--log-level")
     try:
+        require("server", "kvcache-offload serve")
         config = build_config(
             config_file,
             host=host,
@@ -117,10 +115,16 @@ def serve(
             model_id=model_id,
             tier_write=tier_write,
         )
+        from .startup import preflight
+
         preflight(config)
     except OffloadError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    from .app import create_app
+    from .heap import FrozenStartupHeap
+    from .startup import OneLineStartupErrors
+
     logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
     app = create_app(config)
     guarded = OneLineStartupErrors(app)
@@ -150,7 +154,9 @@ def _run(asgi: Any, app: Any, config: OffloadConfig, log_level: str, access_log:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http=protocol_class(config.header_read_timeout_s, end_event_streams),
+        http=protocol_class(
+            config.header_read_timeout_s, end_event_streams, int(config.max_header_bytes)
+        ),
         log_level=log_level.lower(),
         access_log=access_log,
         lifespan="on",

@@ -1,14 +1,23 @@
-"""The ``kvcache-offload`` command line: one typer app, each command defined in its own module."""
+"""The ``kvcache-offload`` command line: one typer app, each command defined in its own module.
+
+Command modules load only when their command runs (or its help is shown), so the base install
+(no extras) runs ``--help``, ``--version`` and ``replay``. A command whose extra is missing
+says which extra to install, in one line, instead of a traceback.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from kvcache_offload._registry import LazyRegistry
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.extras import extra_for_module, missing_extra_message
 
 __all__ = ["COMMANDS", "app", "main"]
 
@@ -23,11 +32,66 @@ COMMANDS: LazyRegistry[Callable[..., Any]] = LazyRegistry("command", _command, C
 COMMANDS.register("serve", "kvcache_offload_service.cli:serve")
 COMMANDS.register("replay", "kvcache_offload.lab.cli:replay")
 
+_SUMMARIES = {
+    "serve": "Serve the HTTP API: lookup/store/load, block bytes, events, /metrics.",
+    "replay": "Replay request traces through each eviction policy, next to Belady.",
+}
+"""One-line help for the command list, so listing the commands imports none of them."""
+
+
+def _unavailable(name: str, message: str) -> click.Command:
+    """A stand-in for a command that cannot load: any invocation prints ``message``."""
+
+    def fail(args: tuple[str, ...]) -> None:
+        click.echo(f"error: {message}", err=True)
+        sys.exit(1)
+
+    return click.Command(
+        name,
+        callback=fail,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+        help=message,
+    )
+
+
+class _LazyGroup(TyperGroup):
+    """Loads a command's module when the command is resolved, not at start."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS.names())
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS.names():
+            return None
+        try:
+            function = COMMANDS.get(cmd_name)
+        except ModuleNotFoundError as exc:
+            module = exc.name or "a dependency"
+            extra = extra_for_module(module)
+            if extra is None:
+                raise
+            return _unavailable(cmd_name, missing_extra_message(cmd_name, extra, module))
+        one = typer.Typer(add_completion=False, rich_markup_mode=None)
+        one.command(cmd_name)(function)
+        command = typer.main.get_command(one)
+        command.name = cmd_name
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _SUMMARIES.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
 app = typer.Typer(
     name="kvcache-offload",
     help="Offload LLM KV-cache blocks to CPU memory: serve the HTTP API, replay traces.",
+    cls=_LazyGroup,
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
 )
 
 
@@ -46,10 +110,6 @@ def _root(
     ),
 ) -> None:
     """Offload LLM KV-cache blocks to CPU memory: serve the HTTP API, replay traces."""
-
-
-for _name in COMMANDS.names():
-    app.command(_name)(COMMANDS.get(_name))
 
 
 def main() -> None:
