@@ -485,14 +485,13 @@ def test_cuda_round_trip_through_a_pinned_shared_region():
         region.cleanup()
 
 
-@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("mechanism", ["kernel", "auto"])
 @pytest.mark.parametrize("factor", [1, 2])
-def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor, inline):
+def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor):
     # A serving engine's lone request (one group, idle direction) skips the plan objects;
     # its bytes, results and a later bad job's error must be those of the general path.
-    # Jobs of up to 8 units pass them to the kernel as parameters (inline), larger ones and
-    # every job with inline units off upload a job table.
+    # Jobs of up to 8 units pass them to the kernel as parameters (inline), larger ones
+    # (12 blocks here) upload a job table.
     skip_unless_available("kernel")
     kv = _one_group_caches(21 + factor)
     h = _handlers(kv, factor, 32, mechanism)
@@ -514,10 +513,6 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.success and load.success
             assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
             assert store.transfer_time > 0 and load.transfer_time > 0
-            if i == 0 and not inline:
-                for one in (h.gpu_to_cpu_handler, h.cpu_to_gpu_handler):
-                    if one._launcher._issue is not None:
-                        one._launcher._issue.set_inline_units(0)
         assert len(calls) == 2 * len(sizes)  # every job of this test went through the lane
         _assert_issued_from_c(h)
         if h.gpu_to_cpu_handler._launcher._issue is not None:
