@@ -67,12 +67,12 @@ class _LazyGroup(TyperGroup):
             return None
         try:
             function = COMMANDS.get(cmd_name)
-        except ModuleNotFoundError as exc:
-            module = exc.name or "a dependency"
-            extra = extra_for_module(module)
-            if extra is None:
-                raise
-            return _unavailable(cmd_name, missing_extra_message(cmd_name, extra, module))
+        except ConfigError as exc:  # the command's module failed to import
+            missing = exc.__cause__
+            module = missing.name if isinstance(missing, ModuleNotFoundError) else None
+            extra = extra_for_module(module) if module else None
+            message = missing_extra_message(cmd_name, extra, module) if extra and module else exc
+            return _unavailable(cmd_name, str(message))
         one = typer.Typer(add_completion=False, rich_markup_mode=None)
         one.command(cmd_name)(function)
         command = typer.main.get_command(one)

@@ -69,3 +69,13 @@ def test_replay_plot_without_matplotlib_fails_in_one_line_before_replaying(
     assert len(text.splitlines()) == 1, text
     assert "pip install 'kvcache-offload[plot]'" in text
     assert not out.exists() and not (tmp_path / "p.png").exists()
+
+
+def test_a_command_whose_module_cannot_import_says_why_in_one_line() -> None:
+    # Without the service package at all (e.g. a broken install), `serve` still fails in
+    # one line rather than breaking the whole command line.
+    result = run_cli("serve", without=("kvcache_offload_service", "kvcache_offload_service.cli"))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert run_cli("--help", without=("kvcache_offload_service",)).returncode == 0
