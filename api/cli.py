@@ -8,6 +8,7 @@ Ctrl-C / SIGTERM drain open requests, then the lifespan closes the engine and it
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,8 +24,17 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig:
-    """Config from the file, environment and the flags that were actually given."""
-    return load_config(config_file, **{k: v for k, v in flags.items() if v is not None})
+    """Config from the file, environment and the flags that were actually given. A setting
+    given by its old name works and is reported on stderr, once per name (Python hides
+    ``DeprecationWarning`` outside ``__main__``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        config = load_config(config_file, **{k: v for k, v in flags.items() if v is not None})
+    for message in dict.fromkeys(
+        str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+    ):
+        typer.echo(f"warning: {message}", err=True)
+    return config
 
 
 def serve(
