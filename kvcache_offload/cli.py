@@ -7,11 +7,9 @@ says which extra to install, in one line, instead of a traceback.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -39,30 +37,39 @@ _SUMMARIES = {
 """One-line help for the command list, so listing the commands imports none of them."""
 
 
-def _unavailable(name: str, message: str) -> click.Command:
+def _typer_command(name: str, function: Callable[..., Any], **settings: Any) -> Any:
+    """``function`` as the (click) command typer builds for it."""
+    one = typer.Typer(add_completion=False, rich_markup_mode=None)
+    one.command(name, **settings)(function)
+    command = typer.main.get_command(one)
+    command.name = name
+    return command
+
+
+def _unavailable(name: str, message: str) -> Any:
     """A stand-in for a command that cannot load: any invocation prints ``message``."""
 
-    def fail(args: tuple[str, ...]) -> None:
-        click.echo(f"error: {message}", err=True)
-        sys.exit(1)
+    def fail() -> None:
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(1)
 
-    return click.Command(
+    return _typer_command(
         name,
-        callback=fail,
-        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
-        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-        add_help_option=False,
+        fail,
         help=message,
+        add_help_option=False,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     )
 
 
 class _LazyGroup(TyperGroup):
-    """Loads a command's module when the command is resolved, not at start."""
+    """Loads a command's module when the command is resolved, not at start. (typer carries
+    its own click, so the types here stay ``Any``: no second click is needed.)"""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Any) -> list[str]:
         return sorted(COMMANDS.names())
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name not in COMMANDS.names():
             return None
         try:
@@ -73,13 +80,9 @@ class _LazyGroup(TyperGroup):
             extra = extra_for_module(module) if module else None
             message = missing_extra_message(cmd_name, extra, module) if extra and module else exc
             return _unavailable(cmd_name, str(message))
-        one = typer.Typer(add_completion=False, rich_markup_mode=None)
-        one.command(cmd_name)(function)
-        command = typer.main.get_command(one)
-        command.name = cmd_name
-        return command
+        return _typer_command(cmd_name, function)
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
         rows = [(name, _SUMMARIES.get(name, "")) for name in self.list_commands(ctx)]
         with formatter.section("Commands"):
             formatter.write_dl(rows)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The release install, as a user gets it: `pip wheel .` builds a wheel; a fresh venv outside
-# the source tree installs it with the `server` extra and no torch, and `kvcache-offload serve`
-# must store and return a block byte-exact (the service needs no torch); then torch==2.13.0
-# goes in and the README's embedded example must run. Also checks the version everywhere.
+# The release install, as a user gets it. `pip wheel .` builds a wheel. Installed alone, its
+# command line works for everything but `serve`, which names the extra it needs in one line.
+# Installed with the `server` extra (no torch) into a fresh venv, outside the source tree,
+# `kvcache-offload serve` stores and returns a block byte-exact: the service needs no torch.
+# Then torch==2.13.0 goes in and the README's embedded example must run. The version is
+# checked on the wheel, `--version` and the OpenAPI document.
 # KVCACHE_OFFLOAD_TORCH overrides the torch spec; RELEASE_CHECK_DIR keeps the work folder.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +26,21 @@ case "$(basename "$WHEEL")" in
   kvcache_offload-"$VERSION"-*) ;;
   *) echo "release-check: wheel $(basename "$WHEEL") is not version $VERSION" >&2; exit 1 ;;
 esac
+
+step "the base install (no extras): help and replay work, serve names its extra in one line"
+"$PY" -m venv "$WORK/base"
+"$WORK/base/bin/python" -m pip install -q "$WHEEL"
+(
+  cd "$WORK"
+  "$WORK/base/bin/kvcache-offload" --help >/dev/null
+  "$WORK/base/bin/kvcache-offload" serve --help >/dev/null
+  "$WORK/base/bin/kvcache-offload" replay --capacity 10 --policy lru >/dev/null
+  if "$WORK/base/bin/kvcache-offload" serve >"$WORK/base-serve.out" 2>&1; then
+    echo "release-check: serve ran without the server extra" >&2; exit 1
+  fi
+  grep -q "pip install 'kvcache-offload\[server\]'" "$WORK/base-serve.out"
+  [ "$(wc -l <"$WORK/base-serve.out")" -eq 1 ] || { cat "$WORK/base-serve.out" >&2; exit 1; }
+)
 
 step "installing $(basename "$WHEEL") with the server extra into a fresh venv (no torch)"
 "$PY" -m venv "$WORK/venv"

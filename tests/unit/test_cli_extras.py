@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SERVER = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "orjson")
+SERVER = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "orjson", "click")
+"""What the server extra installs (click comes with uvicorn; typer carries its own)."""
 
 
 def run_cli(
