@@ -302,3 +302,16 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     assert options["batch_max_bytes"] == 32 * 1024**2
     assert options["staged_min_job_bytes"] == 256 * 1024**2
     assert options["staged_when_busy"] == "mixed"
+
+
+def test_the_transfer_defaults_are_the_handlers_own() -> None:
+    # Handlers built directly (without a config) and through the config behave alike.
+    pytest.importorskip("torch")
+    from kvcache_offload.dataplane.handlers.cuda import paths
+
+    t = TransferTuning()
+    assert t.staged_min_job_bytes == paths.DEFAULT_STAGED_MIN_JOB_BYTES
+    assert t.staged_lone_min_load_bytes == paths.DEFAULT_STAGED_LONE_MIN_LOAD_BYTES
+    assert t.staged_one_way_min_load_bytes == paths.DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES
+    assert t.staged_one_way_min_store_bytes == paths.DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES
+    assert t.staged_mixed_min_job_bytes == paths.DEFAULT_STAGED_MIXED_MIN_JOB_BYTES
