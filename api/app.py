@@ -8,6 +8,7 @@ closed on shutdown, which releases the CPU tier and any shared region.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from kvcache_offload.errors import OffloadError
 
 from .auth import BearerAuthMiddleware, document_bearer
 from .broadcast import EventBroadcaster
+from .docs_pages import install_docs_pages
 from .errors import install_error_handlers
 from .hot_path import HotPathMiddleware
 from .limits import BodyLimitMiddleware
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from kvcache_offload.aio.engine import OffloadEngine
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger("kvcache_offload_service")
 
 OBSERVER_BUDGET = 0.1
 """Share of the event loop's time the miss-ratio curve and the shadow policies may take: under
@@ -102,6 +106,9 @@ def create_app(
             ) as engine:
                 app.state.engine = engine
                 started = True
+                from .startup import startup_line
+
+                logger.info(startup_line(cfg, engine))
                 try:
                     yield
                 finally:
@@ -118,8 +125,11 @@ def create_app(
         summary="Offload LLM KV-cache blocks to CPU memory: lookup, store, load, events, metrics.",
         version=_version(),
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
         **_TELEMETRY_OFF,
     )
+    install_docs_pages(app)
     app.state.config = cfg
     app.state.engine = given_engine  # serving a given engine works without a lifespan too
     token = cfg.api_token.get_secret_value() if cfg.api_token is not None else ""

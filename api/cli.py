@@ -8,6 +8,7 @@ Ctrl-C / SIGTERM drain open requests, then the lifespan closes the engine and it
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,7 @@ import typer
 
 from kvcache_offload.config import OffloadConfig, load_config
 from kvcache_offload.errors import OffloadError
+from kvcache_offload.extras import require
 
 __all__ = ["build_config", "serve"]
 
@@ -22,8 +24,17 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig:
-    """Config from the file, environment and the flags that were actually given."""
-    return load_config(config_file, **{k: v for k, v in flags.items() if v is not None})
+    """Config from the file, environment and the flags that were actually given. A setting
+    given by its old name works and is reported on stderr, once per name (Python hides
+    ``DeprecationWarning`` outside ``__main__``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        config = load_config(config_file, **{k: v for k, v in flags.items() if v is not None})
+    for message in dict.fromkeys(
+        str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+    ):
+        typer.echo(f"warning: {message}", err=True)
+    return config
 
 
 def serve(
@@ -88,13 +99,10 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
-    from .app import create_app
-    from .heap import FrozenStartupHeap
-    from .startup import OneLineStartupErrors, preflight
-
     if log_level.lower() not in _LOG_LEVELS:
         raise typer.BadParameter(f"expected one of {_LOG_LEVELS}", param_hint="--log-level")
     try:
+        require("server", "kvcache-offload serve")
         config = build_config(
             config_file,
             host=host,
@@ -117,10 +125,16 @@ def serve(
             model_id=model_id,
             tier_write=tier_write,
         )
+        from .startup import preflight
+
         preflight(config)
     except OffloadError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    from .app import create_app
+    from .heap import FrozenStartupHeap
+    from .startup import OneLineStartupErrors
+
     logging.basicConfig(level=log_level.upper() if log_level != "trace" else "DEBUG")
     app = create_app(config)
     guarded = OneLineStartupErrors(app)
@@ -150,7 +164,9 @@ def _run(asgi: Any, app: Any, config: OffloadConfig, log_level: str, access_log:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http=protocol_class(config.header_read_timeout_s, end_event_streams),
+        http=protocol_class(
+            config.header_read_timeout_s, end_event_streams, int(config.max_header_bytes)
+        ),
         log_level=log_level.lower(),
         access_log=access_log,
         lifespan="on",

@@ -7,6 +7,8 @@ then end with cancelled tasks and tracebacks. :func:`protocol_class` returns a s
 uvicorn's httptools protocol that
 
 * writes each fixed-length response in one piece (:mod:`.held_headers`);
+* answers 431 to a request whose line and headers exceed ``max_header_bytes``
+  (:mod:`.head_limit`);
 * closes a connection whose request headers are not complete within ``header_timeout_s``
   of the connection opening or of the previous response (the request *body* has its own
   deadline: ``api/limits.py``);
@@ -22,10 +24,14 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .head_limit import HeadBudget, too_large_response
 from .held_headers import HeldHeaders
 from .responses import json_bytes
 
 __all__ = ["protocol_class"]
+
+_LINGER_S = 2.0
+"""How long a connection whose head was refused (431) is read and dropped before closing."""
 
 
 def _unavailable() -> bytes:
@@ -38,7 +44,9 @@ def _unavailable() -> bytes:
     )
 
 
-def protocol_class(header_timeout_s: float, on_drain: Callable[[], None]) -> type[Any]:
+def protocol_class(
+    header_timeout_s: float, on_drain: Callable[[], None], max_header_bytes: int = 64 * 1024
+) -> type[Any]:
     """A protocol class for ``uvicorn.run(http=...)``; see the module docstring."""
     drained = False
 
@@ -68,14 +76,37 @@ def protocol_class(header_timeout_s: float, on_drain: Callable[[], None]) -> typ
                 self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._head = HeadBudget(max_header_bytes)
             super().connection_made(transport)
             self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head.rejected:
+                return  # the rest of a refused head: read and dropped until we close
+            if self._head.admit(data):
+                super().data_received(data)
+                return
+            self._cancel_header_timer()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:  # inside another response
+                self.transport.close()
+                return
+            self._head.rejected = True
+            self.transport.write(too_large_response(max_header_bytes))
+            # Closing with the client's bytes unread would reset the connection, and the
+            # client could lose the 431: drop what it still sends for a moment, then close.
+            self.loop.call_later(_LINGER_S, self.transport.close)
+
+        def on_message_complete(self) -> None:
+            self._head.next_request()
+            super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
+            self._head.head_complete()
             self._cancel_header_timer()
             super().on_headers_complete()
             cycle = self.cycle

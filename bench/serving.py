@@ -5,7 +5,7 @@
                             [--sweep 2,8] [--pace-ms 1]
 
 Uses the public API the way a serving engine does: one ``OffloadEngine`` built from the
-default ``OffloadConfig`` (only ``transfer_mechanism`` changes between the non-default rows),
+default ``OffloadConfig`` (only ``transfer.mechanism`` changes between the non-default rows),
 ``await engine.load(keys, gpu_blocks)`` per request and ``await engine.store(...)`` per step.
 
 1. **Single job**: wall time of one ``await`` for 1, 8 and 64 offloaded blocks, ``--reps``
@@ -61,7 +61,7 @@ from rich.table import Table
 
 from bench._common import OUT_DIR, machine_info
 from bench._serving_goals import check_goals
-from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
+from kvcache_offload import KVCacheLayout, OffloadConfig, TransferTuning, make_offload_key
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
 from kvcache_offload.contracts.offload_key import OffloadKey
@@ -218,16 +218,22 @@ class Rig:
         self.kv = layout.build(num_gpu_blocks, device)
         self.block_bytes = layouts.block_nbytes(self.kv)
         # "auto+off" (a staged_when_busy value after a "+") or "auto+gc_freeze=0" (any
-        # OffloadConfig field): auto with that setting, a column next to the default's in
-        # the same run; everything not named keeps the default.
+        # TransferTuning or OffloadConfig field): auto with that setting, a column next to
+        # the default's in the same run; everything not named keeps the default.
         mechanism, *options = mechanism.split("+")
         overrides: dict[str, Any] = {}
+        transfer: dict[str, Any] = {"mechanism": mechanism}
         for option in options:
             key, eq, value = option.partition("=")
-            overrides.update({key: value} if eq else {"staged_when_busy": option})
+            if not eq:
+                transfer["staged_when_busy"] = option
+            elif key in TransferTuning.model_fields:
+                transfer[key] = value
+            else:
+                overrides[key] = value
         config = OffloadConfig(
             cpu_bytes_to_use=1024 * self.block_bytes,
-            transfer_mechanism=mechanism,  # type: ignore[arg-type]
+            transfer=TransferTuning(**transfer),
             **overrides,
             layout=KVCacheLayout(
                 gpu_block_sizes=[16],
@@ -908,8 +914,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--mechanisms",
         default="auto,kernel,dma,staged",
-        help="columns: a transfer_mechanism, or auto+SETTING for auto with that "
-        "staged_when_busy or FIELD=VALUE (e.g. auto+off, auto+gc_freeze=0)",
+        help="columns: a transfer.mechanism, or auto+SETTING for auto with that "
+        "staged_when_busy or FIELD=VALUE of transfer or the config (e.g. auto+off, "
+        "auto+gc_freeze=0)",
     )
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--stream-s", type=float, default=3.0)

@@ -227,7 +227,7 @@ def measure_handlers(
 def _handlers(
     gpu: list[torch.Tensor], cpu: list[torch.Tensor], kv: CanonicalKVCaches, mech: str, **kw: Any
 ) -> tuple[SingleDirectionOffloadingHandler, SingleDirectionOffloadingHandler]:
-    """``mech`` is a mechanism name, ``hybrid:<share>`` for a DMA share of the layers,
+    """``mech`` is a mechanism name,
     ``staged:<chunk MiB>:<depth>[:inline][:yield=<us>][:nothrottle]`` or ``STORE/LOAD`` (one
     mechanism per direction)."""
     if "/" in mech:
@@ -235,9 +235,7 @@ def _handlers(
         return _handlers(gpu, cpu, kv, store_mech, **kw)[0], _handlers(gpu, cpu, kv, load_mech)[1]
     if ":" in mech:
         mech, *opts = mech.split(":")
-        if mech == "hybrid":
-            kw["hybrid_dma_share"] = float(opts[0])
-        elif mech == "staged":
+        if mech == "staged":
             flags = opts[2:]
             pause = [float(f[6:]) * 1e-6 for f in flags if f.startswith("yield=")]
             kw["staging"] = StagingConfig(
@@ -432,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="per_layer,cross_layer,tp4_70b")
     p.add_argument(
         "--mechanisms",
-        default="kernel,dma,staged,kernel/staged,hybrid:0.1,hybrid:0.2,hybrid:0.3,auto,torch",
+        default="kernel,dma,staged,kernel/staged,auto,torch",
     )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-blocks", type=int, default=2048, help="GPU blocks = CPU slots")

@@ -2,30 +2,34 @@
 
 Precedence: explicit arguments > environment (``KVCACHE_OFFLOAD_*``, nested fields with
 ``__``) > config file (TOML, JSON or YAML) > defaults. The CLI passes its flags as explicit
-arguments. Sizes accept "4GiB"-style strings.
+arguments. Sizes accept "4GiB"-style strings. The user's settings are the top-level fields;
+how copies are issued and awaited is tuned in ``transfer`` (:mod:`kvcache_offload.tuning`).
+docs/configuration.md lists every field (``python -m kvcache_offload.config_reference``).
 """
 
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ByteSize,
+    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvcache_offload._config_compat import OldEnvironmentNames, move_old_names
+from kvcache_offload._config_file import read_config_file
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.tuning import TransferTuning
 
-__all__ = ["KVCacheLayout", "OffloadConfig", "load_config"]
+__all__ = ["KVCacheLayout", "OffloadConfig", "TransferTuning", "load_config"]
 
 
 class KVCacheLayout(BaseModel):
@@ -35,14 +39,16 @@ class KVCacheLayout(BaseModel):
     128 dims x 2 bytes x 16 tokens = 2 MiB per GPU block.
     """
 
-    model_config = {"extra": "forbid"}
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     gpu_block_sizes: list[int] = Field(default=[16], min_length=1)
     """Tokens per GPU block, one entry per KV-cache group."""
     bytes_per_block: int = Field(default=2 * 1024 * 1024, gt=0)
     """Bytes of one GPU block on one worker, all layers of all groups together."""
     num_gpu_blocks: int = Field(default=1024, ge=0)
+    """GPU blocks in the KV cache (informational: the vLLM plug-in records its own count)."""
     world_size: int = Field(default=1, ge=1)
+    """Workers (tensor-parallel ranks) sharing the CPU tier; each holds 1/world_size of it."""
 
     @field_validator("gpu_block_sizes")
     @classmethod
@@ -60,83 +66,44 @@ class OffloadConfig(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        use_attribute_docstrings=True,
     )
 
     # -- vLLM's kv_connector_extra_config keys --------------------------------------------
     cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1024**3))
-    """Total CPU bytes for offloaded blocks, across all workers."""
+    """Total CPU bytes for offloaded blocks, across all workers (e.g. "4GiB")."""
     block_size: int | None = Field(default=None, gt=0)
     """Tokens per offloaded block (a multiple of the GPU block size); None = GPU block size."""
     eviction_policy: str = "adaptive"
-    """Registered policy name or "package.module:ClassName". The default, "adaptive", is the
-    policy lab's recommendation (docs/policy-lab.md, twelfth round)."""
+    """Registered policy name (lru, arc, alru, s3fifo-prefix, adaptive, ...) or
+    "package.module:ClassName". "adaptive" is the policy lab's recommendation
+    (docs/policy-lab.md)."""
     store_threshold: int = Field(default=0, ge=0)
     """>= 2 stores a block only after it was offered that many times; 0 or 1 stores all."""
     max_tracker_size: int = Field(default=64_000, ge=1)
+    """Keys whose offer count the store-threshold filter remembers (oldest forgotten first)."""
     spec_name: str = "CPUOffloadingSpec"
+    """Offloading spec class: a registered name, or a class in ``spec_module_path``."""
     spec_module_path: str | None = None
+    """Module to import ``spec_name`` from, for a spec defined outside this package."""
 
     # -- the GPU side -----------------------------------------------------------------------
     layout: KVCacheLayout = Field(default_factory=KVCacheLayout)
+    """The GPU KV cache's block geometry, used to size the CPU tier."""
     backend: Literal["auto", "cpu", "cuda"] = "auto"
     """Data plane: "cuda" needs a GPU, "cpu" copies between CPU tensors, "auto" picks."""
-    transfer_mechanism: Literal["auto", "kernel", "dma", "staged", "torch"] = "auto"
-    """How the CUDA handlers copy a job: "auto" picks per job from its size and fragment
-    size (docs/transfers.md gives the rule and the measurements behind it); the others force
-    one path (the Triton UVA kernel, batched copy-engine DMA, the staged gather + DMA, or
-    plain torch ops). Ignored by the CPU backend."""
-    staged_when_busy: Literal["off", "stores", "both", "mixed"] = "mixed"
-    """Under "auto", which directions send a job that queues behind copies in flight through
-    the staged path (the copy engines, which overlap the other direction) instead of the
-    kernel: "mixed" (the default: both directions, but only while the other direction is
-    copying too, so traffic both ways overlaps on the copy engines and one-way traffic keeps
-    the batched kernel below ``staged_one_way_min_*_bytes``), "stores", "both" or "off". A
-    lone job keeps the kernel either way (loads of 32 MiB and more excepted: they take the
-    staged path on an idle direction too; and under "mixed", jobs of
-    ``staged_mixed_min_job_bytes`` while the other direction copies).
-    ``true`` / ``false`` (or 1 / 0) mean "both" / "off". docs/transfers.md has the
-    measurements of each."""
-    staged_one_way_min_load_bytes: ByteSize = Field(default=ByteSize(5 * 1024**2), ge=0)
-    """Under ``staged_when_busy="mixed"``, loads queued behind loads take the staged path
-    even while no store is copying, once they average this many bytes each (e.g. "5MiB");
-    0: one-way loads always keep the kernel. One way, the copy engines moved load streams of
-    5-16 MiB jobs at 0.93-1.02 of the link against the kernel's 0.85-0.91 on an H200, but
-    cost more host time per copy, which smaller jobs cannot hide: 4 MiB jobs lost on one
-    layout (docs/transfers.md)."""
-    staged_one_way_min_store_bytes: ByteSize = Field(default=ByteSize(8 * 1024**2), ge=0)
-    """The same for stores queued behind stores ("8MiB"; 0: never). Stores gain from 8 MiB
-    jobs on; below that the staged path's gains and losses were within the spread."""
-    staged_mixed_min_job_bytes: ByteSize = Field(default=ByteSize(5 * 1024**2), ge=0)
-    """Under ``staged_when_busy="mixed"``, jobs that average this many bytes ("5MiB") take
-    the staged path whenever the other direction is copying, on an idle direction too (a
-    lone job, or a batch whose previous copy has ended); 0: only behind copies in flight.
-    The kernel's traffic does not overlap the other direction's: without this, tp4_70b's
-    5 MiB stores in a mixed stream went through the kernel about half the time and the
-    stream's p99 was 23 % longer on an H200 (docs/transfers.md, sixteenth session)."""
-    dma_min_fragment_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
-    """Under "auto", copy jobs whose contiguous pieces average at least this many bytes (e.g.
-    "1MiB", as with a cross-layer layout's 2 MiB per block) by plain copy-engine DMA instead
-    of the rule the per-layer layouts follow; 0 (the default): never while the Triton kernel
-    works, so cross-layer jobs take the kernel when small or alone and the staged path when
-    large or queued, which moved them faster on an H200 (docs/transfers.md)."""
-    batch_min_bytes: ByteSize = Field(default=ByteSize(16 * 1024**2), gt=0)
-    """CUDA handlers: behind copies in flight, the jobs submitted in one event-loop tick are
-    held and issued as one copy at the end of the tick; the held batch goes out early once it
-    holds this many bytes *and* at least as many bytes as its direction has in flight, so the
-    copy queued behind the running one never runs dry and a steady stream settles at about
-    two copies per direction (docs/transfers.md, twelfth session). Ignored by the CPU
-    backend."""
-    batch_max_bytes: ByteSize = Field(default=ByteSize(64 * 1024**2), gt=0)
-    """CUDA handlers: a held batch goes out once it holds this many bytes, whatever is in
-    flight; a job this large or larger is never held. Setting it to ``batch_min_bytes``
-    gives a fixed split (before the twelfth session: 16 MiB)."""
+    transfer: TransferTuning = Field(default_factory=TransferTuning)
+    """Advanced: how copies are issued, batched and awaited; every default is measured."""
     shared_region: bool = False
     """Keep offloaded blocks in a /dev/shm region that worker processes can map."""
     region_name: str | None = None
+    """Name of the shared region (one per service on a host); None = "default"."""
     enable_events: bool = True
+    """Publish stored/evicted events (engine.events(), SSE, KV events, metrics)."""
 
     # -- async core -------------------------------------------------------------------------
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    """Seconds a sidecar prepare stays open; one never completed is rolled back then."""
     max_open_leases: int = Field(default=65_536, ge=1)
     """Open sidecar leases at most (each pins blocks until completed or expired); a prepare
     beyond it answers 429. Leases that hold nothing are not kept and do not count."""
@@ -145,47 +112,9 @@ class OffloadConfig(BaseSettings):
     client still copying after its ``expires_at`` cannot touch another key's block. 0 frees
     them at once (only safe when no sidecar client can be late)."""
     event_buffer_size: int = Field(default=10_000, ge=1)
+    """Events kept for subscribers that resume (SSE ``Last-Event-ID``, KV-event replay)."""
     subscriber_queue_size: int = Field(default=1_000, ge=1)
-    gc_freeze: bool = True
-    """At start, collect garbage once and ``gc.freeze()`` every object then alive, undone on
-    close where nothing was frozen before: the cycle collector's full passes then
-    walk only what was allocated since, instead of the whole torch/model heap while every
-    job in flight waits (80-175 ms pauses; kvcache_offload/aio/gc_freeze.py). Turn it off
-    if the process later drops large cyclic structures that existed before the engine
-    started and needs them collected while the engine runs."""
-    completion_caller_looks: bool = True
-    """CUDA handlers: a lone ``store``/``load`` (nothing else in flight) looks for its own
-    copy's end on its caller's turns, instead of waking the engine's poller task, so the
-    result it awaits is ready when it awaits it. The caller yields to the loop once before
-    its first look, so a copy done by then does not let one task run job after job while
-    others wait. On an H200 (twenty-third session, two in-process A/B runs, three layouts)
-    lone 1-block jobs came out 1-8 us faster (11 of 12 rows 5-8 us), 8-block jobs 2-15 us,
-    and the streams moved within their run-to-run spread (docs/transfers.md). Off: every
-    end is found by the poller task."""
-    evict_ahead_fraction: float = Field(default=1 / 32, ge=0, le=0.5)
-    """Once a lone store's copy is on its way (nothing else in flight, the copy not done
-    during its submission), an ``lru`` policy chooses in its shadow the blocks the next
-    store of the same size would evict, at most this fraction of the CPU tier: that store's
-    copy then starts without the policy's choice in front of it. On an H200 this took 4-9 us
-    off a lone 8-block store into a full tier on two layouts of three (docs/transfers.md,
-    thirtieth session). The chosen blocks stay loadable (a lookup finds them; a load, a
-    touch or a store naming them puts them back where they were) until a store needs their
-    slots, and only then are they evicted and published, so LRU's decisions and events stay
-    as they were. Other policies (the default ``adaptive`` among them) choose at need: their
-    choice, made while the previous store's blocks are still being written, would differ
-    (``CachePolicy.chooses_ahead``). Stores behind other jobs choose at need. 0 turns it
-    off (each store's eviction chooses for itself, as vLLM's manager does). Tiers under 32
-    blocks keep none chosen at the default."""
-    completion_sleep_behind_s: float = Field(default=0.003, ge=0)
-    """CUDA handlers: the engine's poller stops looking for copies' ends (one event query per
-    event-loop iteration) and lets the completion watchers wake it while every direction with
-    copies in flight is predicted to stay busy this long after its next copy ends. The link
-    then stays busy through the watcher's wake-up, and a one-way stream at link speed no
-    longer spends the loop thread looking: on an H200, 32 tasks of 4-block loads or stores
-    moved the same bytes on 0.55-0.97 cores instead of 1.02-1.07. At 3 ms the mixed and
-    1-block streams (2.4 and 1.2 ms queued per direction) look as before. A lone copy, and a
-    direction's last copies, are always looked for. 0: always look while an end is
-    predicted (docs/transfers.md, seventeenth session)."""
+    """Events queued per subscriber; one that falls further behind is told it lost events."""
 
     # -- KV events for routers (vLLM's ZMQ wire format, docs/kv-events.md) -----------------
     kv_events_endpoint: str | None = None
@@ -193,6 +122,7 @@ class OffloadConfig(BaseSettings):
     kv_events_replay_endpoint: str | None = None
     """ZMQ ROUTER endpoint answering replay requests, e.g. "tcp://*:5558"."""
     kv_events_topic: str = ""
+    """Topic frame of every KV-event message."""
     kv_events_encoding: Literal["array", "map"] = "array"
     """Event encoding: "array" as vLLM <= 0.23 decodes it, "map" as vLLM >= 0.24 does."""
     kv_events_hash_format: Literal["int", "bytes"] = "int"
@@ -202,14 +132,23 @@ class OffloadConfig(BaseSettings):
     kv_events_replay_batches: int | None = Field(default=None, ge=1)
     """Batches kept for replay; None = event_buffer_size (never fewer)."""
     kv_events_hwm: int = Field(default=100_000, ge=0)
+    """ZMQ send high-water mark: messages queued for slow subscribers before dropping."""
     kv_events_data_parallel_rank: int = Field(default=0, ge=0)
+    """Data-parallel rank stamped on each batch, as vLLM does."""
 
     # -- HTTP service -----------------------------------------------------------------------
     host: str = "127.0.0.1"
+    """Interface the service binds."""
     port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port the service listens on (0: any free port)."""
     api_token: SecretStr | None = None
+    """Bearer token required on /v1 routes; None = no authentication (loopback use)."""
     max_keys_per_request: int = Field(default=4096, ge=1)
+    """Keys one request may name; more are answered 413."""
     max_body_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2))
+    """Largest request body; a larger one is answered 413."""
+    max_header_bytes: ByteSize = Field(default=ByteSize(64 * 1024), gt=0)
+    """Largest request line plus headers; a larger request is answered 431."""
     max_large_bodies: int = Field(default=2, ge=1)
     """Request bodies over 4 MiB (or of unknown length) received at once; memory for bodies
     stays near ``max_large_bodies x max_body_bytes`` whatever the number of clients."""
@@ -224,6 +163,7 @@ class OffloadConfig(BaseSettings):
     """An event-stream client that accepts no bytes for this long is disconnected, so a
     stalled client holds at most one chunk (~100 KiB) for a bounded time."""
     sse_heartbeat_s: float = Field(default=15.0, gt=0)
+    """Seconds between keep-alive comments on an idle event stream."""
     record_path: Path | None = None
     """Append the request/key stream to this JSONL file (replayable with ``replay``)."""
     mrc_sample_rate: float = Field(default=1.0, gt=0, le=1)
@@ -259,21 +199,10 @@ class OffloadConfig(BaseSettings):
     tier_read_timeout_s: float = Field(default=0.5, gt=0)
     """A tier that takes longer to answer a lookup or a read is a miss (and backed off)."""
 
-    @field_validator("staged_when_busy", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _staged_when_busy_words(cls, value: Any) -> Any:
-        """Booleans (and their spellings in the environment) from before the setting had
-        three values: on means both directions."""
-        if isinstance(value, bool):
-            return "both" if value else "off"
-        if isinstance(value, str):
-            word = value.strip().lower()
-            if word in ("1", "true", "yes", "on"):
-                return "both"
-            if word in ("0", "false", "no", ""):
-                return "off"
-            return word
-        return value
+    def _old_names(cls, values: Any) -> Any:
+        return move_old_names(values)
 
     @field_validator("cpu_bytes_to_use", "disk_bytes")
     @classmethod
@@ -282,14 +211,23 @@ class OffloadConfig(BaseSettings):
             raise ValueError("must be > 0 (e.g. '4GiB')")
         return value
 
-    @model_validator(mode="after")
-    def _batch_bounds(self) -> OffloadConfig:
-        if self.batch_min_bytes > self.batch_max_bytes:
-            raise ValueError(
-                f"batch_min_bytes ({int(self.batch_min_bytes)}) must not exceed "
-                f"batch_max_bytes ({int(self.batch_max_bytes)})"
-            )
-        return self
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The 0.1 environment names of moved settings count, below the current names."""
+        return (
+            init_settings,
+            env_settings,
+            OldEnvironmentNames(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OffloadConfig:
@@ -297,32 +235,27 @@ class OffloadConfig(BaseSettings):
         return load_config(**values)
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    try:
-        if path.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
+def _set_values(model: BaseModel) -> dict[str, Any]:
+    """The fields of ``model`` that were set, nested models included, as plain values."""
+    values: dict[str, Any] = {}
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        values[name] = _set_values(value) if isinstance(value, BaseModel) else value
+    return values
 
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, mappings merged key by key."""
+    merged = dict(base)
+    for key, value in top.items():
+        below = merged.get(key)
+        if isinstance(value, BaseModel) and isinstance(below, dict):
+            value = _set_values(value)
+        if isinstance(value, dict) and isinstance(below, dict):
+            merged[key] = _merge(below, value)
         else:
-            raise ConfigError(
-                f"config file {path} has an unknown type {path.suffix or '(no suffix)'!r}: use "
-                f".toml, .json, .yaml or .yml"
-            )
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"cannot parse config file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return data.get("kvcache_offload", data)
+            merged[key] = value
+    return merged
 
 
 def _format(exc: ValidationError) -> str:
@@ -335,11 +268,10 @@ def _format(exc: ValidationError) -> str:
 
 def load_config(config_file: str | Path | None = None, **overrides: Any) -> OffloadConfig:
     """Merge file, environment and explicit values; raises :class:`ConfigError` when invalid."""
-    file_values = _read_file(Path(config_file)) if config_file else {}
+    file_values = read_config_file(Path(config_file)) if config_file else {}
     try:
-        from_env = OffloadConfig()
-        env_values = from_env.model_dump(include=from_env.model_fields_set)
-        merged = {**file_values, **env_values, **overrides}
+        env_values = _set_values(OffloadConfig())
+        merged = _merge(_merge(move_old_names(file_values), env_values), move_old_names(overrides))
         return OffloadConfig(**merged)
     except ValidationError as exc:
         raise ConfigError(_format(exc)) from None

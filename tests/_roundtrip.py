@@ -203,9 +203,9 @@ def skip_unless_available(mechanism: str) -> None:
     from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
     from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 
-    if mechanism in ("kernel", "hybrid", "staged") and not triton_available()[0]:
+    if mechanism in ("kernel", "staged") and not triton_available()[0]:
         pytest.skip("triton unavailable")
-    if mechanism in ("dma", "hybrid", "staged"):
+    if mechanism in ("dma", "staged"):
         rt = get_cuda_runtime()
         if rt is None or not rt.has_batch_memcpy:
             pytest.skip("cudaMemcpyBatchAsync unavailable")

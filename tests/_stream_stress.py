@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache_offload import KVCacheLayout, OffloadConfig, make_offload_key
+from kvcache_offload import KVCacheLayout, OffloadConfig, TransferTuning, make_offload_key
 from kvcache_offload.aio import OffloadEngine
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.dataplane import layouts
@@ -53,9 +53,11 @@ def build(
     ]
     kv = layouts.blocks_first_per_layer(tensors)
     page = layouts.block_nbytes(kv)
+    transfer = {"mechanism": mechanism, **config.pop("transfer", {})}
+    transfer.update({k: config.pop(k) for k in list(config) if k in TransferTuning.model_fields})
     config = OffloadConfig(
         cpu_bytes_to_use=3 * TASKS * JOB_BLOCKS * page,
-        transfer_mechanism=mechanism,  # type: ignore[arg-type]
+        transfer=transfer,
         **config,
         layout=KVCacheLayout(
             gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=num_gpu_blocks

@@ -127,10 +127,10 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             self.manager if isinstance(self.manager, FencesSlots) else None
         )
         # Behind a lone store's copy, the policy chooses up to this many of the next store's
-        # victims ahead (0: off; config.evict_ahead_fraction; only a policy whose choice
+        # victims ahead (0: off; config.transfer.evict_ahead_fraction; only a policy whose choice
         # ahead is the one made at need, as LRU's).
         self._evict_ahead_max = (
-            int(capacity * config.evict_ahead_fraction)
+            int(capacity * config.transfer.evict_ahead_fraction)
             if isinstance(self.manager, EvictsAhead) and self.manager.chooses_ahead
             else 0
         )
@@ -142,8 +142,8 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
                 self._worker,
                 spin_s=poll_spin_s,
                 backoff_s=poll_backoff_s,
-                sleep_behind_s=config.completion_sleep_behind_s,
-                caller_looks=config.completion_caller_looks,
+                sleep_behind_s=config.transfer.completion_sleep_behind_s,
+                caller_looks=config.transfer.completion_caller_looks,
             )
         self._block_memory: BlockMemory | None = None
         self._tiers: EngineTiers | None = self._build_tiers()

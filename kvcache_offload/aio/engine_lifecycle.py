@@ -43,7 +43,7 @@ class Lifecycle(BlockBytes):
             await self._get_block_memory()
         if self._tiers is not None:
             await self._tiers.open()
-        if self.config.gc_freeze:
+        if self.config.transfer.gc_freeze:
             self._heap_freeze.freeze()
 
     def _ensure_started(self) -> None:

@@ -78,7 +78,7 @@ class ManagerSteps(EngineBase):
         """After a lone store's copy was launched: have the manager choose, in the copy's
         shadow, what the next store of ``stored`` blocks would evict (at most
         ``_evict_ahead_max``); they stay loadable until that store takes their slots.
-        ``config.evict_ahead_fraction`` says why."""
+        ``config.transfer.evict_ahead_fraction`` says why."""
         cast("EvictsAhead", self.manager).evict_ahead(min(stored, self._evict_ahead_max))
 
     def _finish_store(

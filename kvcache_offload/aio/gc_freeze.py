@@ -29,7 +29,7 @@ _owner: HeapFreeze | None = None
 
 
 class HeapFreeze:
-    """One engine's freeze of the objects alive at its start (``OffloadConfig.gc_freeze``)."""
+    """One engine's freeze of the objects alive at its start (``transfer.gc_freeze``)."""
 
     def __init__(self) -> None:
         self._thaw = False

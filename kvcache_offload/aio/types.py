@@ -263,7 +263,7 @@ class EngineStats(WireShape):
     """Blocks the eviction policy dropped to make room."""
     evicted_ahead_blocks: int = 0
     """Of ``evicted_blocks``, those that took a block the policy had chosen ahead, behind a
-    lone store's copy (``OffloadConfig.evict_ahead_fraction``)."""
+    lone store's copy (``OffloadConfig.transfer.evict_ahead_fraction``)."""
     discarded_blocks: int = 0
     """Blocks freed because a caller said nobody needs them again (``discard``)."""
     released_evictions: int = 0

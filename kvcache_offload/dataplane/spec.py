@@ -49,15 +49,17 @@ DEFAULT_REGION_NAME = "default"
 
 def cuda_handler_options(config: OffloadConfig) -> dict[str, Any]:
     """The keyword arguments of ``CpuGpuOffloadingHandlers`` that come from ``config``."""
+    t = config.transfer
     return {
-        "mechanism": config.transfer_mechanism,
-        "staged_when_busy": config.staged_when_busy,
-        "staged_one_way_min_load_bytes": int(config.staged_one_way_min_load_bytes),
-        "staged_one_way_min_store_bytes": int(config.staged_one_way_min_store_bytes),
-        "staged_mixed_min_job_bytes": int(config.staged_mixed_min_job_bytes),
-        "dma_min_fragment_bytes": int(config.dma_min_fragment_bytes),
-        "batch_min_bytes": int(config.batch_min_bytes),
-        "batch_max_bytes": int(config.batch_max_bytes),
+        "mechanism": t.mechanism,
+        "staged_when_busy": t.staged_when_busy,
+        "staged_one_way_min_load_bytes": int(t.staged_one_way_min_load_bytes),
+        "staged_one_way_min_store_bytes": int(t.staged_one_way_min_store_bytes),
+        "staged_mixed_min_job_bytes": int(t.staged_mixed_min_job_bytes),
+        "staged_min_job_bytes": int(t.staged_min_job_bytes),
+        "staged_lone_min_load_bytes": int(t.staged_lone_min_load_bytes),
+        "batch_min_bytes": int(t.batch_min_bytes),
+        "batch_max_bytes": int(t.batch_max_bytes),
     }
 
 

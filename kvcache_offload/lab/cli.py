@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -21,6 +22,7 @@ from kvcache_offload.control.policies.registry import (
     get_cache_policy_cls,
 )
 from kvcache_offload.errors import OffloadError
+from kvcache_offload.extras import require
 from kvcache_offload.lab.sweep import (
     SweepResult,
     parse_capacities,
@@ -193,6 +195,8 @@ def replay(
         paths = list(traces) if traces else default_trace_paths()
         policies = _policies(policy)
         capacities = parse_capacities(capacity)
+        if plot is not None:
+            require("plot", "replay --plot")
         for out in (json_out, plot):
             if out is not None:
                 _check_writable(out)
@@ -200,7 +204,7 @@ def replay(
         if full_blocks_only:
             loaded = [t.without_partial_blocks() for t in loaded]
     except (OffloadError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
 
     total = sum(t.num_requests for t in loaded) * len(policies) * len(capacities)

@@ -16,6 +16,7 @@ pytest.importorskip("kvcache_offload.dataplane.handlers.cuda")
 from kvcache_offload import (  # noqa: E402
     KVCacheLayout,
     OffloadConfig,
+    TransferTuning,
 )
 from kvcache_offload.aio import EventType, OffloadEngine  # noqa: E402
 from kvcache_offload.dataplane import layouts  # noqa: E402
@@ -35,8 +36,10 @@ def build(num_cpu_blocks: int = 128, **config: Any) -> tuple[OffloadEngine, list
     ]
     kv = layouts.blocks_first_per_layer(tensors)
     page = layouts.block_nbytes(kv)
+    transfer = {k: config.pop(k) for k in list(config) if k in TransferTuning.model_fields}
     offload_config = OffloadConfig(
         cpu_bytes_to_use=num_cpu_blocks * page,
+        transfer=transfer,
         layout=KVCacheLayout(
             gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=NUM_GPU_BLOCKS
         ),

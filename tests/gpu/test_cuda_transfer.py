@@ -30,14 +30,11 @@ from tests._roundtrip import (  # noqa: E402
     snapshot,
 )
 
-MECHANISMS = ["kernel", "dma", "staged", "hybrid", "torch", "auto"]
+MECHANISMS = ["kernel", "dma", "staged", "torch", "auto"]
 
 
 def _handlers(kv, factor, num_cpu, mechanism, region=None, **kw):
     from kvcache_offload.dataplane.handlers.cuda import CpuGpuOffloadingHandlers
-
-    if mechanism == "hybrid":
-        kw.setdefault("hybrid_dma_share", 0.5)
 
     return CpuGpuOffloadingHandlers(kv, factor, num_cpu, region, mechanism=mechanism, **kw)
 
@@ -155,14 +152,9 @@ def test_cuda_odd_page_sizes_copy_exactly(mechanism):
         h.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("dma_min_fragment_bytes", "large_fragment_path"), [(256 * 1024, "dma"), (None, "kernel")]
-)
-def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
-    dma_min_fragment_bytes, large_fragment_path
-):
-    # The default (0) never picks the plain DMA while the kernel works: 1 MiB pieces take
-    # the kernel too. With a threshold, pieces at or above it take the DMA.
+def test_cuda_auto_copies_large_fragments_through_the_kernel_too():
+    # While the kernel works, auto never picks the plain DMA: 1 MiB pieces take the kernel
+    # like small ones (transfer.mechanism="dma" forces the DMA).
     from kvcache_offload.dataplane.copy.triton_kernel import triton_available
 
     skip_unless_available("dma")
@@ -177,10 +169,7 @@ def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
         gen=gen,
         device="cuda",
     )
-    kw = (
-        {} if dma_min_fragment_bytes is None else {"dma_min_fragment_bytes": dma_min_fragment_bytes}
-    )
-    h = _handlers(kv, 1, 16, "auto", **kw)
+    h = _handlers(kv, 1, 16, "auto")
     try:
         big = random_job(
             np.random.default_rng(0),
@@ -200,12 +189,10 @@ def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
         )
         round_trip(h, kv, big, job_ids=(1, 2))
         round_trip(h, kv, small, job_ids=(3, 4))
-        expected = {"kernel": 1, "dma": 0}
-        expected[large_fragment_path] += 1
         assert h.gpu_to_cpu_handler.jobs_by_mechanism == {
-            **expected,
+            "kernel": 2,
+            "dma": 0,
             "staged": 0,
-            "hybrid": 0,
             "torch": 0,
         }
     finally:
@@ -218,7 +205,6 @@ def test_cuda_auto_picks_dma_for_large_fragments_only_when_asked(
         "kernel",
         "dma",
         "staged",
-        "hybrid",
         "torch",
         "auto-staged-when-busy",
         "auto-when-mixed",
@@ -327,7 +313,7 @@ def test_cuda_concurrent_loads_and_stores_are_both_exact(mechanism, monkeypatch)
         h.shutdown()
 
 
-@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "hybrid", "torch", "auto"])
+@pytest.mark.parametrize("mechanism", ["kernel", "dma", "staged", "torch", "auto"])
 @pytest.mark.parametrize("compute", ["default stream", "side stream"])
 def test_cuda_store_waits_for_the_compute_stream(mechanism, compute):
     """The KV written by a slow kernel on the compute stream is what gets stored, on the
@@ -485,14 +471,13 @@ def test_cuda_round_trip_through_a_pinned_shared_region():
         region.cleanup()
 
 
-@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("mechanism", ["kernel", "auto"])
 @pytest.mark.parametrize("factor", [1, 2])
-def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor, inline):
+def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanism, factor):
     # A serving engine's lone request (one group, idle direction) skips the plan objects;
     # its bytes, results and a later bad job's error must be those of the general path.
-    # Jobs of up to 8 units pass them to the kernel as parameters (inline), larger ones and
-    # every job with inline units off upload a job table.
+    # Jobs of up to 8 units pass them to the kernel as parameters (inline), larger ones
+    # (12 blocks here) upload a job table.
     skip_unless_available("kernel")
     kv = _one_group_caches(21 + factor)
     h = _handlers(kv, factor, 32, mechanism)
@@ -514,10 +499,6 @@ def test_lone_one_group_jobs_take_the_lean_kernel_lane_and_copy_exactly(mechanis
             assert store.success and load.success
             assert store.transfer_size == load.transfer_size == job_bytes(kv, job)
             assert store.transfer_time > 0 and load.transfer_time > 0
-            if i == 0 and not inline:
-                for one in (h.gpu_to_cpu_handler, h.cpu_to_gpu_handler):
-                    if one._launcher._issue is not None:
-                        one._launcher._issue.set_inline_units(0)
         assert len(calls) == 2 * len(sizes)  # every job of this test went through the lane
         _assert_issued_from_c(h)
         if h.gpu_to_cpu_handler._launcher._issue is not None:

@@ -347,7 +347,7 @@ async def test_blocks_chosen_ahead_stay_in_the_cpu_tier_until_taken_then_go_belo
         disk_bytes="64MiB",
         tier_write="back",
         eviction_policy="lru",
-        evict_ahead_fraction=0.5,  # up to 4 of the 8 blocks chosen ahead
+        transfer={"evict_ahead_fraction": 0.5},  # up to 4 of the 8 blocks chosen ahead
     )
 
     def gpu_block(b: int) -> bytes:

@@ -81,3 +81,13 @@ def test_tier_check_counts_blocks_memory_and_shm() -> None:
     check_cpu_tier(4, 1024, 4096, available=4096)
     with pytest.raises(ConfigError, match=r"only 4\.00 KiB of memory available"):
         check_cpu_tier(5, 1024, 5120, available=4096)
+
+
+def test_serve_reports_a_settings_old_environment_name_once_and_honours_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVCACHE_OFFLOAD_GC_FREEZE", "0")
+    config = build_config(None, port=9)
+    assert config.transfer.gc_freeze is False and config.port == 9
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "KVCACHE_OFFLOAD_TRANSFER__GC_FREEZE" in lines[0]

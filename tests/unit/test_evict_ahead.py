@@ -290,7 +290,7 @@ async def test_at_most_the_fraction_of_the_tier_is_chosen() -> None:
 async def test_nothing_is_chosen_when_off_or_in_a_tier_too_small(
     num_blocks: int, fraction: float
 ) -> None:
-    async with make_engine(num_blocks, evict_ahead_fraction=fraction) as engine:
+    async with make_engine(num_blocks, transfer={"evict_ahead_fraction": fraction}) as engine:
         await engine.store(keys(*range(num_blocks)), list(range(num_blocks)))
         await engine.store(keys(100, 101), [0, 1])
         assert engine.manager.stats().chosen_ahead == 0  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ from kvcache_offload import (
     KVCacheLayout,
     OffloadConfig,
     OffloadingSpecFactory,
+    TransferTuning,
     UnknownSpecError,
     load_config,
 )
@@ -133,7 +134,7 @@ def test_from_dict_accepts_vllm_extra_config_keys() -> None:
 def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_booleans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().staged_when_busy == "mixed"
+    assert OffloadConfig().transfer.staged_when_busy == "mixed"
     spellings = (
         ("stores", "stores"),
         ("BOTH", "both"),
@@ -142,75 +143,110 @@ def test_staged_when_busy_takes_a_direction_from_the_environment_or_the_old_bool
         ("0", "off"),
     )
     for spelling, meaning in spellings:
-        monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY", spelling)
-        assert OffloadConfig().staged_when_busy == meaning
-    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_WHEN_BUSY")
-    assert OffloadConfig(staged_when_busy=True).staged_when_busy == "both"
-    with pytest.raises(ConfigError, match="staged_when_busy"):
-        OffloadConfig.from_dict({"staged_when_busy": "loads"})
+        monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__STAGED_WHEN_BUSY", spelling)
+        assert OffloadConfig().transfer.staged_when_busy == meaning
+    monkeypatch.delenv("KVCACHE_OFFLOAD_TRANSFER__STAGED_WHEN_BUSY")
+    assert TransferTuning(staged_when_busy=True).staged_when_busy == "both"
+    with pytest.raises(ConfigError, match=r"transfer\.staged_when_busy"):
+        OffloadConfig.from_dict({"transfer": {"staged_when_busy": "loads"}})
 
 
 def test_staged_one_way_sizes_take_sizes_per_direction_and_zero_turns_them_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = OffloadConfig()
-    assert config.staged_one_way_min_load_bytes == 5 * 1024**2
-    assert config.staged_one_way_min_store_bytes == 8 * 1024**2
-    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_LOAD_BYTES", "8MiB")
-    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_STORE_BYTES", "0")
+    assert config.transfer.staged_one_way_min_load_bytes == 5 * 1024**2
+    assert config.transfer.staged_one_way_min_store_bytes == 8 * 1024**2
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__STAGED_ONE_WAY_MIN_LOAD_BYTES", "8MiB")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__STAGED_ONE_WAY_MIN_STORE_BYTES", "0")
     config = OffloadConfig()
-    assert config.staged_one_way_min_load_bytes == 8 * 1024**2
-    assert config.staged_one_way_min_store_bytes == 0
-    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_LOAD_BYTES")
-    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_ONE_WAY_MIN_STORE_BYTES")
-    with pytest.raises(ConfigError, match="staged_one_way_min_load_bytes"):
-        OffloadConfig.from_dict({"staged_one_way_min_load_bytes": "lots"})
+    assert config.transfer.staged_one_way_min_load_bytes == 8 * 1024**2
+    assert config.transfer.staged_one_way_min_store_bytes == 0
     with pytest.raises(ConfigError, match="staged_one_way_min_store_bytes"):
-        OffloadConfig.from_dict({"staged_one_way_min_store_bytes": -1})
+        OffloadConfig.from_dict({"transfer": {"staged_one_way_min_store_bytes": -1}})
 
 
-def test_staged_mixed_size_is_five_mib_by_default_takes_sizes_and_zero_turns_it_off(
+def test_transfer_knobs_keep_their_measured_defaults() -> None:
+    t = OffloadConfig().transfer
+    assert t.mechanism == "auto"
+    assert t.staged_mixed_min_job_bytes == 5 * 1024**2
+    assert t.completion_sleep_behind_s == 0.003
+    assert t.completion_caller_looks is True
+    assert t.evict_ahead_fraction == 1 / 32
+    assert t.gc_freeze is True
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "spelling", "value"),
+    [
+        ("TRANSFER_MECHANISM", "mechanism", "torch", "torch"),
+        ("STAGED_WHEN_BUSY", "staged_when_busy", "1", "both"),
+        ("STAGED_MIXED_MIN_JOB_BYTES", "staged_mixed_min_job_bytes", "2MiB", 2 * 1024**2),
+        ("BATCH_MAX_BYTES", "batch_max_bytes", "16MiB", 16 * 1024**2),
+        ("COMPLETION_SLEEP_BEHIND_S", "completion_sleep_behind_s", "0", 0),
+        ("COMPLETION_CALLER_LOOKS", "completion_caller_looks", "false", False),
+        ("EVICT_AHEAD_FRACTION", "evict_ahead_fraction", "0", 0),
+        ("GC_FREEZE", "gc_freeze", "0", False),
+    ],
+)
+def test_a_moved_settings_old_environment_variable_still_works_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, old: str, new: str, spelling: str, value: object
+) -> None:
+    monkeypatch.setenv(f"KVCACHE_OFFLOAD_{old}", spelling)
+    with pytest.warns(DeprecationWarning, match=f"KVCACHE_OFFLOAD_TRANSFER__{new.upper()}"):
+        config = load_config()
+    assert getattr(config.transfer, new) == value
+
+
+def test_the_new_environment_name_wins_over_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHE_OFFLOAD_GC_FREEZE", "0")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__GC_FREEZE", "1")
+    with pytest.warns(DeprecationWarning):
+        assert load_config().transfer.gc_freeze is True
+
+
+def test_a_moved_settings_old_keyword_and_file_key_still_work_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    with pytest.warns(DeprecationWarning, match="'transfer.mechanism'"):
+        assert OffloadConfig(transfer_mechanism="dma").transfer.mechanism == "dma"
+    with pytest.warns(DeprecationWarning, match="'transfer.batch_min_bytes'"):
+        config = OffloadConfig.from_dict({"batch_min_bytes": "8MiB", "eviction_policy": "lru"})
+    assert config.transfer.batch_min_bytes == 8 * 1024**2
+    path = tmp_path / "c.toml"
+    path.write_text('gc_freeze = false\n[transfer]\nbatch_max_bytes = "32MiB"\n')
+    with pytest.warns(DeprecationWarning, match="'transfer.gc_freeze'"):
+        config = load_config(path)
+    assert (config.transfer.gc_freeze, config.transfer.batch_max_bytes) == (False, 32 * 1024**2)
+
+
+def test_the_removed_dma_min_fragment_bytes_is_ignored_with_a_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert OffloadConfig().staged_mixed_min_job_bytes == 5 * 1024**2
-    monkeypatch.setenv("KVCACHE_OFFLOAD_STAGED_MIXED_MIN_JOB_BYTES", "0")
-    assert OffloadConfig().staged_mixed_min_job_bytes == 0
-    monkeypatch.delenv("KVCACHE_OFFLOAD_STAGED_MIXED_MIN_JOB_BYTES")
-    assert OffloadConfig.from_dict(
-        {"staged_mixed_min_job_bytes": "2MiB"}
-    ).staged_mixed_min_job_bytes == (2 * 1024**2)
-    with pytest.raises(ConfigError, match="staged_mixed_min_job_bytes"):
-        OffloadConfig.from_dict({"staged_mixed_min_job_bytes": -1})
-
-
-def test_completion_sleep_behind_is_three_milliseconds_by_default_and_zero_turns_it_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert OffloadConfig().completion_sleep_behind_s == 0.003
-    monkeypatch.setenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S", "0")
-    assert OffloadConfig().completion_sleep_behind_s == 0
-    monkeypatch.delenv("KVCACHE_OFFLOAD_COMPLETION_SLEEP_BEHIND_S")
-    with pytest.raises(ConfigError, match="completion_sleep_behind_s"):
-        OffloadConfig.from_dict({"completion_sleep_behind_s": -1})
-
-
-def test_callers_look_for_their_own_ends_by_default_and_the_env_turns_it_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert OffloadConfig().completion_caller_looks is True
-    monkeypatch.setenv("KVCACHE_OFFLOAD_COMPLETION_CALLER_LOOKS", "false")
-    assert OffloadConfig().completion_caller_looks is False
-
-
-def test_dma_min_fragment_bytes_is_off_by_default_and_takes_sizes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert OffloadConfig().dma_min_fragment_bytes == 0
+    with pytest.warns(DeprecationWarning, match="dma_min_fragment_bytes"):
+        assert OffloadConfig.from_dict({"dma_min_fragment_bytes": "1MiB"})
     monkeypatch.setenv("KVCACHE_OFFLOAD_DMA_MIN_FRAGMENT_BYTES", "1MiB")
-    assert OffloadConfig().dma_min_fragment_bytes == 1024**2
-    monkeypatch.delenv("KVCACHE_OFFLOAD_DMA_MIN_FRAGMENT_BYTES")
-    with pytest.raises(ConfigError, match="dma_min_fragment_bytes"):
-        OffloadConfig.from_dict({"dma_min_fragment_bytes": -1})
+    with pytest.warns(DeprecationWarning, match="ignored"):
+        load_config()
+
+
+def test_file_environment_and_arguments_merge_inside_transfer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[transfer]\nbatch_max_bytes = "32MiB"\ngc_freeze = false\n')
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__GC_FREEZE", "true")
+    config = load_config(path, transfer={"mechanism": "dma"})
+    assert config.transfer.batch_max_bytes == 32 * 1024**2  # from the file
+    assert config.transfer.gc_freeze is True  # the environment over the file
+    assert config.transfer.mechanism == "dma"  # the argument
+
+
+def test_every_setting_has_a_description_in_the_schema() -> None:
+    schema = OffloadConfig.model_json_schema()
+    for model in [schema, *schema["$defs"].values()]:
+        for name, field in model["properties"].items():
+            assert field.get("description"), f"{model['title']}.{name} has no description"
 
 
 def test_batch_bounds_default_to_the_handlers_and_take_sizes(
@@ -222,18 +258,20 @@ def test_batch_bounds_default_to_the_handlers_and_take_sizes(
         DEFAULT_BATCH_MIN_BYTES,
     )
 
-    config = OffloadConfig()
+    config = OffloadConfig().transfer
     assert (config.batch_min_bytes, config.batch_max_bytes) == (
         DEFAULT_BATCH_MIN_BYTES,
         DEFAULT_BATCH_MAX_BYTES,
     )
-    monkeypatch.setenv("KVCACHE_OFFLOAD_BATCH_MAX_BYTES", "16MiB")
-    assert OffloadConfig().batch_max_bytes == 16 * 1024**2
-    monkeypatch.delenv("KVCACHE_OFFLOAD_BATCH_MAX_BYTES")
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TRANSFER__BATCH_MAX_BYTES", "16MiB")
+    assert OffloadConfig().transfer.batch_max_bytes == 16 * 1024**2
+    monkeypatch.delenv("KVCACHE_OFFLOAD_TRANSFER__BATCH_MAX_BYTES")
     with pytest.raises(ConfigError, match="batch_min_bytes"):
-        OffloadConfig.from_dict({"batch_min_bytes": "32MiB", "batch_max_bytes": "16MiB"})
+        OffloadConfig.from_dict(
+            {"transfer": {"batch_min_bytes": "32MiB", "batch_max_bytes": "16MiB"}}
+        )
     with pytest.raises(ConfigError, match="batch_max_bytes"):
-        OffloadConfig.from_dict({"batch_max_bytes": 0})
+        OffloadConfig.from_dict({"transfer": {"batch_max_bytes": 0}})
 
 
 def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> None:
@@ -249,7 +287,7 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     from kvcache_offload.dataplane.spec import cuda_handler_options
 
     config = OffloadConfig.from_dict(
-        {"batch_min_bytes": "8MiB", "batch_max_bytes": "32MiB", "dma_min_fragment_bytes": "1MiB"}
+        {"transfer": {"batch_min_bytes": "8MiB", "batch_max_bytes": "32MiB"}}
     )
     options = cuda_handler_options(config)
     parameters = inspect.signature(CpuGpuOffloadingHandlers).parameters
@@ -262,5 +300,18 @@ def test_every_cuda_option_of_the_config_reaches_the_handlers_constructor() -> N
     assert options["staged_mixed_min_job_bytes"] == 5 * 1024**2
     assert options["batch_min_bytes"] == 8 * 1024**2
     assert options["batch_max_bytes"] == 32 * 1024**2
-    assert options["dma_min_fragment_bytes"] == 1024**2
+    assert options["staged_min_job_bytes"] == 256 * 1024**2
     assert options["staged_when_busy"] == "mixed"
+
+
+def test_the_transfer_defaults_are_the_handlers_own() -> None:
+    # Handlers built directly (without a config) and through the config behave alike.
+    pytest.importorskip("torch")
+    from kvcache_offload.dataplane.handlers.cuda import paths
+
+    t = TransferTuning()
+    assert t.staged_min_job_bytes == paths.DEFAULT_STAGED_MIN_JOB_BYTES
+    assert t.staged_lone_min_load_bytes == paths.DEFAULT_STAGED_LONE_MIN_LOAD_BYTES
+    assert t.staged_one_way_min_load_bytes == paths.DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES
+    assert t.staged_one_way_min_store_bytes == paths.DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES
+    assert t.staged_mixed_min_job_bytes == paths.DEFAULT_STAGED_MIXED_MIN_JOB_BYTES

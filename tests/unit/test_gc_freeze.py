@@ -34,7 +34,7 @@ async def test_a_started_engine_freezes_the_heap_and_thaws_it_on_close() -> None
 
 
 async def test_gc_freeze_false_leaves_the_collector_alone() -> None:
-    async with _engine(gc_freeze=False):
+    async with _engine(transfer={"gc_freeze": False}):
         assert gc.get_freeze_count() == 0
 
 

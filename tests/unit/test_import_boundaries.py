@@ -55,3 +55,19 @@ def test_policy_modules_load_only_when_a_configuration_asks_for_them() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_package_exports_the_embedded_api_and_stays_torch_free_until_used() -> None:
+    code = (
+        "import sys\n"
+        "import kvcache_offload as k\n"
+        "from kvcache_offload import (KVCacheLayout, OffloadConfig, OffloadEngine,\n"
+        "    ConfigError, OffloadError, load_config, make_offload_key, __version__)\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert __version__ == '0.2.0'\n"
+        "from kvcache_offload import layouts\n"
+        "assert callable(layouts.blocks_first_per_layer)\n"
+        "assert set(k.__all__) <= set(dir(k))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

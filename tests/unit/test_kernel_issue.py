@@ -498,12 +498,11 @@ def test_a_lone_job_passes_its_units_to_the_kernel_and_uploads_no_table() -> Non
     assert values[18:26] == [5, 0, 2, 0, 0, 0, 0, 0]
 
 
-@pytest.mark.parametrize(("inline", "size"), [(8, 9), (2, 3), (0, 3)])
-def test_a_lone_job_past_the_inline_units_is_planned_into_its_table(inline: int, size: int) -> None:
+def test_a_lone_job_past_the_inline_units_is_planned_into_its_table() -> None:
+    size = 9  # one past the eight units a kernel's parameters hold
     cuda = FakeCuda(TRITON_SIZES)
     host, dev = _tables([])
     issuer = _units_issuer(cuda)
-    issuer.set_inline(inline)
     src, dst = _ids(4, 7, 1, 2, 3)[: (size + 2) // 2], _ids(5, 0, 2, 1, 3, 4, 0, 1, 2)[:size]
     assert _issue_units(issuer, host, dev, src, dst, size, start=1) == 0
     assert [c[0] for c in cuda.calls] == ["get_device", "memcpy", "record", "launch", "record"]
@@ -514,17 +513,6 @@ def test_a_lone_job_past_the_inline_units_is_planned_into_its_table(inline: int,
     chunks = 4
     assert values[:7] == [REF_PTR, dev.ctypes.data, 1, size, size * 4 * chunks, 1, chunks]
     assert values[9:26] == [0] * 17
-
-
-def test_set_inline_takes_zero_to_eight_units() -> None:
-    issuer = _units_issuer(FakeCuda(TRITON_SIZES))
-    for bad in (-1, 9):
-        with pytest.raises(ValueError, match="0 to 8"):
-            issuer.set_inline(bad)
-    wrapped = kernel_issue.KernelIssue(issuer, FakeRuntime())
-    wrapped.set_inline_units(0)
-    with pytest.raises(ValueError, match="0 to 8"):
-        wrapped.set_inline_units(9)
 
 
 def test_a_unit_an_int32_parameter_cannot_hold_issues_nothing() -> None:
@@ -558,27 +546,6 @@ def test_a_lone_store_waits_for_the_default_stream_too() -> None:
     assert names == ["get_device", "record", "wait", "record", "launch", "record"]
     assert cuda.calls[1][:3] == ("record", MARK, None)  # on the default stream (handle 0)
     assert cuda.calls[2] == ("wait", STREAM, MARK, 0)
-
-
-@pytest.mark.parametrize("before", [BEFORE, 0], ids=["models-stream", "default-stream"])
-def test_with_store_start_a_lone_store_is_ordered_by_its_start_event(before: int) -> None:
-    # Its start event, recorded on the model's stream and waited on by the copy's, orders it
-    # after the model's writes: no separate mark (one driver call less).
-    cuda = FakeCuda(TRITON_SIZES)
-    host, dev = _tables([])
-    issuer = _units_issuer(cuda)
-    issuer.set_store_start(True)
-    assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
-    assert [c[0] for c in cuda.calls] == ["get_device", "record", "wait", "launch", "record"]
-    assert cuda.calls[1][:3] == ("record", START, before or None)
-    assert cuda.calls[2] == ("wait", STREAM, START, 0)
-    assert cuda.calls[4][:3] == ("record", END, STREAM)
-    issuer.set_store_start(False)
-    cuda.calls.clear()
-    assert _issue_units(issuer, host, dev, _ids(1), _ids(3, 4), 2, before=before, mark=MARK) == 0
-    assert [c[0] for c in cuda.calls] == ["get_device", "record", "wait", "record", "launch",
-                                         "record"]  # fmt: skip
-    assert cuda.calls[1][:3] == ("record", MARK, before or None)
 
 
 @pytest.mark.parametrize(
@@ -616,16 +583,19 @@ def test_the_lane_takes_nothing_before_it_knows_the_groups_geometry() -> None:
     assert cuda.calls == []
 
 
-@pytest.mark.parametrize("inline", [8, 0])
-def test_a_value_a_parameter_cannot_hold_leaves_the_table_as_it_was(inline: int) -> None:
+@pytest.mark.parametrize("size", [2, 9], ids=["inline", "table"])
+def test_a_value_a_parameter_cannot_hold_leaves_the_table_as_it_was(size: int) -> None:
     cuda = FakeCuda(TRITON_SIZES)
     host, dev = _tables([])
     issuer = cuda.issuer(block_bytes=1)
     get, put = cuda.address("get_device"), cuda.address("set_device")
     issuer.set_units(10, 6, 3, 4, 2**31, 0, get, put)  # 2**31 one-byte chunks per fragment
-    issuer.set_inline(inline)
     before = host.copy()
-    code = _issue_units(issuer, host, dev, _ids(1), _ids(0, 1), 2)
+    if size == 2:
+        src, dst = _ids(1), _ids(0, 1)
+    else:
+        src, dst = _ids(4, 7, 1, 2, 3), _ids(5, 0, 2, 1, 3, 4, 0, 1, 2)
+    code = _issue_units(issuer, host, dev, src, dst, size)
     assert code == kernel_issue.STAGE_RANGE << 16
     assert cuda.calls == [] and host.tolist() == before.tolist()
 

@@ -29,7 +29,22 @@ ROOT = Path(kvcache_offload.__file__).parent
 PACKAGE = "kvcache_offload"
 
 LAYERS: list[tuple[str, set[str]]] = [
-    ("basics", {"errors", "config", "_imports", "_registry", "_compiled", "_moved", "_closing"}),
+    (
+        "basics",
+        {
+            "errors",
+            "config",
+            "_config_compat",
+            "_config_file",
+            "tuning",
+            "extras",
+            "_imports",
+            "_registry",
+            "_compiled",
+            "_moved",
+            "_closing",
+        },
+    ),
     ("contracts", {"contracts", "base", "keys"}),
     ("control plane", {"control"}),
     ("policy lab", {"lab"}),
@@ -38,7 +53,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("async core", {"aio", "kv_events"}),
     (
         "service and entry points",
-        {"client", "cli", "__main__", "integrations", "_compat_cpu", "_compat_worker", ""},
+        {
+            "client",
+            "cli",
+            "__main__",
+            "integrations",
+            "_compat_cpu",
+            "_compat_worker",
+            "config_reference",
+            "",
+        },
     ),
 ]
 """Bottom to top; the names are the first part after ``kvcache_offload.`` ("" is the package's

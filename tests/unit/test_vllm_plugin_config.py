@@ -87,3 +87,13 @@ def test_a_shared_region_is_named_after_the_engine_unless_named() -> None:
 def test_bad_values_of_our_keys_raise_config_errors() -> None:
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
         _config({"cpu_bytes_to_use": -1})
+
+
+def test_a_moved_settings_old_key_still_works_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning):
+        cfg = _config({"gc_freeze": False, "transfer": {"batch_min_bytes": "8MiB"}})
+    assert cfg.transfer.gc_freeze is False
+    assert cfg.transfer.batch_min_bytes == 8 * 1024**2
+    assert "'gc_freeze'" in caplog.text and "transfer" in caplog.text

@@ -82,12 +82,6 @@ typedef struct {
     get_device_fn get_device;
     set_device_fn set_device;
     int64_t src_rows, dst_rows, ref_row, pairs_per_unit, max_size;
-    /* issue_units passes jobs of at most this many units as kernel parameters (no table). */
-    int64_t inline_units;
-    /* issue_units orders a store by recording its start event on the model's stream, which
-     * the lane waits on, instead of a separate mark: one driver call less (set_store_start;
-     * off until measured on a GPU). */
-    int store_start_on_before;
 } KernelIssuer;
 
 static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -160,8 +154,6 @@ static PyObject *issuer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->ref_ptr = ref_ptr;
     self->src_factor = src_factor;
     self->dst_factor = dst_factor;
-    self->inline_units = INLINE_UNITS;
-    self->store_start_on_before = 0;
     return (PyObject *)self;
 }
 
@@ -227,14 +219,8 @@ static int64_t kernel_params(const KernelIssuer *self, uint64_t job_ptr, int64_t
  * Returns 0, or (stage << 16) | the failing call's code. Called with the GIL released. */
 static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64_t n_units,
                     int64_t ref_row, int64_t programs, void **params, void *s, uint64_t before,
-                    uint64_t mark, uint64_t prev_end, uint64_t start, uint64_t end,
-                    int start_on_before) {
+                    uint64_t mark, uint64_t prev_end, uint64_t start, uint64_t end) {
     int code = 0, stage = 0;
-    /* A store with nothing queued before it on its stream: its start event, recorded on the
-     * model's stream and waited on by the copy's, orders it after the model's writes and
-     * still times the copy (it fires when the model's work before it is done, and the copy
-     * follows at once). */
-    int start_first = start_on_before && mark != 0 && prev_end == 0;
     do {
         if (host != 0) {
             int64_t *row = (int64_t *)(uintptr_t)host;
@@ -248,14 +234,7 @@ static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64
                                       table_bytes, MEMCPY_DEFAULT, s);
             if (code) break;
         }
-        if (start_first) {
-            stage = STAGE_START;
-            code = self->event_record((void *)(uintptr_t)start, (void *)(uintptr_t)before);
-            if (code) break;
-            stage = STAGE_ORDER;
-            code = self->stream_wait(s, (void *)(uintptr_t)start, 0);
-            if (code) break;
-        } else if (mark != 0) { /* a store: before is the model's stream, 0 the default one */
+        if (mark != 0) { /* a store: before is the model's stream, 0 the default one */
             stage = STAGE_ORDER;
             code = self->event_record((void *)(uintptr_t)mark, (void *)(uintptr_t)before);
             if (code) break;
@@ -267,11 +246,9 @@ static long enqueue(const KernelIssuer *self, uint64_t host, uint64_t dev, int64
             code = self->stream_wait(s, (void *)(uintptr_t)prev_end, 0);
             if (code) break;
         }
-        if (!start_first) {
-            stage = STAGE_START;
-            code = self->event_record((void *)(uintptr_t)start, s);
-            if (code) break;
-        }
+        stage = STAGE_START;
+        code = self->event_record((void *)(uintptr_t)start, s);
+        if (code) break;
         if (programs > 0) {
             stage = STAGE_LAUNCH;
             code = self->launch(self->function, (unsigned int)programs, 1, 1, self->threads, 1, 1,
@@ -324,7 +301,7 @@ static PyObject *issuer_issue(KernelIssuer *self, PyObject *const *args, Py_ssiz
      * stream's queue is full. Holding it measured the same on the H200 host. */
     Py_BEGIN_ALLOW_THREADS
     result = enqueue(self, host, dev, n_units, ref_row, programs, params, (void *)(uintptr_t)stream,
-                     before, mark, prev_end, start, end, 0);
+                     before, mark, prev_end, start, end);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(result);
 }
@@ -363,30 +340,6 @@ static PyObject *issuer_set_units(KernelIssuer *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_inline(units) -> None: issue_units passes jobs of at most units units (0..INLINE_UNITS;
- * 0: none) as kernel parameters instead of uploading a table. */
-static PyObject *issuer_set_inline(KernelIssuer *self, PyObject *arg) {
-    long units = PyLong_AsLong(arg);
-    if (units == -1 && PyErr_Occurred()) return NULL;
-    if (units < 0 || units > INLINE_UNITS) {
-        PyErr_Format(PyExc_ValueError, "set_inline takes 0 to %d units", (int)INLINE_UNITS);
-        return NULL;
-    }
-    self->inline_units = units;
-    Py_RETURN_NONE;
-}
-
-/* set_store_start(on) -> None: whether issue_units orders a store (a mark with nothing
- * queued before it) by recording its start event on the model's stream, which the copy's
- * stream waits on, instead of recording a separate mark there first (1: one driver call
- * less per lone store) or as issue() does (0, the default until an A/B on a GPU). */
-static PyObject *issuer_set_store_start(KernelIssuer *self, PyObject *arg) {
-    int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    self->store_start_on_before = on;
-    Py_RETURN_NONE;
-}
-
 static int int64_view(PyObject *obj, Py_buffer *view);
 
 /* int64_view without an error: ids the lane does not take go to the caller's general path. */
@@ -401,8 +354,8 @@ static int int64_ids(PyObject *obj, Py_buffer *view) {
  *
  * A one-group job planned and issued in one call (the lone lane): the units of size pieces
  * starting start pieces into the request (units_of_side on each side's ids, int64), then
- * issue()'s calls. A job of at most inline_units units (set_inline; INLINE_UNITS at first)
- * passes them as kernel parameters and uploads no table; a larger one writes them after the
+ * issue()'s calls. A job of at most INLINE_UNITS units passes them as kernel parameters and
+ * uploads no table; a larger one writes them after the
  * group row of the job table at host, which is uploaded. -1, with nothing enqueued, where the
  * job is not one this call takes: set_units not called, ids that are not C-contiguous int64
  * or do not name the job's blocks within the rows, or a job of more units than a table of
@@ -428,7 +381,7 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
                         "issue_units() needs both tables, both events and a mark with before");
         return NULL;
     }
-    int inline_job = size <= self->inline_units;
+    int inline_job = size <= INLINE_UNITS;
     if (!self->units_ready || size <= 0 || first < 0 ||
         (!inline_job && GROUP_ROW + 2 * size > capacity)) {
         return PyLong_FromLong(-1);
@@ -470,8 +423,7 @@ static PyObject *issuer_issue_units(KernelIssuer *self, PyObject *const *args, P
         result = ((long)STAGE_DEVICE << 16) | (long)(code & 0xFFFF);
     } else {
         result = enqueue(self, table, dev, size, self->ref_row, programs, params,
-                         (void *)(uintptr_t)stream, before, mark, prev_end, start, end,
-                         self->store_start_on_before);
+                         (void *)(uintptr_t)stream, before, mark, prev_end, start, end);
         if (current >= 0 && current != self->device) self->set_device(current);
     }
     Py_END_ALLOW_THREADS
@@ -633,10 +585,6 @@ static PyMethodDef issuer_methods[] = {
     {"set_units", (PyCFunction)issuer_set_units, METH_VARARGS,
      "set_units(src_rows, dst_rows, ref_row, pairs_per_unit, max_size, device, get_device, "
      "set_device) -> None"},
-    {"set_inline", (PyCFunction)issuer_set_inline, METH_O,
-     "set_inline(units) -> None: jobs of at most units units go without a job table"},
-    {"set_store_start", (PyCFunction)issuer_set_store_start, METH_O,
-     "set_store_start(on) -> None: issue_units orders a store by its start event"},
     {"issue_units", (PyCFunction)(void (*)(void))issuer_issue_units, METH_FASTCALL,
      "issue_units(host, dev, capacity, src_ids, dst_ids, size, start, stream, before, mark, "
      "prev_end, start_event, end_event) -> 0, -1 (not taken) or (stage << 16) | code"},

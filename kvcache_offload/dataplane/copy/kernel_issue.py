@@ -127,20 +127,6 @@ class KernelIssue:
         self.units_ready = True
         return True
 
-    def set_inline_units(self, units: int) -> None:
-        """Let :meth:`issue_units` pass jobs of at most ``units`` units per side (0 to
-        ``INLINE_UNITS``, which it starts with; 0: none) to the kernel as parameters, with no
-        job table uploaded; larger jobs upload their table. For A/B runs of the two forms."""
-        self._issuer.set_inline(units)
-
-    def set_store_start(self, on: bool) -> None:
-        """Whether :meth:`issue_units` orders a store after the model's writes by recording
-        the copy's start event on the model's stream (the copy's stream waits on it: one
-        driver call less per lone store) or, as :meth:`issue` does and by default, by a
-        separate mark recorded there and the start recorded on the copy's stream. Off until
-        an A/B of the two forms on a GPU (docs/transfers.md, thirtieth session)."""
-        self._issuer.set_store_start(on)
-
     def issue_units(
         self,
         host_ptr: int,

@@ -175,15 +175,6 @@ class GroupPlan:
     """Index of the first of ``ref_tensors`` among the group's refs (a job split by refs
     between two mechanisms has parts that start past 0)."""
 
-    def split(self, m: int) -> tuple[GroupPlan, GroupPlan]:
-        """The first ``m`` refs and the rest, over the same units."""
-        return (
-            GroupPlan(self.ref_tensors[:m], self.ref_sizes[:m], self.src_units,
-                      self.dst_units, self.index, self.ref_offset),
-            GroupPlan(self.ref_tensors[m:], self.ref_sizes[m:], self.src_units,
-                      self.dst_units, self.index, self.ref_offset + m),
-        )  # fmt: skip
-
     @property
     def num_fragments(self) -> int:
         return len(self.ref_tensors) * len(self.src_units)
@@ -203,10 +194,6 @@ class TransferPlan:
     max_size: int
     alignment: int
     """Largest power of two (<= 16) dividing every fragment size; pointers checked apart."""
-
-    @property
-    def mean_fragment_bytes(self) -> float:
-        return self.num_bytes / self.num_fragments if self.num_fragments else 0.0
 
     @classmethod
     def of_groups(cls, groups: list[GroupPlan]) -> TransferPlan:
@@ -264,15 +251,6 @@ class TransferPlan:
                 )
             )
         return cls(groups, num_fragments, num_bytes, uniform_size, max_size, alignment)
-
-    def split_refs(self, share: float) -> tuple[TransferPlan, TransferPlan]:
-        """About ``share`` of every group's refs (by count) and the rest, as two plans."""
-        first, rest = [], []
-        for g in self.groups:
-            a, b = g.split(round(share * len(g.ref_tensors)))
-            first.append(a)
-            rest.append(b)
-        return TransferPlan.of_groups(first), TransferPlan.of_groups(rest)
 
     def fill_pointer_table(
         self, src: SideGeometry, dst: SideGeometry, out: np.ndarray

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvcache_offload.config import KVCacheLayout, OffloadConfig, load_config
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.tuning import MOVED_TO_TRANSFER, REMOVED_FIELDS
 
 __all__ = ["SidePortSettings", "offload_config", "side_port_settings"]
 
@@ -64,7 +65,14 @@ def offload_config(
     for key, value in extra_config.items():
         if key in VLLM_KEYS or key in ADAPTER_KEYS:
             continue
-        if key not in OffloadConfig.model_fields:
+        if key in MOVED_TO_TRANSFER or key in REMOVED_FIELDS:
+            logger.warning(
+                "kv_connector_extra_config[%r] is a 0.1 name: %s", key,
+                f"use {{'transfer': {{'{MOVED_TO_TRANSFER[key]}': ...}}}}"
+                if key in MOVED_TO_TRANSFER else "it is removed and ignored",
+            )  # fmt: skip
+            ours[key] = value  # load_config maps (or drops) it for one release
+        elif key not in OffloadConfig.model_fields:
             ignored.append(key)
         elif key in DECIDED_BY_VLLM:
             logger.warning("kv_connector_extra_config[%r] is decided by vLLM; ignored", key)

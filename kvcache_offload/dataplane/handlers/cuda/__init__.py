@@ -37,8 +37,6 @@ from kvcache_offload.dataplane.handlers.cuda.handler import (
 )
 from kvcache_offload.dataplane.handlers.cuda.pair import CpuGpuOffloadingHandlers
 from kvcache_offload.dataplane.handlers.cuda.paths import (
-    DEFAULT_DMA_MIN_FRAGMENT_BYTES,
-    DEFAULT_HYBRID_DMA_SHARE,
     DEFAULT_STAGED_MIN_JOB_BYTES,
     CompletionWait,
     Mechanism,
@@ -48,8 +46,6 @@ from kvcache_offload.dataplane.handlers.cuda.paths import (
 __all__ = [
     "DEFAULT_BATCH_MAX_BYTES",
     "DEFAULT_BATCH_MIN_BYTES",
-    "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
-    "DEFAULT_HYBRID_DMA_SHARE",
     "DEFAULT_STAGED_MIN_JOB_BYTES",
     "CompletionWait",
     "CpuGpuOffloadingHandlers",

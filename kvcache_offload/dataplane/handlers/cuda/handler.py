@@ -45,8 +45,6 @@ from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait, end_wait_a
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
 from kvcache_offload.dataplane.handlers.cuda.paths import (
-    DEFAULT_DMA_MIN_FRAGMENT_BYTES,
-    DEFAULT_HYBRID_DMA_SHARE,
     DEFAULT_STAGED_MIN_JOB_BYTES,
     CompletionWait,
     Mechanism,
@@ -132,9 +130,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         gpu_to_cpu: bool,
         *,
         mechanism: Mechanism = "auto",
-        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
-        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         max_staging_bytes: int = 256 * 1024 * 1024,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
@@ -157,15 +153,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.src_geom, self.dst_geom = sides.geometry()
         self._group_refs = [refs_arrays(refs) for refs in kv_cache_groups_data_refs]
         self._planner = PlanBuilder(self._group_refs, self.src_geom, self.dst_geom)
-        if dma_min_fragment_bytes < 0:
-            raise ConfigError(
-                f"dma_min_fragment_bytes must be >= 0 (0: never), got {dma_min_fragment_bytes}"
-            )
-        self.dma_min_fragment_bytes = int(dma_min_fragment_bytes)
         self.kernel_config = kernel_config
-        if not 0.0 <= hybrid_dma_share < 1.0:
-            raise ConfigError(f"hybrid_dma_share must be in [0, 1), got {hybrid_dma_share}")
-        self.hybrid_dma_share = float(hybrid_dma_share)
         self.staged_min_job_bytes = int(staged_min_job_bytes)
         """Staged jobs from this size on go to the submit thread (and ``auto`` stages them)."""
         auto_min = self.staged_min_job_bytes
@@ -236,7 +224,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             dst_geom=self.dst_geom,
             runtime=runtime,
             kernel_config=kernel_config,
-            hybrid_dma_share=self.hybrid_dma_share,
             pools=self._pools,
         )
         self._closed = False
@@ -266,9 +253,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.batches = 0
         self.batched_jobs = 0
         self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
-            ("kernel", "dma", "staged", "hybrid", "torch"), 0
+            ("kernel", "dma", "staged", "torch"), 0
         )
-        if self.kernel_ok and self.mechanism in ("auto", "kernel", "hybrid"):
+        if self.kernel_ok and self.mechanism in ("auto", "kernel"):
             self._launcher.set_ref_table(
                 *build_ref_table(self._group_refs, self.src_geom, self.dst_geom, self.device)
             )
@@ -306,8 +293,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
     def _lone_kernel_limit(self) -> int:
         """Jobs below this many bytes that find the direction idle take the lone-kernel lane
         (0: none do). Only where :meth:`choose_mechanism` would pick the kernel for every
-        such job of the one group: the kernel forced, or ``auto`` with fragments too small
-        for the DMA, no hybrid share, and below the staged path's job size."""
+        such job of the one group: the kernel forced, or ``auto`` below the staged path's
+        job size."""
         single = self._planner.single_group
         if (
             self._fallback is not None
@@ -318,17 +305,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             return 0
         if self.mechanism == "kernel":
             return 1 << 62
-        if self.mechanism != "auto" or self.hybrid_dma_share > 0:
-            return 0
-        if self._dma_by_fragment(single.bytes_per_unit / len(single.tensors)):
+        if self.mechanism != "auto":
             return 0
         return self.staged_auto_min_job_bytes if self._staged is not None else 1 << 62
-
-    def _dma_by_fragment(self, mean_fragment_bytes: float) -> bool:
-        """Whether ``auto`` copies pieces this large by plain DMA (``dma_min_fragment_bytes``;
-        0: never)."""
-        threshold = self.dma_min_fragment_bytes
-        return self.dma_ok and threshold > 0 and mean_fragment_bytes >= threshold
 
     def _single_job(
         self, spec: TransferSpec
@@ -472,8 +451,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         flight (the job queues behind them anyway) and ``staged_when_busy`` is on."""
         if self.mechanism != "auto":
             return self.mechanism
-        if self._dma_by_fragment(plan.mean_fragment_bytes):
-            return "dma"
         staged = self._staged
         if (
             staged is not None
@@ -490,8 +467,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 return "staged"
         if self.dma_ok and not self.kernel_ok:
             return "dma"
-        if self.dma_ok and self.hybrid_dma_share > 0:
-            return "hybrid"
         return "kernel"
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
@@ -814,8 +789,6 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             "mechanism": self.mechanism,
             "kernel_available": self.kernel_ok,
             "dma_available": self.dma_ok,
-            "dma_min_fragment_bytes": self.dma_min_fragment_bytes,
-            "hybrid_dma_share": self.hybrid_dma_share,
             "staged_min_job_bytes": self.staged_min_job_bytes,
             "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
             "staged_mixed_min_job_bytes": self.mixed_min_job_bytes,

@@ -72,8 +72,6 @@ class InFlightCopy:
     end_event: torch.cuda.Event
     slot: TableSlot | None
     mechanism: str
-    side_stream: torch.cuda.Stream | None = None
-    sync_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     staged: StagedJob | None = None
     """Set for staged jobs: issued (maybe later, by the submit thread) by the copier."""
     watched: bool = False
@@ -209,7 +207,6 @@ class CopyPools:
         self.device = device
         self.blocking_events = blocking_events
         self.streams: list[torch.cuda.Stream] = []
-        self.side_streams: list[torch.cuda.Stream] = []
         self.timing_events: list[torch.cuda.Event] = []
         self.sync_events: list[torch.cuda.Event] = []
         self.slots: list[TableSlot] = []
@@ -217,9 +214,6 @@ class CopyPools:
 
     def stream(self) -> torch.cuda.Stream:
         return self.streams.pop() if self.streams else torch.cuda.Stream(self.device)
-
-    def side_stream(self) -> torch.cuda.Stream:
-        return self.side_streams.pop() if self.side_streams else torch.cuda.Stream(self.device)
 
     def slot(self) -> TableSlot:
         return self.slots.pop() if self.slots else TableSlot(self.device)
@@ -252,15 +246,11 @@ class CopyPools:
         self.timing_events.extend((t.start_event, t.end_event))
         if t.slot is not None:
             self.return_slot(t.slot)
-        if t.side_stream is not None:
-            self.side_streams.append(t.side_stream)
-        if t.sync_events is not None:
-            self.sync_events.extend(t.sync_events)
         if t.staged is not None and t.staged.ready_event is not None:
             self.sync_events.append(t.staged.ready_event)
 
     def clear(self) -> None:
-        for pool in (self.streams, self.side_streams, self.timing_events, self.sync_events):
+        for pool in (self.streams, self.timing_events, self.sync_events):
             pool.clear()
         self.slots.clear()
         self.lane_copies.clear()

@@ -1,4 +1,4 @@
-"""Issue one copy: the kernel, the batched DMA, both at once (hybrid) or the staged path.
+"""Issue one copy: the kernel, the batched DMA or the staged path.
 
 The handler decides which jobs go together and by which path; :class:`CopyLauncher` only
 moves the bytes. It fills the job's tables, takes a stream and events from the pools and
@@ -71,7 +71,6 @@ class CopyLauncher:
         dst_geom: SideGeometry,
         runtime: CudaRuntime | None,
         kernel_config: KernelConfig,
-        hybrid_dma_share: float,
         pools: CopyPools,
     ) -> None:
         self.device = device
@@ -80,7 +79,6 @@ class CopyLauncher:
         self.dst_geom = dst_geom
         self.runtime = runtime
         self.kernel_config = kernel_config
-        self.hybrid_dma_share = hybrid_dma_share
         self.pools = pools
         self.ref_table: torch.Tensor | None = None
         self.ref_start = np.zeros(1, dtype=np.int64)
@@ -159,19 +157,9 @@ class CopyLauncher:
         mechanism: str,
         prev: InFlightCopy | None,
     ) -> InFlightCopy:
-        """Issue one kernel, DMA or hybrid copy after ``prev`` (same direction) ended."""
-        dma_part: TransferPlan | None = None
-        kernel_part: TransferPlan | None = None
-        if mechanism == "dma":
-            dma_part = plan
-        elif mechanism == "kernel":
-            kernel_part = plan
-        else:  # hybrid: some layers through the copy engines, the rest through the kernel
-            dma_part, kernel_part = plan.split_refs(self.hybrid_dma_share)
-            if not dma_part.num_fragments:
-                dma_part = None
-            if not kernel_part.num_fragments:
-                kernel_part = None
+        """Issue one kernel or DMA copy after ``prev`` (same direction) ended."""
+        dma_part = plan if mechanism == "dma" else None
+        kernel_part = plan if mechanism == "kernel" else None
         k_groups = kernel_part.groups if kernel_part is not None else []
         k_entries = GROUP_ROW * len(k_groups) + 2 * sum(len(g.src_units) for g in k_groups)
         n_dma = dma_part.num_fragments if dma_part is not None else 0
@@ -194,11 +182,6 @@ class CopyLauncher:
             )
         stream = self.pools.stream()
         start, end = self.pools.timing_pair()
-        side: torch.cuda.Stream | None = None
-        sync: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        if dma_table is not None and kernel_part is not None:
-            side = self.pools.side_stream()
-            sync = (self.pools.sync_event(), self.pools.sync_event())
         # Every call below names its stream explicitly: no stream context to enter and leave
         # per job, and the table upload is one runtime call instead of a dispatched copy_.
         runtime = self.runtime
@@ -212,25 +195,15 @@ class CopyLauncher:
                 stream.wait_event(prev.end_event)
             start.record(stream)
             if dma_table is not None:
-                dma_stream = stream
-                if side is not None and sync is not None:
-                    sync[0].record(stream)
-                    side.wait_event(sync[0])
-                    dma_stream = side
                 assert runtime is not None
-                runtime.memcpy_pieces(
-                    dma_table[1], dma_table[0], dma_table[2], dma_stream.cuda_stream
-                )
+                runtime.memcpy_pieces(dma_table[1], dma_table[0], dma_table[2], handle)
             if kernel_part is not None and slot is not None:
                 self._launch_kernel(
                     slot, len(k_groups), n_units, kernel_part.num_fragments,
                     kernel_part.max_size, handle,
                 )  # fmt: skip
-            if side is not None and sync is not None:
-                sync[1].record(side)
-                stream.wait_event(sync[1])
             end.record(stream)
-        return InFlightCopy(jobs, stream, start, end, slot, mechanism, side, sync)
+        return InFlightCopy(jobs, stream, start, end, slot, mechanism)
 
     def lone_kernel(
         self,
@@ -446,7 +419,7 @@ class CopyLauncher:
             issued=ISSUED_NOW if inline else threading.Event(),
         )
         self._staged.submit(job, inline=inline)
-        return InFlightCopy(jobs, None, start, end, slot, "staged", None, None, job)
+        return InFlightCopy(jobs, None, start, end, slot, "staged", staged=job)
 
     def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
         """Group rows then source and destination units; returns the number of units."""

@@ -17,8 +17,6 @@ from kvcache_offload.dataplane.handlers.cuda.handler import (
     SingleDirectionOffloadingHandler,
 )
 from kvcache_offload.dataplane.handlers.cuda.paths import (
-    DEFAULT_DMA_MIN_FRAGMENT_BYTES,
-    DEFAULT_HYBRID_DMA_SHARE,
     DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
     DEFAULT_STAGED_MIN_JOB_BYTES,
     DEFAULT_STAGED_MIXED_MIN_JOB_BYTES,
@@ -53,9 +51,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         mmap_region: SharedOffloadRegion | None = None,
         *,
         mechanism: Mechanism = "auto",
-        dma_min_fragment_bytes: int = DEFAULT_DMA_MIN_FRAGMENT_BYTES,
         kernel_config: KernelConfig = DEFAULT_KERNEL_CONFIG,
-        hybrid_dma_share: float = DEFAULT_HYBRID_DMA_SHARE,
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         staged_lone_min_load_bytes: int = DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
@@ -80,9 +76,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         )
         kwargs: dict[str, Any] = {
             "mechanism": mechanism,
-            "dma_min_fragment_bytes": dma_min_fragment_bytes,
             "kernel_config": kernel_config,
-            "hybrid_dma_share": hybrid_dma_share,
             "staging": staging,
             "staged_min_job_bytes": staged_min_job_bytes,
             "completion_wait": completion_wait,

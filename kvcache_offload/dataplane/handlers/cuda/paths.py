@@ -25,8 +25,6 @@ from kvcache_offload.dataplane.handlers.threaded import ThreadedOffloadingHandle
 from kvcache_offload.errors import ConfigError
 
 __all__ = [
-    "DEFAULT_DMA_MIN_FRAGMENT_BYTES",
-    "DEFAULT_HYBRID_DMA_SHARE",
     "DEFAULT_STAGED_LONE_MIN_LOAD_BYTES",
     "DEFAULT_STAGED_MIN_JOB_BYTES",
     "DEFAULT_STAGED_MIXED_MIN_JOB_BYTES",
@@ -46,18 +44,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Mechanism = Literal["auto", "kernel", "dma", "staged", "hybrid", "torch"]
+Mechanism = Literal["auto", "kernel", "dma", "staged", "torch"]
 
-DEFAULT_DMA_MIN_FRAGMENT_BYTES = 0
-"""``auto`` copies a job by plain DMA when its contiguous pieces average at least this many
-bytes (0: never while the kernel works). It was 1 MiB until the eleventh session, which sent
-every cross-layer job (2 MiB per block) to the DMA. On an H200 (bench.serving, tenth
-session, cross_layer) the kernel led the DMA on small jobs (1-block load streams 0.80
-against 0.60 of the link, 8-block loads 413 against 488 us) and the staged path led it on
-queued and mixed ones (mixed 4-block stream 1.16x against 0.97x one way), so cross-layer
-jobs now follow the per-layer layouts' rule (docs/transfers.md)."""
-DEFAULT_HYBRID_DMA_SHARE = 0.0
-"""Share of a kernel job's layers that ``auto`` hands to a concurrent DMA (0: none)."""
 DEFAULT_STAGED_MIN_JOB_BYTES = 256 * 1024 * 1024
 """``auto`` sends a small-fragment job through the staged path only from this size on; a
 smaller job goes through the kernel, which starts at once instead of queueing on the submit
@@ -117,7 +105,7 @@ extension is built, so the copies' own events need not be blocking-sync), ``spin
 busy-waits in the driver (one core per direction while jobs are in flight, a few
 microseconds sooner)."""
 
-_MECHANISMS = ("auto", "kernel", "dma", "staged", "hybrid", "torch")
+_MECHANISMS = ("auto", "kernel", "dma", "staged", "torch")
 
 
 def _is_mapped(runtime: CudaRuntime | None, t: torch.Tensor) -> bool:
@@ -167,15 +155,8 @@ def resolve_mechanism(
         raise ConfigError(f"mechanism 'dma' is unavailable: {reasons['dma']}")
     if wanted == "staged" and not staged_ok:
         raise ConfigError(f"mechanism 'staged' is unavailable: {reasons['staged']}")
-    if wanted == "hybrid" and not (kernel_ok and dma_ok):
-        raise ConfigError(
-            "mechanism 'hybrid' needs the kernel and the DMA: "
-            + "; ".join(f"{k}: {v}" for k, v in reasons.items())
-        )
     if wanted not in _MECHANISMS:
-        raise ConfigError(
-            f"mechanism must be auto, kernel, dma, staged, hybrid or torch, got {wanted!r}"
-        )
+        raise ConfigError(f"mechanism must be auto, kernel, dma, staged or torch, got {wanted!r}")
     if wanted == "auto" and not (kernel_ok or dma_ok):
         logger.warning(
             "GPU<->CPU %s: no fast copy path (%s); using the plain-torch fallback",
