@@ -156,7 +156,8 @@ class ObjectTier(SecondaryTier):
 
     def _failed(self, op: str, exc: BaseException) -> TierError:
         self._stats.errors += 1
-        return TierError(f"object {op} at {self.url} failed: {exc!r}")
+        first_line = (str(exc) or type(exc).__name__).splitlines()[0]  # obstore adds a debug dump
+        return TierError(f"object {op} at {self.url} failed: {first_line}")
 
     # -- listing -----------------------------------------------------------------------------
 
