@@ -284,6 +284,13 @@ class OffloadConfig(BaseSettings):
         "this many blocks at once, a write uploads this many, a lookup checks this many "
         "unknown keys with HEAD.",
     )
+    object_read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline of one lookup or restore batch of the object tier (it replaces "
+        "tier_read_timeout_s there): a 64-block restore moves 128 MiB, which takes longer than "
+        "a Redis round trip. Past it the batch is a miss and the tier is backed off.",
+    )
     object_refresh_s: float = Field(
         default=60.0,
         gt=0,

@@ -38,6 +38,7 @@ def tiers_from_config(config: OffloadConfig, fingerprint: str) -> list[Secondary
                 capacity_bytes=None if budget is None else int(budget),
                 concurrency=config.object_concurrency,
                 refresh_s=config.object_refresh_s,
+                read_timeout_s=config.object_read_timeout_s,
             )
         )
     return tiers

@@ -73,14 +73,14 @@ def open_object_store(url: str, endpoint: str | None = None) -> Any:
             f"object_url must start with s3://, gs://, az://, file:// (or s3a, azure, abfs, "
             f"abfss, adl, memory), got {url!r}"
         )
+    if endpoint and _KINDS[scheme] != "s3":
+        raise ConfigError(f"object_endpoint applies to s3:// URLs, not {url!r}")
     kwargs: dict[str, Any] = {}
     if scheme in ("file", "memory"):
         kwargs = {"mkdir": True} if scheme == "file" else {}
     else:
         client: dict[str, Any] = {"connect_timeout": "1s", "timeout": "30s"}
         if endpoint:
-            if _KINDS[scheme] != "s3":
-                raise ConfigError(f"object_endpoint applies to s3:// URLs, not {url!r}")
             kwargs["endpoint"] = endpoint
             client["allow_http"] = endpoint.startswith("http://")
         kwargs["client_options"] = client
@@ -119,6 +119,7 @@ class ObjectTier(SecondaryTier):
         concurrency: int = 16,
         refresh_s: float = 60.0,
         absent_ttl_s: float = 5.0,
+        read_timeout_s: float | None = 10.0,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError(f"object_bytes must be > 0, got {capacity_bytes}")
@@ -130,6 +131,7 @@ class ObjectTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.concurrency = concurrency
         self.refresh_s = refresh_s
+        self.read_timeout_s = read_timeout_s
         self._store = open_object_store(url, endpoint)
         self._index = ObjectIndex(absent_ttl_s)
         self._reads = asyncio.Semaphore(concurrency)
