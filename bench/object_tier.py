@@ -162,7 +162,7 @@ async def bench_store_p99(server: SeaweedServer, args: argparse.Namespace) -> di
     from kvcache_offload.aio import OffloadEngine
 
     tensors_on, kv_on = _kv(64, seed=2)
-    tensors_off, kv_off = _kv(64, seed=3)
+    _, kv_off = _kv(64, seed=3)
     block_bytes = sum(int(t[0].numel()) for t in tensors_on)
     on_cfg = _config(
         block_bytes,

@@ -130,7 +130,9 @@ class SeaweedServer:
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed exited: {(self.workdir / 'weed.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"weed exited: {(self.workdir / 'weed.log').read_text()[-2000:]}"
+                )
             try:
                 obstore.put(store, ".ready", b"")  # creates the bucket on the first upload
                 return

@@ -191,7 +191,8 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             raise
 
     def _build_tiers(self) -> EngineTiers | None:
-        """Secondary tiers from the config (disk, Redis, object store), or None: then no hook costs anything."""
+        """Secondary tiers from the config (disk, Redis, object store), or None: then no hook
+        costs anything."""
         cfg = self.config
         if cfg.disk_path is None and not cfg.remote_url and not cfg.object_url:
             return None

@@ -145,9 +145,27 @@ class EngineTiers:
                 fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
-        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
+        slots = self._slots
+        taken = [slots[k] for k in fresh]
+        read = False
+
+        async def source() -> list[tuple[OffloadKey, bytes]]:
+            nonlocal read
+            read = True
+            return await self._read_cpu(fresh)
+
+        def ended() -> None:
+            # A job the writer dropped unread (no tier took writes) leaves its keys' slots
+            # here; forget them, or each would be copied out on the loop again at eviction,
+            # for a write that no tier takes either.
+            if not read:
+                for key, slot in zip(fresh, taken, strict=True):
+                    if slots.get(key) == slot:
+                        del slots[key]
+
+        if not self.tier_set.offer(len(fresh), source, ended):
             for key in fresh:  # dropped (counted by the tier set)
-                self._slots.pop(key, None)
+                slots.pop(key, None)
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
