@@ -10,6 +10,10 @@ Both figures pair the engine with a baseline measured in the same run, on the sa
 * **store p99**: 2-block stores (4 MiB) into an engine with the object tier (write-through:
   its background writer uploads every completed store) and into one without, interleaved
   store by store, so both see the same machine while the uploads run. Goal: p99 within 10%.
+  Back to back, the stores offer far more than the server takes, so the writer falls behind:
+  until the write queue is full, each evicting store copies its victims out on the loop (so a
+  queued write is not lost); once it is full, new writes are refused at no cost to the store.
+  The table gives the p99 of all stores and of those made while the queue was full.
 
 The server runs on the same machine as the benchmark, so on a small VM its CPU use weighs on
 both sides of each figure alike. Prints a table and writes JSON under ``bench/out/``.
@@ -171,7 +175,8 @@ async def bench_store_p99(server: SeaweedServer, args: argparse.Namespace) -> di
         object_endpoint=server.endpoint,
         object_concurrency=args.concurrency,
     )
-    lat: dict[str, list[float]] = {"off": [], "on": []}
+    queue_size = on_cfg.tier_queue_size
+    lat: dict[str, list[float]] = {"off": [], "on": [], "on_queue_full": []}
     async with (
         OffloadEngine(on_cfg, kv_caches=kv_on) as on,
         OffloadEngine(_config(block_bytes, 32), kv_caches=kv_off) as off,
@@ -182,17 +187,22 @@ async def bench_store_p99(server: SeaweedServer, args: argparse.Namespace) -> di
             for name in order:
                 ks = [make_offload_key(f"{name}-{i}-{j}".encode(), 0) for j in range(2)]
                 gpu = [(2 * i) % 64, (2 * i + 1) % 64]
+                full = name == "on" and on.stats().tier_write_queue_depth >= queue_size
                 start = time.perf_counter()
                 await engines[name].store(ks, gpu)
                 if i >= 10:  # the first stores warm both engines up
                     lat[name].append(time.perf_counter() - start)
+                    if full:
+                        lat["on_queue_full"].append(lat[name][-1])
         stats = next(t for t in on.stats().tiers if t.name == "object")
         uploaded, dropped = stats.put_blocks, stats.writes_dropped
-    p99 = {k: _pct(v, 0.99) for k, v in lat.items()}
+    p99 = {k: _pct(v, 0.99) for k, v in lat.items() if v}
     return {
         "stores": args.stores,
         "blocks_per_store": 2,
-        "p50_ms": {k: 1000 * _pct(v, 0.5) for k, v in lat.items()},
+        "p50_ms": {k: 1000 * _pct(v, 0.5) for k, v in lat.items() if v},
+        "stores_while_queue_full": len(lat["on_queue_full"]),
+        "tier_queue_size": queue_size,
         "p99_ms": {k: 1000 * v for k, v in p99.items()},
         "p99_ratio": p99["on"] / p99["off"],
         "object_blocks_uploaded": uploaded,
@@ -231,6 +241,14 @@ def show(result: dict[str, Any]) -> None:
         f"{s['p99_ms']['on']:.2f} ms",
         f"{s['p99_ratio']:.2f}x (<= 1.10)",
     )
+    if "on_queue_full" in s["p99_ms"]:
+        table.add_row(
+            f"  the same, only the {s['stores_while_queue_full']} stores made while the tier "
+            "write queue was full",
+            f"{s['p99_ms']['off']:.2f} ms",
+            f"{s['p99_ms']['on_queue_full']:.2f} ms",
+            f"{s['p99_ms']['on_queue_full'] / s['p99_ms']['off']:.2f}x",
+        )
     console.print(table)
     console.print(
         f"restore bytes exact: {r['bytes_exact']}; stores' blocks uploaded "
