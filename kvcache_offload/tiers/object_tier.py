@@ -38,6 +38,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -211,7 +212,7 @@ class ObjectTier(SecondaryTier):
         await self._list()
 
     async def _bounded(
-        self, gate: asyncio.Semaphore | None, calls: list[Callable[[], Awaitable[_T]]]
+        self, gate: asyncio.Semaphore | None, calls: Sequence[Callable[[], Awaitable[_T]]]
     ) -> list[_T | BaseException]:
         """Run ``calls`` concurrently, at most the gate's count at once (None: the calls take
         the gate themselves); each one's result or exception, in order."""
@@ -254,19 +255,19 @@ class ObjectTier(SecondaryTier):
                 index.add(key, int(meta["size"]))
 
             start = time.perf_counter()
-            results = await self._bounded(self._reads, [lambda k=k: head(k) for k in unknown])
+            results = await self._bounded(self._reads, [partial(head, k) for k in unknown])
             self._raise_first("contains", results)
             self._hist["contains"].observe(time.perf_counter() - start)
         return [key in index for key in keys]
 
     async def get(self, keys: Sequence[OffloadKey]) -> list[bytes | None]:
-        asked = self._index.unknown(dict.fromkeys(keys))
-        held = [k for k in dict.fromkeys(keys) if k in self._index]
-        wanted = held + [k for k in asked if k not in self._index]
+        # Held keys, and keys not known absent (a GET answers for them as a HEAD would).
+        unique = list(dict.fromkeys(keys))
+        wanted = [k for k in unique if k in self._index] + self._index.unknown(unique)
         if not wanted:
             return [None] * len(keys)
         start = time.perf_counter()
-        results = await self._bounded(None, [lambda k=k: self._get_one(k) for k in wanted])
+        results = await self._bounded(None, [partial(self._get_one, k) for k in wanted])
         self._raise_first("get", results)
         self._hist["get"].observe(time.perf_counter() - start)
         by_key = {
@@ -314,7 +315,7 @@ class ObjectTier(SecondaryTier):
         incoming = sum(len(p) + frame.HEADER_PREFIX + len(k) for k, p in fresh.items())
         await self._evict_over_budget(incoming)
         start = time.perf_counter()
-        calls = [lambda k=k, p=p: self._put_one(k, p) for k, p in fresh.items()]
+        calls = [partial(self._put_one, k, p) for k, p in fresh.items()]
         results = await self._bounded(self._writes, calls)
         self._raise_first("put", results)
         self._hist["put"].observe(time.perf_counter() - start)
