@@ -103,9 +103,9 @@ class SeaweedServer:
             time.sleep(0.1)
 
     def close(self) -> None:
-        self.proc.terminate()
+        self.proc.terminate()  # weed can hang in its shutdown: killed soon after
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=3)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

@@ -145,9 +145,11 @@ class SeaweedServer:
         process, self.process = self.process, None
         if process is None:
             return
+        # SIGTERM first; ``weed server`` can hang halfway through its shutdown (its filer keeps
+        # looking for the volume server it already stopped), so it is killed soon after.
         process.terminate()
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=3)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=15)
