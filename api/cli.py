@@ -89,6 +89,21 @@ def serve(
     ] = None,
     disk_path: Annotated[Path | None, typer.Option(help="Disk tier directory.")] = None,
     disk_bytes: Annotated[str | None, typer.Option(help="Disk tier budget, e.g. 100GiB.")] = None,
+    object_url: Annotated[
+        str | None,
+        typer.Option(help="Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
+    ] = None,
+    object_endpoint: Annotated[
+        str | None,
+        typer.Option(help="S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000."),
+    ] = None,
+    object_bytes: Annotated[
+        str | None,
+        typer.Option(help="Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules)."),
+    ] = None,
+    object_concurrency: Annotated[
+        int | None, typer.Option(help="Object tier requests in flight per direction (16).")
+    ] = None,
     model_id: Annotated[
         str | None, typer.Option(help="Model name: only instances with the same one share tiers.")
     ] = None,
@@ -122,6 +137,10 @@ def serve(
             remote_url=remote_url,
             disk_path=disk_path,
             disk_bytes=disk_bytes,
+            object_url=object_url,
+            object_endpoint=object_endpoint,
+            object_bytes=object_bytes,
+            object_concurrency=object_concurrency,
             model_id=model_id,
             tier_write=tier_write,
         )

@@ -198,16 +198,56 @@ class OffloadConfig(BaseSettings):
     """Write jobs (one per completed store) queued for the tiers; more are dropped, counted."""
     tier_read_timeout_s: float = Field(default=0.5, gt=0)
     """A tier that takes longer to answer a lookup or a read is a miss (and backed off)."""
+    object_url: str | None = Field(
+        default=None,
+        description="Object-store tier: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+        "az://ACCOUNT/CONTAINER/PREFIX or file:///PATH (through obstore). Credentials come from "
+        "each cloud's standard environment variables (AWS_ACCESS_KEY_ID, "
+        "GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, ...).",
+    )
+    object_endpoint: str | None = Field(
+        default=None,
+        description="Endpoint of an S3-compatible server for an s3:// object_url, e.g. "
+        "http://minio.internal:9000 (MinIO, SeaweedFS, Ceph, R2); http:// is allowed.",
+    )
+    object_bytes: ByteSize | None = Field(
+        default=None,
+        description="Byte budget of the object tier under its fingerprint's prefix: it deletes "
+        "its oldest objects to stay under it. None (the default): the bucket's lifecycle rules "
+        "age objects out (docs/tiers.md recommends one).",
+    )
+    object_concurrency: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Requests in flight per direction on the object tier: a restore fetches "
+        "this many blocks at once, a write uploads this many, a lookup checks this many "
+        "unknown keys with HEAD.",
+    )
+    object_read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline of one lookup or restore batch of the object tier (it replaces "
+        "tier_read_timeout_s there): a 64-block restore moves 128 MiB, which takes longer than "
+        "a Redis round trip. Past it the batch is a miss and the tier is backed off.",
+    )
+    object_refresh_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="The object tier lists its prefix at start and again this often, so its "
+        "index learns other instances' writes and lifecycle deletions without a request per "
+        "lookup.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, values: Any) -> Any:
         return move_old_names(values)
 
-    @field_validator("cpu_bytes_to_use", "disk_bytes")
+    @field_validator("cpu_bytes_to_use", "disk_bytes", "object_bytes")
     @classmethod
-    def _positive_budget(cls, value: ByteSize) -> ByteSize:
-        if value <= 0:
+    def _positive_budget(cls, value: ByteSize | None) -> ByteSize | None:
+        if value is not None and value <= 0:
             raise ValueError("must be > 0 (e.g. '4GiB')")
         return value
 

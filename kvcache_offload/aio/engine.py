@@ -191,9 +191,10 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             raise
 
     def _build_tiers(self) -> EngineTiers | None:
-        """Secondary tiers from the config (disk, Redis), or None: then no hook costs anything."""
+        """Secondary tiers from the config (disk, Redis, object store), or None: then no hook
+        costs anything."""
         cfg = self.config
-        if cfg.disk_path is None and not cfg.remote_url:
+        if cfg.disk_path is None and not cfg.remote_url and not cfg.object_url:
             return None
         from kvcache_offload.tiers import TierSet, layout_fingerprint, tiers_from_config
 

@@ -68,6 +68,11 @@ def _ids(spec: object) -> list[int]:
     raise ConfigError(f"the manager returned {type(spec).__name__}, not a block-id spec")
 
 
+async def _never_read() -> list[tuple[OffloadKey, bytes]]:
+    """The source of a write the tier set refuses: it is never called."""
+    return []
+
+
 class EngineTiers:
     """The engine's side of tiering; see the module docstring."""
 
@@ -140,9 +145,27 @@ class EngineTiers:
                 fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
-        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
+        slots = self._slots
+        taken = [slots[k] for k in fresh]
+        read = False
+
+        async def source() -> list[tuple[OffloadKey, bytes]]:
+            nonlocal read
+            read = True
+            return await self._read_cpu(fresh)
+
+        def ended() -> None:
+            # A job the writer dropped unread (no tier took writes) leaves its keys' slots
+            # here; forget them, or each would be copied out on the loop again at eviction,
+            # for a write that no tier takes either.
+            if not read:
+                for key, slot in zip(fresh, taken, strict=True):
+                    if slots.get(key) == slot:
+                        del slots[key]
+
+        if not self.tier_set.offer(len(fresh), source, ended):
             for key in fresh:  # dropped (counted by the tier set)
-                self._slots.pop(key, None)
+                slots.pop(key, None)
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
@@ -168,12 +191,18 @@ class EngineTiers:
         if not self._slots:
             return
         memory = self._memory
-        items: list[tuple[OffloadKey, bytes]] = []
-        for key in keys:
-            slot = self._slots.pop(key, None)
-            if slot is not None and memory is not None:
-                # On the loop on purpose: the evicting store reuses the slot right after.
-                items.append((key, memory.read(slot)))
+        slots = [(k, s) for k in keys if (s := self._slots.pop(k, None)) is not None]
+        if not slots or memory is None:
+            return
+        tier_set = self.tier_set
+        if tier_set.queue_depth >= tier_set.queue_size:
+            # The write queue is full, so the copy would be dropped: refuse it (counted) without
+            # copying. A writer far behind (a slow object store) otherwise cost every evicting
+            # store a copy of its victims on the loop, for nothing.
+            tier_set.offer(len(slots), _never_read)
+            return
+        # On the loop on purpose: the evicting store reuses the slot right after.
+        items: list[tuple[OffloadKey, bytes]] = [(k, memory.read(s)) for k, s in slots]
         if items:
             parked = self._parked
             parked.update(items)

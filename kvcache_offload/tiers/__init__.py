@@ -1,10 +1,11 @@
-"""Secondary tiers below the CPU tier (local disk, shared Redis/Valkey) behind one contract.
+"""Secondary tiers below the CPU tier (local disk, shared Redis/Valkey, object store) behind
+one contract.
 
 The CPU tier stays primary: GPU transfers only ever touch it. Blocks go down to these tiers
 (write-through or write-back) and come back up into a CPU slot before a load.
 
-The tier implementations need the ``tiers`` extra (``redis``, ``xxhash``); they are imported
-on first use, so importing the engine never needs them when no tier is configured.
+The tier implementations need the ``tiers`` extra (``redis``, ``xxhash``, ``obstore``); they
+are imported on first use, so importing the engine never needs them when no tier is configured.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
     from kvcache_offload.tiers.configured import tiers_from_config
     from kvcache_offload.tiers.disk import DiskTier
     from kvcache_offload.tiers.fingerprint import layout_fingerprint
+    from kvcache_offload.tiers.object_tier import ObjectTier
     from kvcache_offload.tiers.redis_tier import RedisTier
     from kvcache_offload.tiers.tier_set import TierSet
 
 __all__ = [
     "DiskTier",
     "LatencyHistogram",
+    "ObjectTier",
     "RedisTier",
     "SecondaryTier",
     "TierSet",
@@ -34,6 +37,7 @@ __all__ = [
 
 _LAZY = {
     "DiskTier": "kvcache_offload.tiers.disk",
+    "ObjectTier": "kvcache_offload.tiers.object_tier",
     "RedisTier": "kvcache_offload.tiers.redis_tier",
     "TierSet": "kvcache_offload.tiers.tier_set",
     "layout_fingerprint": "kvcache_offload.tiers.fingerprint",

@@ -92,6 +92,10 @@ class SecondaryTier(ABC):
 
     name: str
     """Short name used in metrics labels, events (``medium``) and lookup answers."""
+    read_timeout_s: float | None = None
+    """Deadline of one lookup or read batch of this tier; None: the tier set's own
+    (``tier_read_timeout_s``). A tier whose reads move many bytes over a network (the object
+    store) sets a longer one."""
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Prepare the tier (scan a directory, ...); must not fail when a server is down."""

@@ -163,7 +163,7 @@ class TierSet:
             return None
         try:
             # asyncio.timeout: a fraction of anyio.fail_after's cost on this hot path.
-            async with asyncio.timeout(self.read_timeout_s):
+            async with asyncio.timeout(tier.read_timeout_s or self.read_timeout_s):
                 answer = await call(tier, keys)
         except (TierError, TimeoutError) as exc:
             logger.debug("tier %s read failed: %r", tier.name, exc)
