@@ -625,16 +625,17 @@ class CPUOffloadingManager(OffloadingManager):
         Blocks chosen ahead go back to the policy first (``evict_ahead`` chooses none while
         released keys wait): at need the released keys leave before the policy's choice."""
         _check_keys(keys)
-        if self._ahead:
-            self._rescue(list(self._ahead))
         table = self._blocks
         released = self._released
-        marked = 0
+        ahead = self._ahead
+        fresh: dict[OffloadKey, None] = {}
         for key in keys:
-            if key in table and key not in released:
-                released[key] = None
-                marked += 1
-        return marked
+            if (key in table or key in ahead) and key not in released:
+                fresh[key] = None
+        if fresh and ahead:  # a release that marks nothing leaves the choice as it is
+            self._rescue(list(ahead))
+        released.update(fresh)
+        return len(fresh)
 
     def _released_victims(self, needed: int) -> list[tuple[OffloadKey, BlockStatus]]:
         """Up to ``needed`` idle released blocks, oldest release first, pinned (``ref_cnt``
