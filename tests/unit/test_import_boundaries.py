@@ -7,7 +7,6 @@ import sys
 
 CONTROL_PLANE = [
     "kvcache_offload",
-    "kvcache_offload.base",
     "kvcache_offload.control.manager",
     "kvcache_offload.control.policies",
     "kvcache_offload.control.reuse_filter",

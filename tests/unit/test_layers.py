@@ -29,8 +29,8 @@ ROOT = Path(kvcache_offload.__file__).parent
 PACKAGE = "kvcache_offload"
 
 LAYERS: list[tuple[str, set[str]]] = [
-    ("basics", {"errors", "config", "_imports", "_registry", "_compiled", "_moved", "_closing"}),
-    ("contracts", {"contracts", "base", "keys"}),
+    ("basics", {"errors", "config", "_imports", "_registry", "_compiled", "_closing"}),
+    ("contracts", {"contracts", "keys"}),
     ("control plane", {"control"}),
     ("policy lab", {"lab"}),
     ("data plane", {"dataplane"}),
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("async core", {"aio", "kv_events"}),
     (
         "service and entry points",
-        {"client", "cli", "__main__", "integrations", "_compat_cpu", "_compat_worker", ""},
+        {"client", "cli", "__main__", "integrations", ""},
     ),
 ]
 """Bottom to top; the names are the first part after ``kvcache_offload.`` ("" is the package's
