@@ -34,7 +34,6 @@ from kvcache_offload.aio.engine_jobs import TransferJobs
 from kvcache_offload.aio.engine_leases import LeaseOperations
 from kvcache_offload.aio.engine_lookups import Lookups
 from kvcache_offload.aio.engine_stats import collect_stats
-from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.gc_freeze import HeapFreeze
 from kvcache_offload.aio.leases import LeaseTable
 from kvcache_offload.aio.observers import AccessObservers
@@ -55,6 +54,7 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.contracts.spec import OffloadingSpec
 from kvcache_offload.control.spec_factory import OffloadingSpecFactory
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker
+from kvcache_offload.events.hub import EventHub
 
 if TYPE_CHECKING:
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from kvcache_offload.errors import OffloadError
 
 if TYPE_CHECKING:
-    from kvcache_offload.aio.event_hub import EventHub
     from kvcache_offload.aio.gc_freeze import HeapFreeze
     from kvcache_offload.aio.leases import LeaseTable
     from kvcache_offload.aio.observers import AccessObservers
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from kvcache_offload.contracts.spec import OffloadingSpec
     from kvcache_offload.dataplane.handlers.router import OffloadingWorker
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
+    from kvcache_offload.events.hub import EventHub
     from kvcache_offload.kv_events.publisher import KVEventPublisher
 
 __all__ = ["LOAD_DIRECTION", "STORE_DIRECTION", "EngineBase", "EngineTotals"]

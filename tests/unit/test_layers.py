@@ -35,7 +35,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("policy lab", {"lab"}),
     ("data plane", {"dataplane"}),
     ("tiers", {"tiers"}),
-    ("async core", {"aio", "kv_events"}),
+    ("engine events", {"events"}),
+    ("KV events for routers", {"kv_events"}),
+    ("async core", {"aio"}),
     (
         "service and entry points",
         {"client", "cli", "__main__", "integrations", ""},
