@@ -47,6 +47,12 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies.lru2",
     "kvcache_offload.control.policies._shadow_race",
     "kvcache_offload.control.policies.adaptive",
+    "kvcache_offload.control._manager_io",
+    "kvcache_offload.control.manager_stats",
+    "kvcache_offload.control._chosen_ahead",
+    "kvcache_offload.control._caller_hints",
+    "kvcache_offload.control._eviction",
+    "kvcache_offload.control._fences",
     "kvcache_offload.control.manager",
 )
 """Compiled together, in one mypyc group: the manager's hot path never leaves C for them."""
