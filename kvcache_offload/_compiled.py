@@ -39,6 +39,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "kvcache_offload.control.policies._prefix_batch",
     "kvcache_offload.control.policies._stamp_queue",
     "kvcache_offload.control.policies._mark_queue",
+    "kvcache_offload.control.policies._mini_cache",
     "kvcache_offload.control.policies._mini_sim",
     "kvcache_offload.control.policies._alru_log",
     "kvcache_offload.control.policies._alru_tails",
