@@ -8,10 +8,8 @@ keys are remembered as ghosts of the queue they left.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._alru_log import (
     DEMOTED,
     MAIN,
@@ -24,7 +22,7 @@ from kvcache_offload.control.policies._alru_log import (
     next_demoted,
     next_idle,
 )
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, Keys, Protected
 
 if TYPE_CHECKING:
     from kvcache_offload.control.policies.alru import AdaptiveLRUCachePolicy
@@ -33,11 +31,7 @@ __all__ = ["select_victims"]
 
 
 def select_victims(
-    policy: AdaptiveLRUCachePolicy,
-    n: int,
-    protected: Collection[OffloadKey],
-    keys: list[OffloadKey],
-    blocks: list[BlockStatus],
+    policy: AdaptiveLRUCachePolicy, n: int, protected: Protected, keys: Keys, blocks: Blocks
 ) -> bool:
     # The victims go straight into the manager's two lists: no pair per victim.
     # Two walks (probation: the demoted stack from its end, then the log from its head;

@@ -28,7 +28,7 @@ Two prefix-specific rules, since a lookup stops at a prefix's first miss:
 from __future__ import annotations
 
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
@@ -54,7 +54,7 @@ from kvcache_offload.control.policies._ghosts import GhostPair
 from kvcache_offload.control.policies._mini_sim import HASH_SPACE as _HASH_SPACE
 from kvcache_offload.control.policies._mini_sim import WeightDuel
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, BlockStatus, Keys, Protected
 from kvcache_offload.errors import ConfigError
 
 __all__ = ["AdaptiveLRUCachePolicy"]
@@ -338,13 +338,7 @@ class AdaptiveLRUCachePolicy(QueuePolicy):
 
     # -- eviction ------------------------------------------------------------------------
 
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         return select_victims(self, n, protected, keys, blocks)
 
     def _rebase(self) -> None:
