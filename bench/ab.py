@@ -1,7 +1,7 @@
 """Is a change worth it? ``bench.serving`` on two trees of the library, in alternating processes.
 
 On the lent H200 machines the host's single-thread speed moves within seconds and differs
-several-fold from one machine to the next (docs/transfers.md, "What your host decides"), and
+several-fold from one machine to the next (docs/transfers.md, "How to measure a change"), and
 small jobs follow it: a change measured in one run against its base measured in another run
 compares the hosts more than the code. This runs the same ``bench.serving`` command on the
 base tree (``--base REV``) and on this working tree in turns, one process each, the order of

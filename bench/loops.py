@@ -9,7 +9,7 @@ builds one engine with the default configuration per loop (``asyncio.run`` or
 ``uvloop.run``: an engine belongs to the loop that started it), alternating which loop goes
 first, with the single-job floor timed in the same round. A separate run per loop compared
 mostly the host: on the lent H200 VMs its speed drifts over seconds by more than the two
-loops differ (docs/transfers.md, sixteenth session). Prints medians over the rounds, the
+loops differ (docs/transfers.md, "How to measure a change"). Prints medians over the rounds, the
 ratio uvloop/asyncio and in how many rounds uvloop was ahead; writes JSON under
 ``bench/out/``. Without uvloop installed the uvloop column is left out (nothing to compare).
 """

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gc.collect()
     gc.freeze()
     # Repetitions round-robin over every (policy, capacity): the host's speed drifts over
-    # seconds on shared machines (docs/transfers.md, eleventh session), and a policy whose
+    # seconds on shared machines (docs/transfers.md, "How to measure a change"), and a policy whose
     # repetitions all ran in one slow stretch would look slower than it is. Best of the
     # repetitions, each taken at a different time.
     cells = [(policy, capacity) for policy in policies for capacity in capacities]

@@ -301,7 +301,7 @@ class StreamResult:
     """Jobs each path took during this stream, per direction (the CUDA handlers'
     ``jobs_by_mechanism``; empty where the handlers do not count), and under "poller" its
     polls and sleeps. A mixed stream's rate follows its stores' path from one engine to the
-    next (docs/transfers.md, sixteenth session), which the engine's totals over all its
+    next (docs/transfers.md, the `auto` rule), which the engine's totals over all its
     streams do not show."""
     thread_cores: dict[str, float] = field(default_factory=dict)
     """Cores by thread during this stream (:func:`thread_cpu`): ``loop`` is the event-loop
@@ -373,8 +373,9 @@ def host_probe(reps: int = 5) -> float:
     """Seconds the host takes for a fixed piece of Python and numpy work (the median of
     ``reps``). On the lent H200 VMs the host's speed drifts over seconds: one engine's
     1-block load stream cost 35 us of CPU per job in one phase and 57-72 us in the next, with
-    the code unchanged (docs/transfers.md, eleventh session), and these streams are bound by
-    the event-loop thread. A probe next to each stream says which phase the stream ran in."""
+    the code unchanged (docs/transfers.md, "How to measure a change"), and these streams are
+    bound by the event-loop thread. A probe next to each stream says which phase the stream ran
+    in."""
     times = []
     arr = np.arange(64)
     for _ in range(reps):
@@ -529,7 +530,7 @@ async def bench_layout(
     """Every column's engine open at once; each measurement (one single-job size, one
     stream) runs on every engine in turn, the order reversed every pass, so that the columns
     meet the same host phases. On the lent H200 VMs the host's speed drifts up to 1.7x over
-    seconds, and the small-job streams follow it (docs/transfers.md, eleventh session): a
+    seconds, and the small-job streams follow it (docs/transfers.md, "How to measure a change"): a
     column measured a minute after another compared mostly the host. The single-job floor
     takes its turn with the engines for the same reason. Returns each column's passes, each
     shaped as one engine's run (see :func:`pooled`), and the floor's single-job times."""
