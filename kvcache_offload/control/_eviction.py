@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcache_offload.contracts.offload_key import OffloadKey
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, BlockStatus, Keys
 
 if TYPE_CHECKING:
     from kvcache_offload.control.manager import CPUOffloadingManager
@@ -21,15 +21,11 @@ __all__ = ["choose", "evict", "evict_ahead"]
 
 
 def evict(
-    m: CPUOffloadingManager,
-    needed: int,
-    present: list[BlockStatus],
-    evicted_keys: list[OffloadKey],
-    recycled: list[BlockStatus],
+    m: CPUOffloadingManager, needed: int, present: Blocks, evicted_keys: Keys, recycled: Blocks
 ) -> bool:
     """Evict ``needed`` idle blocks into ``evicted_keys`` and ``recycled``, their slots
     reset for a new store, published as one eviction event: blocks chosen ahead first,
-    then the choice of :meth:`_choose`; ``present`` (ready blocks of the caller's keys)
+    then the choice of :func:`choose`; ``present`` (ready blocks of the caller's keys)
     survive. False, with nothing changed, when too few blocks are evictable."""
     if m._num_idle() < needed:
         return False
@@ -69,11 +65,7 @@ def evict(
 
 
 def choose(
-    m: CPUOffloadingManager,
-    needed: int,
-    present: list[BlockStatus],
-    evicted_keys: list[OffloadKey],
-    recycled: list[BlockStatus],
+    m: CPUOffloadingManager, needed: int, present: Blocks, evicted_keys: Keys, recycled: Blocks
 ) -> bool:
     """Take ``needed`` idle blocks out of the policy and the table (released ones first,
     then the policy's choice) into ``evicted_keys`` and ``recycled``, their state left
