@@ -1,6 +1,6 @@
 """SSE streams read straight from the engine's event hub: its ring, its sequence numbers.
 
-Each client holds an :class:`~kvcache_offload.aio.event_hub.EventCursor` (a position in the
+Each client holds an :class:`~kvcache_offload.events.hub.EventCursor` (a position in the
 hub's ring, no queue), wakes once per burst of events and sends what is new as one chunk (a
 C-level join of frames the encoder made once for all clients; clients reading in step share
 the joined chunk itself). Per-event work in the publisher is O(1) whatever the number of
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Collection, Iterator
 
-from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
+from kvcache_offload.events.hub import EventHub
 
 from .sse import EventEncoder
 

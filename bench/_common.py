@@ -65,15 +65,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` plus machine and command to ``bench/out/<name>-<utc time>.json``."""
+def write_json(name: str, payload: dict[str, Any], package: str = "bench") -> Path:
+    """Write ``payload`` plus machine and command (``python -m <package>.<name>``) to
+    ``bench/out/<name>-<utc time>.json``."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     path = OUT_DIR / f"{name}-{stamp}.json"
     data = {
         "benchmark": name,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, "-m", f"bench.{name}", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", f"{package}.{name}", *sys.argv[1:]]),
         "machine": machine_info(),
         **payload,
     }

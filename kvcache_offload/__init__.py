@@ -10,27 +10,23 @@ and ``layouts`` (which needs torch) load on first use.
 
 # First: with KVCACHE_OFFLOAD_PURE_PYTHON=1, importing _compiled makes the imports below take
 # the Python sources of the compiled modules.
-from kvcache_offload import _moved
+from typing import TYPE_CHECKING
 
-_moved.install()  # old module paths (before the renovation) resolve with a warning
-
-from typing import TYPE_CHECKING  # noqa: E402
-
-from kvcache_offload._compiled import compiled_modules  # noqa: E402
-from kvcache_offload.config import (  # noqa: E402
+from kvcache_offload._compiled import compiled_modules
+from kvcache_offload.config import (
     KVCacheLayout,
     OffloadConfig,
     TransferTuning,
     load_config,
 )
-from kvcache_offload.contracts import *  # noqa: E402, F403  (the names listed in __all__)
-from kvcache_offload.control.manager import (  # noqa: E402
+from kvcache_offload.contracts import *  # noqa: F403  (the names listed in __all__)
+from kvcache_offload.control.manager import (
     CPUManagerStats,
     CPUOffloadingManager,
 )
-from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager  # noqa: E402
-from kvcache_offload.control.spec_factory import OffloadingSpecFactory  # noqa: E402
-from kvcache_offload.errors import *  # noqa: E402, F403  (the whole error hierarchy)
+from kvcache_offload.control.reuse_filter import FilterReusedOffloadingManager
+from kvcache_offload.control.spec_factory import OffloadingSpecFactory
+from kvcache_offload.errors import *  # noqa: F403  (the whole error hierarchy)
 
 if TYPE_CHECKING:  # the names below load lazily at run time (``__getattr__``)
     from kvcache_offload.aio import (

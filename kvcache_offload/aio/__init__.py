@@ -1,7 +1,6 @@
 """The async core: :class:`OffloadEngine`, its event hub, leases and transfer poller."""
 
 from kvcache_offload.aio.engine import OffloadEngine
-from kvcache_offload.aio.event_hub import EventCursor, EventHub, EventSubscription
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.poller import TransferPoller
 from kvcache_offload.aio.types import (
@@ -18,6 +17,7 @@ from kvcache_offload.aio.types import (
     StoreLease,
     StoreResult,
 )
+from kvcache_offload.events.hub import EventCursor, EventHub, EventSubscription
 
 __all__ = [
     "TRANSFER_DURATION_BUCKETS_S",

@@ -14,35 +14,40 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
-from kvcache_offload.aio.engine_steps import ManagerSteps, block_ids_of
+from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, block_ids_of
 from kvcache_offload.aio.types import EventType, StoreResult
 from kvcache_offload.contracts.capabilities import HasBlockMemory
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.errors import ConfigError, OffloadError, TransferError
 
 if TYPE_CHECKING:
+    from kvcache_offload.aio.engine_core import EngineCore
     from kvcache_offload.contracts.offload_key import OffloadKey
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
 
 __all__ = ["BlockBytes"]
 
 
-class BlockBytes(ManagerSteps):
+class BlockBytes:
     """``write_blocks``, ``read_block``, ``block_nbytes`` and ``region_info``."""
 
-    def _memory(self) -> BlockMemory:
-        if self._block_memory is None:
-            if not isinstance(self.spec, HasBlockMemory):
-                raise ConfigError(f"{type(self.spec).__name__} has no block memory")
-            self._block_memory = self.spec.get_block_memory()
-        return self._block_memory
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
 
-    async def _get_block_memory(self) -> BlockMemory:
+    def _memory(self) -> BlockMemory:
+        c = self._core
+        if c._block_memory is None:
+            if not isinstance(c.spec, HasBlockMemory):
+                raise ConfigError(f"{type(c.spec).__name__} has no block memory")
+            c._block_memory = c.spec.get_block_memory()
+        return c._block_memory
+
+    async def get_block_memory(self) -> BlockMemory:
         """The spec's block memory (the spec creates it once, also for callers at once)."""
-        if self._block_memory is None:
-            self._block_memory = await anyio.to_thread.run_sync(self._memory)
-        return self._block_memory
+        c = self._core
+        if c._block_memory is None:
+            c._block_memory = await anyio.to_thread.run_sync(self._memory)
+        return c._block_memory
 
     @property
     def block_nbytes(self) -> int:
@@ -51,7 +56,8 @@ class BlockBytes(ManagerSteps):
 
     def region_info(self) -> dict[str, Any] | None:
         """The shared region's description when the blocks live in one, else None."""
-        if not self.config.shared_region:
+        c = self._core
+        if not c.config.shared_region:
             return None
         return self._memory().describe()
 
@@ -59,10 +65,11 @@ class BlockBytes(ManagerSteps):
         self, keys: Sequence[OffloadKey], data: Sequence[bytes | bytearray | memoryview]
     ) -> StoreResult:
         """Store blocks whose bytes the caller brings (remote mode); ``data[i]`` is ``keys[i]``."""
+        c = self._core
         keys = list(keys)
         if len(data) != len(keys):
             raise ConfigError(f"got {len(data)} data blocks for {len(keys)} keys")
-        memory = await self._get_block_memory()
+        memory = await self.get_block_memory()
         size = memory.block_nbytes
         for key, blob in zip(keys, data, strict=True):
             if len(memoryview(blob).cast("B")) != size:
@@ -70,7 +77,7 @@ class BlockBytes(ManagerSteps):
                     f"block data for key {key.hex()} must be {size} bytes, got {len(blob)}"
                 )
         ctx = ReqContext()
-        out = self._prepare_store(keys, ctx)
+        out = c._prepare_store(keys, ctx)
         stored = out.keys_to_store
         if not stored:
             return StoreResult([], out.evicted_keys)
@@ -87,31 +94,32 @@ class BlockBytes(ManagerSteps):
 
         success = False
         # Counted from before the first await: a reset waits for this copy (slot_fence).
-        with self._copies.copying():
+        with c._copies.copying():
             try:
                 seconds = await anyio.to_thread.run_sync(copy_in)
                 success = True
             except OffloadError as exc:
                 raise TransferError(f"writing {len(stored)} blocks failed: {exc}") from exc
             finally:
-                self._finish_store(stored, ctx, success, "" if success else "block write failed")
-        self._record_copy(STORE_DIRECTION, size * len(stored), seconds)
+                c._finish_store(stored, ctx, success, "" if success else "block write failed")
+        c._record_copy(STORE_DIRECTION, size * len(stored), seconds)
         return StoreResult(stored, out.evicted_keys, size * len(stored), seconds)
 
     async def read_block(self, key: OffloadKey) -> bytes:
         """The bytes of one ready block; :class:`BlockStateError` if it is not ready."""
-        memory = await self._get_block_memory()
+        c = self._core
+        memory = await self.get_block_memory()
         ctx = ReqContext()
-        if self._tiers is not None:
-            await self._tiers.promote([key])
-        (block_id,) = self._prepare_load([key], ctx)
+        if c._tiers is not None:
+            await c._tiers.promote([key])
+        (block_id,) = c._prepare_load([key], ctx)
         start = time.perf_counter()
-        with self._copies.copying():
+        with c._copies.copying():
             try:
                 data = await anyio.to_thread.run_sync(memory.read, block_id)
             finally:
-                self.manager.complete_load([key], ctx)
-        self._record_copy(LOAD_DIRECTION, len(data), time.perf_counter() - start)
-        self._totals.load_blocks_completed += 1
-        self._hub.publish(EventType.LOAD_COMPLETED, [key], detail={"req_id": "", "remote": True})
+                c.manager.complete_load([key], ctx)
+        c._record_copy(LOAD_DIRECTION, len(data), time.perf_counter() - start)
+        c._totals.load_blocks_completed += 1
+        c._hub.publish(EventType.LOAD_COMPLETED, [key], detail={"req_id": "", "remote": True})
         return data

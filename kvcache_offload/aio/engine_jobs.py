@@ -14,8 +14,7 @@ from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
-from kvcache_offload.aio.engine_lifecycle import Lifecycle
+from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, EngineCore
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.poller import COLLECT, LOOK, TransferPoller
 from kvcache_offload.aio.types import LoadResult, StoreResult, job_load_result, job_store_result
@@ -68,16 +67,20 @@ async def _settle(
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
 
-class TransferJobs(Lifecycle):
+class TransferJobs:
     """``store`` and ``load``: submit one job to the poller and await its result."""
 
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
     def _require_poller(self) -> TransferPoller:
-        if self._poller is None:
+        c = self._core
+        if c._poller is None:
             raise ConfigError(
                 "no KV caches registered: pass kv_caches= to OffloadEngine to store or load "
                 "GPU blocks (sidecar clients use prepare_store/prepare_load instead)"
             )
-        return self._poller
+        return c._poller
 
     async def store(
         self,
@@ -90,7 +93,8 @@ class TransferJobs(Lifecycle):
         Keys already offloaded are skipped. Raises :class:`CapacityError` when there is no
         room and :class:`TransferError` when the copy failed (the store is then rolled back).
         """
-        poller = self._poller
+        c = self._core
+        poller = c._poller
         if poller is None:
             poller = self._require_poller()
         ctx = req_context if req_context is not None else _NO_CONTEXT
@@ -98,7 +102,7 @@ class TransferJobs(Lifecycle):
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
         # between, so subscribers see the same events in the same order.
-        out = self._prepare_store(keys, ctx, publish=False)
+        out = c._prepare_store(keys, ctx, publish=False)
         stored = out.keys_to_store
         try:
             if not stored:
@@ -107,37 +111,37 @@ class TransferJobs(Lifecycle):
                 gpu_spec = gpu_spec_for_keys(
                     keys,
                     gpu_blocks,
-                    factor=self._factor,
-                    num_groups=self._num_groups,
+                    factor=c._factor,
+                    num_groups=c._num_groups,
                     # Every key stored (the common case): no selection to apply.
                     selected=None if stored == keys else self._positions(keys, stored),
                 )
             except BaseException:
-                self._publish_manager_events()
-                self._finish_store(stored, ctx, False, "invalid GPU block ids")
+                c._publish_manager_events()
+                c._finish_store(stored, ctx, False, "invalid GPU block ids")
                 raise
 
             def on_done(result: TransferResult) -> None:
                 success = result.success
                 if success:
-                    self._record_copy(STORE_DIRECTION, result.transfer_size, result.transfer_time)
-                self._finish_store(stored, ctx, success, "transfer failed")
+                    c._record_copy(STORE_DIRECTION, result.transfer_size, result.transfer_time)
+                c._finish_store(stored, ctx, success, "transfer failed")
 
-            if self._runner is None:
-                self._ensure_started()
+            if c._runner is None:
+                c._ensure_started()
             try:
                 future, mode = poller.submit_job((gpu_spec, out.store_spec), on_done, True)
             except BaseException:
-                self._publish_manager_events()
-                self._finish_store(stored, ctx, False, "transfer refused")
+                c._publish_manager_events()
+                c._finish_store(stored, ctx, False, "transfer refused")
                 raise
             # A lone store's copy is on its way (not done during the submission, nothing
             # else in flight): choose the next store's victims in its shadow. Behind other
             # jobs, or after an inline copy, there is no shadow: stores choose at need.
-            if self._evict_ahead_max and mode != COLLECT and poller.lone_in_flight():
-                self._evict_ahead(len(stored))
+            if c._evict_ahead_max and mode != COLLECT and poller.lone_in_flight():
+                c._evict_ahead(len(stored))
         finally:
-            self._publish_manager_events()  # a no-op when published above
+            c._publish_manager_events()  # a no-op when published above
         if mode:
             await _settle(poller, future, mode)
         result = await future
@@ -168,34 +172,33 @@ class TransferJobs(Lifecycle):
         Raises :class:`BlockStateError` if a key is not ready (nothing is pinned then) and
         :class:`TransferError` if the copy failed (the blocks are unpinned).
         """
-        poller = self._poller
+        c = self._core
+        poller = c._poller
         if poller is None:
             poller = self._require_poller()
         ctx = req_context if req_context is not None else _NO_CONTEXT
         keys = list(keys)
         if not keys:
             return LoadResult([])
-        if self._tiers is not None and not self._tiers.holds_all(keys):
-            await self._tiers.promote(keys)
-        gpu_spec = gpu_spec_for_keys(
-            keys, gpu_blocks, factor=self._factor, num_groups=self._num_groups
-        )
-        if self._closed:
-            self._check_open()
-        cpu_spec = self.manager.prepare_load(keys, ctx)
+        if c._tiers is not None and not c._tiers.holds_all(keys):
+            await c._tiers.promote(keys)
+        gpu_spec = gpu_spec_for_keys(keys, gpu_blocks, factor=c._factor, num_groups=c._num_groups)
+        if c._closed:
+            c._check_open()
+        cpu_spec = c.manager.prepare_load(keys, ctx)
 
         def on_done(result: TransferResult) -> None:
             success = result.success
             if success:
-                self._record_copy(LOAD_DIRECTION, result.transfer_size, result.transfer_time)
-            self._finish_load_job(keys, ctx, success, result.job_id)
+                c._record_copy(LOAD_DIRECTION, result.transfer_size, result.transfer_time)
+            c._finish_load_job(keys, ctx, success, result.job_id)
 
-        if self._runner is None:
-            self._ensure_started()
+        if c._runner is None:
+            c._ensure_started()
         try:
             future, mode = poller.submit_job((cpu_spec, gpu_spec), on_done, True)
         except BaseException:
-            self._finish_load(keys, ctx, False, {"reason": "transfer refused"})
+            c._finish_load(keys, ctx, False, {"reason": "transfer refused"})
             raise
         if mode:
             await _settle(poller, future, mode)

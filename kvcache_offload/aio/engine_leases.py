@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION
-from kvcache_offload.aio.engine_lifecycle import Lifecycle
-from kvcache_offload.aio.engine_steps import block_ids_of
+from kvcache_offload.aio.engine_core import (
+    LOAD_DIRECTION,
+    STORE_DIRECTION,
+    EngineCore,
+    block_ids_of,
+)
 from kvcache_offload.aio.leases import Lease, LeaseTable
 from kvcache_offload.aio.types import EventType, LoadLease, StoreLease
 from kvcache_offload.contracts.manager import ReqContext
@@ -25,8 +28,12 @@ __all__ = ["LeaseOperations"]
 logger = logging.getLogger("kvcache_offload.aio.engine")
 
 
-class LeaseOperations(Lifecycle):
+class LeaseOperations:
     """``prepare_store``/``complete_store``, ``prepare_load``/``complete_load``, lease expiry."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+        core.lease_expired = self._on_lease_expired
 
     async def prepare_store(
         self,
@@ -35,11 +42,12 @@ class LeaseOperations(Lifecycle):
         ttl_s: float | None = None,
     ) -> StoreLease:
         """Allocate CPU slots for the keys not yet offloaded; complete within the TTL."""
+        c = self._core
         if ttl_s is not None:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
-        out = self._prepare_store(list(keys), ctx)
-        lease = self._leases.add(
+        out = c._prepare_store(list(keys), ctx)
+        lease = c._leases.add(
             "store",
             list(out.keys_to_store),
             block_ids_of(out.store_spec),
@@ -47,7 +55,7 @@ class LeaseOperations(Lifecycle):
             ttl_s,
             list(out.evicted_keys),
         )
-        self._ensure_started()
+        c._ensure_started()
         return StoreLease(
             lease.lease_id, lease.keys, lease.block_ids, lease.evicted_keys, lease.expires_at
         )
@@ -64,11 +72,12 @@ class LeaseOperations(Lifecycle):
         A sidecar client may report the size and duration of its own copy so that transfer
         metrics cover bytes that never went through this process.
         """
-        self._check_open()
-        lease = self._leases.pop(lease_id, "store")
-        self._finish_store(lease.keys, lease.req_context, success, "client reported failure")
+        c = self._core
+        c._check_open()
+        lease = c._leases.pop(lease_id, "store")
+        c._finish_store(lease.keys, lease.req_context, success, "client reported failure")
         if success:
-            self._record_copy(STORE_DIRECTION, transfer_bytes, transfer_seconds)
+            c._record_copy(STORE_DIRECTION, transfer_bytes, transfer_seconds)
         return list(lease.keys) if success else []
 
     async def prepare_load(
@@ -78,15 +87,16 @@ class LeaseOperations(Lifecycle):
         ttl_s: float | None = None,
     ) -> LoadLease:
         """Pin ready blocks for reading; :class:`BlockStateError` if one is not ready."""
+        c = self._core
         if ttl_s is not None:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
         keys = list(keys)
-        if self._tiers is not None:
-            await self._tiers.promote(keys)
-        block_ids = self._prepare_load(keys, ctx)
-        lease = self._leases.add("load", keys, block_ids, ctx, ttl_s)
-        self._ensure_started()
+        if c._tiers is not None:
+            await c._tiers.promote(keys)
+        block_ids = c._prepare_load(keys, ctx)
+        lease = c._leases.add("load", keys, block_ids, ctx, ttl_s)
+        c._ensure_started()
         return LoadLease(lease.lease_id, lease.keys, lease.block_ids, lease.expires_at)
 
     async def complete_load(
@@ -96,14 +106,16 @@ class LeaseOperations(Lifecycle):
         transfer_seconds: float | None = None,
     ) -> None:
         """Unpin the lease's blocks; the client may report its copy as in complete_store."""
-        self._check_open()
-        lease = self._leases.pop(lease_id, "load")
-        self._finish_load(lease.keys, lease.req_context, True, {"lease_id": lease_id})
-        self._record_copy(LOAD_DIRECTION, transfer_bytes, transfer_seconds)
+        c = self._core
+        c._check_open()
+        lease = c._leases.pop(lease_id, "load")
+        c._finish_load(lease.keys, lease.req_context, True, {"lease_id": lease_id})
+        c._record_copy(LOAD_DIRECTION, transfer_bytes, transfer_seconds)
 
     def _on_lease_expired(self, lease: Lease) -> None:
+        c = self._core
         self._quarantine_lease(lease)
-        self._hub.publish(
+        c._hub.publish(
             EventType.LEASE_EXPIRED,
             lease.keys,
             detail={
@@ -120,16 +132,17 @@ class LeaseOperations(Lifecycle):
         a store lease's keys are dropped but its slots fenced, a load lease's blocks stay
         pinned, both until the grace period is over.
         """
-        fences = self._fences
-        if not lease.keys or fences is None or self._quarantine.grace_s <= 0:
-            self._rollback_lease(lease)
+        c = self._core
+        fences = c._fences
+        if not lease.keys or fences is None or c._quarantine.grace_s <= 0:
+            c._rollback_lease(lease)
             return
         try:
             if lease.kind == "store":
-                self._quarantine.fence(fences.fence(lease.keys))
-                self._totals.store_blocks_failed += len(lease.keys)
-                self._publish_manager_events()
+                c._quarantine.fence(fences.fence(lease.keys))
+                c._totals.store_blocks_failed += len(lease.keys)
+                c._publish_manager_events()
             else:
-                self._quarantine.pin(list(lease.keys), lease.req_context)
+                c._quarantine.pin(list(lease.keys), lease.req_context)
         except OffloadError:
             logger.exception("quarantining %s lease %s failed", lease.kind, lease.lease_id)

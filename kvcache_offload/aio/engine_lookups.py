@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache_offload.aio.engine_steps import ManagerSteps
+from kvcache_offload.aio.engine_core import EngineCore
 from kvcache_offload.aio.tiering import CPU_TIER
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.capabilities import DiscardsBlocks
@@ -27,8 +27,11 @@ _NO_CONTEXT = ReqContext()
 """Shared by calls that pass no context (managers only read it)."""
 
 
-class Lookups(ManagerSteps):
+class Lookups:
     """``lookup``, ``lookup_now``, ``touch``, ``discard`` and ``release``."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
 
     async def lookup(
         self,
@@ -43,10 +46,11 @@ class Lookups(ManagerSteps):
         ``states`` covers only the keys up to and including it. With secondary tiers, keys the
         CPU tier lacks are looked up below (one batch per tier) and ``tiers`` names each key's.
         """
+        c = self._core
         result = self.lookup_now(keys, req_context, prefix_only=prefix_only)
-        if self._tiers is None or result.tiers is not None:
+        if c._tiers is None or result.tiers is not None:
             return result
-        return await self._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
+        return await c._tiers.extend_lookup(keys, result, prefix_only=prefix_only)
 
     def lookup_now(
         self,
@@ -56,8 +60,9 @@ class Lookups(ManagerSteps):
         prefix_only: bool = False,
     ) -> LookupResult:
         """:meth:`lookup` without the coroutine, for callers already on the loop thread."""
+        c = self._core
         ctx = req_context if req_context is not None else _NO_CONTEXT
-        lookup = self.manager.lookup
+        lookup = c.manager.lookup
         if prefix_only:
             states: list[KeyState] = []
             append = states.append
@@ -87,15 +92,15 @@ class Lookups(ManagerSteps):
             first_writing = answers.index(None) if None in answers else n
             hits = min(first_absent, first_writing)
             pending = first_writing < first_absent
-        totals = self._totals
+        totals = c._totals
         totals.lookups += 1
         totals.lookup_keys += len(keys)
         totals.lookup_hit_blocks += hits
-        if self._observers.watches_lookups:
-            self._observers.on_lookup(keys, hits)
+        if c._observers.watches_lookups:
+            c._observers.on_lookup(keys, hits)
         # With tiers, an all-CPU answer names its tier here (the cheap, common case).
         tiers: list[str | None] | None = None
-        if self._tiers is not None and hits == len(states):
+        if c._tiers is not None and hits == len(states):
             tiers = [CPU_TIER] * hits
         return LookupResult(hits=hits, pending=pending, states=states, tiers=tiers)
 
@@ -103,7 +108,8 @@ class Lookups(ManagerSteps):
         self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None
     ) -> None:
         """Mark keys recently used; the first key ends up most recently used."""
-        self.manager.touch(keys, req_context if req_context is not None else _NO_CONTEXT)
+        c = self._core
+        c.manager.touch(keys, req_context if req_context is not None else _NO_CONTEXT)
 
     async def discard(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Free the CPU tier's idle blocks of ``keys`` now, because nobody will ask for them
@@ -122,18 +128,21 @@ class Lookups(ManagerSteps):
         needed, unless asked for again meanwhile; until then they stay loadable. Returns how
         many present keys were marked. For a session that probably ended (a timeout rather
         than a close): a wrong hint costs nothing while the tier has room."""
-        self._check_open()
+        c = self._core
+        c._check_open()
         return self._discarding_manager().release(keys)
 
     def _discarding_manager(self) -> DiscardsBlocks:
-        manager = self.manager
+        c = self._core
+        manager = c.manager
         if not isinstance(manager, DiscardsBlocks):
             raise ConfigError(f"{type(manager).__name__} cannot discard or release blocks")
         return manager
 
     def discard_now(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """:meth:`discard` for callers already on the loop thread."""
-        self._check_open()
+        c = self._core
+        c._check_open()
         dropped = self._discarding_manager().discard(keys)
-        self._publish_manager_events()
+        c._publish_manager_events()
         return dropped

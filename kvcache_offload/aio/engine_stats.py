@@ -17,7 +17,7 @@ from kvcache_offload.contracts.capabilities import (
 )
 
 if TYPE_CHECKING:
-    from kvcache_offload.aio.engine import OffloadEngine
+    from kvcache_offload.aio.engine_core import EngineCore
 
 __all__ = ["collect_stats", "tier_counts"]
 
@@ -45,7 +45,7 @@ def tier_counts(snap: Any, policy: str) -> dict[str, Any]:
     }
 
 
-def collect_stats(engine: OffloadEngine) -> EngineStats:
+def collect_stats(engine: EngineCore) -> EngineStats:
     """One consistent snapshot (the engine runs on one loop thread: nothing moves meanwhile)."""
     e = engine
     manager = e.manager

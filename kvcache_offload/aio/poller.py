@@ -8,27 +8,11 @@ nothing pinned, because the completion still runs when the copy finishes.
 
 Handlers that know when a copy ends (:class:`~kvcache_offload.contracts.handler.NotifiesCompletion`:
 the CPU backend's copy threads, the CUDA handlers' completion watcher, which sleeps in the
-driver on each job's end event) wake the task. With the CUDA handlers, for
-``completion_spin_s`` after a submission or a completion the task instead keeps looking once
-per loop iteration (yielding to every
-other coroutine in between, so it never holds the loop): a small job then completes within
-one iteration of its copy's end instead of after the watcher's wake-up (driver interrupt,
-thread switch, self-pipe write, loop wake), which on the H200 host cut a 1-block load's p50
-by about a third; the watchers are not even handed the copies meanwhile. The task also keeps
-looking until the copies in flight are predicted to end
-(:class:`~kvcache_offload.aio.copy_clock.CopyClock`: the GPU seconds per block of the
-direction's last copies, up to ``predicted_spin_cap_s``),
-because the watcher's wake-up grows with the time it slept: ~70 us after a 0.34 ms copy, ~640 us
-after a 2.6 ms one (H200 host). (Not with the CPU
-backend: on two cores, a looking loop took the core its copy threads needed, and its streams
-fell from 0.78 to 0.46 of a single-thread copy.) Nor while every direction with copies in
-flight is predicted to stay busy ``sleep_behind_s`` past its next end: the watchers' wake-up
-then costs no throughput (the queued copies keep the link busy), and a one-way stream at link
-speed stopped spending the loop thread on looks (H200: 0.55-0.97 cores instead of 1.02-1.07
-for the same bytes). Past that window the task only
-sleeps: an idle or slow-copy engine costs no CPU. A wake costs one self-pipe write however
-many jobs finished together, and the task polls again at least every ``backstop_s`` while
-jobs are in flight (a safety net that a correct handler never needs).
+driver on each job's end event) wake the task. With the CUDA handlers the task also looks
+for ends by itself for a while after each submission or completion (``_end_looks.py`` says
+when and why). A wake costs one self-pipe write however many jobs finished together, and the
+task polls again at least every ``backstop_s`` while jobs are in flight (a safety net that a
+correct handler never needs).
 
 Handlers that batch (:class:`~kvcache_offload.contracts.handler.BatchesJobs`: the CUDA handlers'
 kernel and DMA paths, the CPU backend) hold the jobs submitted during one loop iteration while
@@ -49,9 +33,18 @@ import os
 import time
 from asyncio import get_running_loop
 from collections.abc import Callable
-from dataclasses import dataclass
 from time import perf_counter
 
+from kvcache_offload.aio._end_looks import look_closely, queued_behind
+from kvcache_offload.aio._polled_job import (
+    AWAIT,
+    COLLECT,
+    LOOK,
+    OnDone,
+    PolledJob,
+    always,
+    blocks_and_source,
+)
 from kvcache_offload.aio._waker import Waker
 from kvcache_offload.aio.copy_clock import CopyClock
 from kvcache_offload.contracts.handler import (
@@ -64,35 +57,6 @@ from kvcache_offload.errors import TransferError
 __all__ = ["AWAIT", "COLLECT", "LOOK", "TransferPoller"]
 
 logger = logging.getLogger(__name__)
-
-OnDone = Callable[[TransferResult], None]
-
-AWAIT, COLLECT, LOOK = 0, 1, 2
-"""What :meth:`TransferPoller.submit_job` asks its caller to do before awaiting the future:
-nothing; give the loop one turn, then :meth:`~TransferPoller.collect_now`; or look for the
-job's end itself (:meth:`~TransferPoller.caller_look`, then
-:meth:`~TransferPoller.caller_stop`)."""
-
-
-@dataclass(slots=True)
-class _Job:
-    future: asyncio.Future[TransferResult]
-    on_done: OnDone
-    blocks: int = 0
-    source: str = ""
-    ends: float = 0.0
-    """Predicted end (``perf_counter``); 0: not predicted."""
-
-
-def _always() -> bool:
-    return True
-
-
-def _blocks_and_source(spec: TransferSpec) -> tuple[int, str]:
-    """How many blocks a job names on its source side, and that side's medium."""
-    src = spec[0]
-    block_ids = getattr(src, "block_ids", None)
-    return (len(block_ids) if block_ids is not None else 1), src.medium()
 
 
 class TransferPoller:
@@ -121,16 +85,16 @@ class TransferPoller:
         self.sleep_behind_s = sleep_behind_s
         """Stop looking while every direction with copies in flight is predicted to stay busy
         this long after its next copy ends (0: look as long as predicted; see
-        :meth:`_queued_behind`)."""
+        :func:`~kvcache_offload.aio._end_looks.queued_behind`)."""
         self._changes = 0
-        """Submissions and completions so far: :meth:`_queued_behind` answers again only
-        when the jobs in flight changed."""
+        """Submissions and completions so far: ``queued_behind`` (``_end_looks.py``)
+        answers again only when the jobs in flight changed."""
         self._behind_at = -1
         self._behind = False
         self.deep_sleeps = 0
         """Times the poller stopped looking because copies were queued behind the next end."""
         self.close_finds = 0
-        """Jobs' ends found by a close look (see :meth:`_look_closely`)."""
+        """Jobs' ends found by a close look (see ``_end_looks.py``)."""
         self.backstop_wakes = 0
         """Sleeps on the watchers that lasted the whole ``backstop_s`` (no wake came)."""
         self.sleeps_before_flush = 0
@@ -139,7 +103,7 @@ class TransferPoller:
         self._look_until = 0.0
         self.backoff_s = backoff_s
         self.backstop_s = backstop_s
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, PolledJob] = {}
         self._next_job_id = 0
         self._waker = Waker()
         self._last_activity = 0.0
@@ -155,7 +119,7 @@ class TransferPoller:
         self.batched = worker.enable_batching() if batch else False
         """True when jobs submitted in one loop tick are issued together (one copy)."""
         self._flush_scheduled = False
-        self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", _always)
+        self._holds_jobs: Callable[[], bool] = getattr(worker, "holds_jobs", always)
         """Whether a handler holds a job to flush (a worker that cannot say: always)."""
         self._spinning = False
         self._submitting = False
@@ -202,23 +166,8 @@ class TransferPoller:
         self, spec: TransferSpec, on_done: OnDone, collect: bool
     ) -> tuple[asyncio.Future[TransferResult], int]:
         """:meth:`submit`, for a caller that may collect its own job; the answer's second
-        item says what the caller does before awaiting the future (:data:`AWAIT`: nothing).
-
-        With ``collect`` True:
-
-        * :data:`COLLECT`: its handler finished the job during the submission (a small copy
-          done inline, announced by the completion callback on the loop thread; handlers
-          that push every end only, the CPU backend). Nobody was woken; the caller gives
-          the loop one turn and calls :meth:`collect_now` (also when cancelled meanwhile),
-          which runs ``on_done`` and resolves the future, instead of the poller task's next
-          turn.
-        * :data:`LOOK`: a lone job on a poller that looks by itself (the CUDA handlers),
-          with nothing else in flight. The task stays asleep and the caller looks for the
-          end: ``while not future.done() and poller.caller_look(): await <one loop turn>``,
-          then :meth:`caller_stop` (also when cancelled). The end is then collected on the
-          caller's own turn, so the future it awaits is resolved before it awaits it: no
-          wake-up of the poller task at the submission, and no second task woken (one more
-          loop iteration) at the end. A job submitted meanwhile wakes the task as usual."""
+        item says what the caller does before awaiting the future (:data:`AWAIT`: nothing;
+        with ``collect`` True also :data:`COLLECT` or :data:`LOOK`, see ``_polled_job.py``)."""
         loop = get_running_loop()
         waker = self._waker
         waker.bind(loop)
@@ -247,12 +196,12 @@ class TransferPoller:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
         future = loop.create_future()
-        job = self._jobs[job_id] = _Job(future, on_done)
+        job = self._jobs[job_id] = PolledJob(future, on_done)
         if self._wake_per_job:  # only a task that polls or looks reads the time
             self._last_activity = now = perf_counter()
             if self.on_demand:  # only a poller that looks by itself predicts ends
                 self._changes += 1
-                job.blocks, job.source = blocks, source = _blocks_and_source(spec)
+                job.blocks, job.source = blocks, source = blocks_and_source(spec)
                 ends = self._copy_clock.expect(source, blocks, now)
                 if ends > now:
                     job.ends = ends
@@ -284,71 +233,22 @@ class TransferPoller:
         return len(self._jobs) == 1
 
     def caller_look(self) -> bool:
-        """One look by the caller of a :data:`LOOK` job: collect what finished (closely, in a
-        tight loop, when its end is predicted within ``close_look_s``). True: look again
-        after one loop turn; False: stop (jobs finished, or nothing is predicted to end
-        before the looking window closes: the task then sleeps on the watchers as it would
-        have)."""
-        if self.poll_once() or self._look_closely():
+        """One look by the caller of a :data:`LOOK` job: collect what finished (closely when
+        its end is predicted within ``close_look_s``). True: look again after one loop turn;
+        False: stop (jobs finished, or nothing is predicted to end before the looking window
+        closes: the task then sleeps on the watchers as it would have)."""
+        if self.poll_once() or look_closely(self):
             self.caller_finds += 1
             return False
         return bool(self._jobs) and time.perf_counter() < self._look_until
 
     def caller_stop(self, future: asyncio.Future[TransferResult]) -> None:
         """The caller of a :data:`LOOK` job stopped looking: a job still in flight goes back
-        to the task, which is woken whatever it is doing. Not only when it sleeps with
-        nothing in flight: a task that sleeps on the watchers has not handed them this
-        job's copy (it was issued unwatched), and would find it only at its backstop."""
+        to the task, woken whatever it does (one sleeping on the watchers was not handed
+        this job's copy, issued unwatched, and would find it only at its backstop)."""
         if not future.done() and self._jobs:
             self._asleep = False
             self._waker.wake()
-
-    def _look_closely(self) -> bool:
-        """A lone job predicted to end within ``close_look_s``: look for its end without
-        turning the loop in between (one turn cost ~8 us on the H200 host, half of which a
-        completion waited on average), for at most ``close_look_s`` past the prediction.
-        True when jobs finished."""
-        if len(self._jobs) != 1:
-            return False
-        (job,) = self._jobs.values()
-        now = time.perf_counter()
-        if not job.ends or job.ends - now > self.close_look_s:
-            return False
-        give_up = job.ends + self.close_look_s
-        while now < give_up:
-            if self.poll_once():
-                self.close_finds += 1
-                return True
-            now = time.perf_counter()
-        return False
-
-    def _queued_behind(self) -> bool:
-        """Whether every direction with copies in flight is predicted to stay busy for at
-        least ``sleep_behind_s`` after its next copy ends.
-
-        Then the link stays busy through the completion watcher's wake-up (~70-640 us on the
-        H200 host), so looking for that end on every loop iteration buys no throughput and
-        costs the loop thread: a one-way stream at link speed spent most of a core on it. A
-        lone copy, or the last copies of a direction, are still looked for (their end is
-        what an awaiting caller waits on). Jobs without a predicted end count as shallow."""
-        if self._behind_at == self._changes:
-            return self._behind
-        self._behind_at = self._changes
-        heads: dict[str, float] = {}
-        for job in self._jobs.values():
-            ends = job.ends
-            if not ends:
-                self._behind = False
-                return False
-            head = heads.get(job.source)
-            if head is None or ends < head:
-                heads[job.source] = ends
-        busy_until = self._copy_clock.busy_until
-        behind = self.sleep_behind_s
-        self._behind = bool(heads) and all(
-            busy_until(source) - head >= behind for source, head in heads.items()
-        )
-        return self._behind
 
     def _flush(self) -> None:
         """Issue what the handlers held this tick: runs once per loop iteration with jobs
@@ -435,7 +335,7 @@ class TransferPoller:
                 continue
             if self.pushed:
                 self._spinning = self.on_demand
-                if self.poll_once() or (self.on_demand and self._look_closely()):
+                if self.poll_once() or (self.on_demand and look_closely(self)):
                     if not self._jobs:
                         # Nothing in flight: sleep on the waker (the resumed coroutines run
                         # meanwhile). A job that its caller collects itself (see
@@ -448,7 +348,7 @@ class TransferPoller:
                     # is far cheaper than the watcher's wake-up, which on the H200 host
                     # took ~70-640 us after a long sleep in the driver. Not while copies
                     # are queued behind every next end: the link stays busy meanwhile.
-                    if not (self.sleep_behind_s and self._queued_behind()):
+                    if not (self.sleep_behind_s and queued_behind(self)):
                         await asyncio.sleep(0)
                         continue
                     self.deep_sleeps += 1

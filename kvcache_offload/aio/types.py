@@ -8,15 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 from pydantic import ConfigDict, PlainSerializer, PlainValidator, WithJsonSchema
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.events.records import EngineEvent, EventType, GapMarker
+from kvcache_offload.kv_events.stats import KVEventStats
 from kvcache_offload.tiers.base import TIER_LATENCY_BUCKETS_S, LatencyHistogram, TierStats
-
-if TYPE_CHECKING:
-    from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = [
     "HEX_KEY_PATTERN",
@@ -172,42 +171,6 @@ class LoadLease(WireShape):
     """CPU slot ids to read from, co-indexed with ``keys``."""
     expires_at: float
     """Unix time after which the pins are released."""
-
-
-class EventType(StrEnum):
-    STORED = "stored"
-    EVICTED = "evicted"
-    LOAD_COMPLETED = "load_completed"
-    STORE_FAILED = "store_failed"
-    LOAD_FAILED = "load_failed"
-    LEASE_EXPIRED = "lease_expired"
-    RESET = "reset"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineEvent:
-    """One offloading event with its place in the engine's total order."""
-
-    seq: int
-    timestamp: float
-    type: EventType
-    keys: list[OffloadKey]
-    medium: str = "CPU"
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GapMarker:
-    """Delivered instead of events a subscriber missed: it fell behind or resumed too late."""
-
-    missed: int
-    """How many events were skipped."""
-    next_seq: int
-    """Sequence number of the next event the subscriber will receive."""
-    restarted: bool = False
-    """The resume point came from another run of the service (it restarted, so sequence
-    numbers began again at 1): what happened after it is unknown; ``missed`` counts only
-    this run's events that are no longer kept."""
 
 
 TRANSFER_DURATION_BUCKETS_S: tuple[float, ...] = TIER_LATENCY_BUCKETS_S

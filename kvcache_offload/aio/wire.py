@@ -19,19 +19,12 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from kvcache_offload.aio import types as _types
 from kvcache_offload.aio.types import HexKey
 from kvcache_offload.errors import OffloadError
-from kvcache_offload.kv_events.stats import KVEventStats
 
 __all__ = ["WireError", "from_wire", "to_wire"]
 
 T = TypeVar("T")
-
-# EngineStats names KVEventStats for type checkers only (a runtime import there would be a
-# cycle through kv_events); now that both modules exist, make the name resolvable for pydantic
-# and for FastAPI's OpenAPI generation.
-setattr(_types, "KVEventStats", KVEventStats)  # noqa: B010
 
 _KEYS = (list[HexKey], list[HexKey] | None)
 _AS_IS, _HEX, _NESTED = 0, 1, 2

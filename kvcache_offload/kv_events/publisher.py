@@ -26,9 +26,9 @@ from typing import Any
 import anyio
 import zmq
 
-from kvcache_offload.aio.event_hub import EventHub
-from kvcache_offload.aio.types import EngineEvent, GapMarker
 from kvcache_offload.errors import ConfigError, OffloadError
+from kvcache_offload.events.hub import EventHub
+from kvcache_offload.events.records import EngineEvent, GapMarker
 from kvcache_offload.kv_events.block_tokens import BlockTokens
 from kvcache_offload.kv_events.stats import KVEventStats
 from kvcache_offload.kv_events.translate import PUBLISHED_TYPES, EventTranslator

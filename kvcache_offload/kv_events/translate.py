@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvcache_offload.aio.types import EngineEvent, EventType
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.events.records import EngineEvent, EventType
 from kvcache_offload.kv_events.block_tokens import BlockTokenEntry, BlockTokens
 from kvcache_offload.kv_events.wire import HashFormat, WireCodec, external_block_hash
 

@@ -85,7 +85,7 @@ def belady_hits(
     ``predicted_next_use`` (one position per access, as :func:`next_use_positions` gives the
     true ones) makes it MIN driven by a predictor instead of the future: every admission and
     eviction follows the predictions, and hits are counted as they happen. It measures how
-    good a return-time predictor must be (``bench/noisy_oracle.py``)."""
+    good a return-time predictor must be (``research/noisy_oracle.py``)."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
     accesses = [b for ids in trace.block_ids for b in ids]

@@ -100,7 +100,7 @@ def replay_trace(
 
     ``touch_after_store=False`` drops the second ``touch`` (step 4) for comparisons with
     drivers that touch only once per request. ``before_request`` and ``on_stored`` let a
-    caller act between requests on what the requests stored (``bench.policy_hints`` sends
+    caller act between requests on what the requests stored (``research.policy_hints`` sends
     session-end hints) without repeating this call sequence.
     """
     lookup = manager.lookup

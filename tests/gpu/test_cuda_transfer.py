@@ -636,9 +636,9 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
     calls = _record_lone_kernel_calls(h)
     planned = {"n": 0}
     plan = SingleDirectionOffloadingHandler.plan
-    from kvcache_offload.dataplane.handlers.cuda import handler as handler_module
+    from kvcache_offload.dataplane.handlers.cuda import held_units as held_units_module
 
-    native_hold = handler_module._hold_units_native
+    native_hold = held_units_module._hold_units_native
     held_in_c: list[int] = []
 
     def counted_hold(*args):
@@ -653,7 +653,7 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
     try:
         SingleDirectionOffloadingHandler.plan = counted_plan
         if native_hold is not None:  # the extension's one-call hold, where it is built
-            handler_module._hold_units_native = counted_hold
+            held_units_module._hold_units_native = counted_hold
         rng = np.random.default_rng(factor)
         store, load = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
         store.set_batching(True)
@@ -721,7 +721,7 @@ def test_held_one_group_jobs_go_out_as_one_kernel_copy_exactly_and_in_order(mech
             assert held_in_c == [1, 1, 1, 0, 1, 1, 1, 1]
     finally:
         SingleDirectionOffloadingHandler.plan = plan
-        handler_module._hold_units_native = native_hold
+        held_units_module._hold_units_native = native_hold
         h.shutdown()
 
 

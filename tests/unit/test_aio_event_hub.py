@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from kvcache_offload.aio import EngineEvent, EventHub, EventType, GapMarker, event_hub
+from kvcache_offload.aio import EngineEvent, EventHub, EventType, GapMarker
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.events import hub as event_hub
 from tests.unit._keys import keys
 
 

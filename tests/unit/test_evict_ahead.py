@@ -216,6 +216,29 @@ def test_keys_released_after_a_choice_ahead_still_go_first_as_at_need() -> None:
     assert key_ids(expected.evicted_keys) == [0, 2]
 
 
+def test_a_release_that_marks_nothing_leaves_the_choice_ahead() -> None:
+    manager = filled("lru")
+    assert manager.evict_ahead(2) == 2  # keys 0 and 2
+    assert manager.release(keys(99)) == 0  # absent: nothing to leave first
+    stats = manager.stats()
+    assert (stats.chosen_ahead, stats.ahead_rescued, stats.released) == (2, 0, 0)
+    out = manager.prepare_store(keys(100, 101))
+    assert out is not None and key_ids(out.evicted_keys) == [0, 2]
+
+
+def test_a_chosen_key_released_is_put_back_and_leaves_as_at_need() -> None:
+    manager, at_need = filled("lru"), filled("lru")
+    assert manager.evict_ahead(2) == 2  # keys 0 and 2
+    assert manager.release(keys(2)) == at_need.release(keys(2)) == 1
+    stats = manager.stats()
+    assert (stats.chosen_ahead, stats.ahead_rescued, stats.released) == (0, 2, 1)
+    out = manager.prepare_store(keys(100, 101))
+    expected = at_need.prepare_store(keys(100, 101))
+    assert out is not None and expected is not None
+    assert key_ids(out.evicted_keys) == key_ids(expected.evicted_keys)
+    assert sorted(key_ids(out.evicted_keys)) == [0, 2]
+
+
 def test_discard_fence_and_reset_handle_chosen_blocks() -> None:
     manager = filled("lru")
     assert manager.evict_ahead(3) == 3  # keys 0, 2, 4

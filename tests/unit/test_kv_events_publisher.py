@@ -12,13 +12,13 @@ import zmq
 import zmq.asyncio
 
 from kvcache_offload.aio import OffloadEngine
-from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.types import EventType
 from kvcache_offload.contracts.offload_key import (
     OffloadKey,
     make_offload_key,
 )
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.events.hub import EventHub
 from kvcache_offload.kv_events import KVEventPublisher, external_block_hash
 from kvcache_offload.kv_events import publisher as publisher_module
 from tests.unit._api_app import small_config

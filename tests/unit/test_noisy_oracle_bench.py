@@ -1,12 +1,12 @@
-"""bench.noisy_oracle: MIN driven by predicted return times, on the shipped sample trace."""
+"""research.noisy_oracle: MIN driven by predicted return times, on the shipped sample trace."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.noisy_oracle import measure, noisy_next_use
 from kvcache_offload.lab.belady import belady_hits, next_use_positions
 from kvcache_offload.lab.trace import load_trace, sample_trace_path
+from research.noisy_oracle import measure, noisy_next_use
 
 
 def test_exact_predictions_are_min_and_noise_never_beats_it() -> None:

@@ -1,9 +1,9 @@
-"""bench.policy_hints: conversations inferred from key chains, and hints that pay on the sample."""
+"""research.policy_hints: conversations inferred from key chains, hints that pay on the sample."""
 
 from __future__ import annotations
 
-from bench.policy_hints import conversations, main
 from kvcache_offload.lab.trace import sample_trace_path
+from research.policy_hints import conversations, main
 from tests.unit._keys import keys
 
 

@@ -1,16 +1,16 @@
 """vLLM 0.33's scheduler never calls ``touch``; the plug-in replays 0.21's touches from the keys
 each request loads or offers to store (``_request_keys``). Replayed over the shipped Mooncake
 sample, the policies then decide exactly as under 0.21's calls, which the lab's driver makes
-(``bench.vllm_touches`` does the same over the full traces)."""
+(``research.vllm_touches`` does the same over the full traces)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.vllm_touches import main, replay_as_vllm_033
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.trace import load_trace, sample_trace_path
+from research.vllm_touches import main, replay_as_vllm_033
 
 
 def _capacity(trace_keys: list[list[bytes]], share: float) -> int:

@@ -1,5 +1,5 @@
 """Under vLLM 0.33's manager calls, our LRU keeps what vLLM's own LRU keeps (the plug-in's
-replay of touches), on the shipped Mooncake sample; ``bench.vllm_policies`` runs."""
+replay of touches), on the shipped Mooncake sample; ``research.vllm_policies`` runs."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(HANDLERS_API, reason="vLLM 0.21's manager has th
 def test_our_lru_hits_what_vllm_033s_own_lru_hits(share: float) -> None:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
 
-    from bench.vllm_policies import replay_ours, replay_vllm
     from kvcache_offload.control.manager import CPUOffloadingManager
     from kvcache_offload.lab.trace import load_trace, sample_trace_path
+    from research.vllm_policies import replay_ours, replay_vllm
 
     trace = load_trace(sample_trace_path())
     capacity = max(8, int(len({k for keys in trace.keys for k in keys}) * share))
@@ -27,8 +27,8 @@ def test_our_lru_hits_what_vllm_033s_own_lru_hits(share: float) -> None:
 
 
 def test_the_benchmark_prints_every_column() -> None:
-    from bench.vllm_policies import main
     from kvcache_offload.lab.trace import sample_trace_path
+    from research.vllm_policies import main
 
     out = main(["--trace", str(sample_trace_path()), "--capacities", "5%", "--no-json"])
     (row,) = out["rows"]

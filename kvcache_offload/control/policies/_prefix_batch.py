@@ -10,7 +10,7 @@ next call arrives (another store included), so the tail of a prefix is evicted f
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -19,8 +19,12 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList, StampedGhostList
 from kvcache_offload.control.policies._stamp_queue import StampQueue
 from kvcache_offload.control.policies.base import (
+    Blocks,
     BlockStatus,
     CachePolicy,
+    Keys,
+    Protected,
+    Victims,
     append_victims,
 )
 
@@ -81,9 +85,7 @@ class QueuePolicy(CachePolicy):
     def _enqueue(self, key: OffloadKey, block: BlockStatus) -> None:
         """Place a newly stored block in the policy's queues."""
 
-    def _select(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def _select(self, n: int, protected: Protected) -> Victims | None:
         """``evict`` for ``n >= 1`` with the batch flushed. A subclass implements this or
         :meth:`_select_blocks` (each defaults to the other)."""
         keys: list[OffloadKey] = []
@@ -92,13 +94,7 @@ class QueuePolicy(CachePolicy):
             return None
         return list(zip(keys, blocks, strict=True))
 
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """``evict_blocks`` for ``n >= 1`` with the batch flushed (see :meth:`_select`)."""
         return append_victims(self._select(n, protected), keys, blocks)
 
@@ -124,21 +120,13 @@ class QueuePolicy(CachePolicy):
             queue.clear()
         self._reset_learning()
 
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Protected) -> Victims | None:
         if n <= 0:
             return []
         self._flush_batch()
         return self._select(n, protected)
 
-    def evict_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         if not self._plain_evict:
             return super().evict_blocks(n, protected, keys, blocks)
         if n <= 0:

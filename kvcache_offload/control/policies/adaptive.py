@@ -32,7 +32,7 @@ does, so a store or an eviction updates one dict.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -40,7 +40,14 @@ from mypy_extensions import mypyc_attr
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._shadow_race import ShadowRace
 from kvcache_offload.control.policies.alru import AdaptiveLRUCachePolicy
-from kvcache_offload.control.policies.base import BlockStatus, CachePolicy
+from kvcache_offload.control.policies.base import (
+    Blocks,
+    BlockStatus,
+    CachePolicy,
+    Keys,
+    Protected,
+    Victims,
+)
 from kvcache_offload.control.policies.lru2 import LRU2CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
 
@@ -194,9 +201,7 @@ class AdaptiveCachePolicy(CachePolicy):
         if sampled and self._race.request(sampled):
             self._switch(self._race.leader)
 
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Protected) -> Victims | None:
         victims = self._live.evict(n, protected)
         if victims and not self._shared:
             blocks = self._blocks
@@ -204,13 +209,7 @@ class AdaptiveCachePolicy(CachePolicy):
                 del blocks[key]
         return victims
 
-    def evict_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         # :meth:`evict` in the manager's list form, which the live policy fills directly.
         if not self._plain_evict:
             return super().evict_blocks(n, protected, keys, blocks)

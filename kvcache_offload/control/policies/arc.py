@@ -21,8 +21,12 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import (
+    Blocks,
     BlockStatus,
     CachePolicy,
+    Keys,
+    Protected,
+    Victims,
 )
 
 __all__ = ["ARCCachePolicy"]
@@ -260,33 +264,19 @@ class ARCCachePolicy(CachePolicy):
         self.scanned += scanned
         return node
 
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Protected) -> Victims | None:
         keys: list[OffloadKey] = []
         blocks: list[BlockStatus] = []
         if not self._evict_into(n, protected, keys, blocks):
             return None
         return list(zip(keys, blocks, strict=True))
 
-    def evict_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         if type(self).evict is not ARCCachePolicy.evict:  # a subclass's ``evict`` decides
             return super().evict_blocks(n, protected, keys, blocks)
         return self._evict_into(n, protected, keys, blocks)
 
-    def _evict_into(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """:meth:`evict_blocks` itself: the victims appended to the two lists, or False."""
         if n <= 0:
             return True

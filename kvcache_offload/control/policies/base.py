@@ -17,7 +17,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockStatus", "CachePolicy", "append_victims"]
+__all__ = ["BlockStatus", "Blocks", "CachePolicy", "Keys", "Protected", "Victims", "append_victims"]
 
 
 class BlockStatus:
@@ -53,6 +53,16 @@ class BlockStatus:
 
     def __repr__(self) -> str:
         return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+Keys = list[OffloadKey]
+"""Victims' keys, appended to by ``evict_blocks`` (the manager's own list)."""
+Blocks = list[BlockStatus]
+"""Victims' blocks, co-indexed with :data:`Keys`."""
+Protected = Collection[OffloadKey]
+"""Keys that must survive an eviction."""
+Victims = list[tuple[OffloadKey, BlockStatus]]
+"""``evict``'s answer: (key, block) pairs."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -123,18 +133,10 @@ class CachePolicy(ABC):
         """Mark keys used, processed in reverse so the first key ends up most recent."""
 
     @abstractmethod
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Protected) -> Victims | None:
         """Remove exactly ``n`` idle, unprotected blocks, or return None changing nothing."""
 
-    def evict_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """:meth:`evict`, the victims' keys and blocks appended to ``keys`` and ``blocks``
         (the manager's call): False, changing nothing and appending nothing, when it cannot.
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import (
+    Blocks,
     BlockStatus,
     CachePolicy,
+    Keys,
+    Protected,
+    Victims,
 )
 
 __all__ = ["LRUCachePolicy"]
@@ -69,9 +73,7 @@ class LRUCachePolicy(CachePolicy):
             if key in blocks:
                 move(key)
 
-    def evict(
-        self, n: int, protected: Collection[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
+    def evict(self, n: int, protected: Protected) -> Victims | None:
         if n <= 0:
             return []
         victims: list[tuple[OffloadKey, BlockStatus]] = []
@@ -88,13 +90,7 @@ class LRUCachePolicy(CachePolicy):
             del blocks[key]
         return victims
 
-    def evict_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         if not self._plain_evict:
             return super().evict_blocks(n, protected, keys, blocks)
         if n <= 0:

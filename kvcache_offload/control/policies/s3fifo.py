@@ -16,7 +16,7 @@ from mypy_extensions import mypyc_attr
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, BlockStatus, Keys, Protected
 
 __all__ = ["PrefixS3FIFOCachePolicy", "S3FIFOCachePolicy"]
 
@@ -228,13 +228,7 @@ class S3FIFOCachePolicy(QueuePolicy):
         self._main.clear()
         super().clear()
 
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """The victims, in the order the walk takes them. Pinned and protected blocks keep
         their place; the walk over the main queue reaches the blocks it appends
         (promotions, reinsertions) after the ones it started with."""

@@ -7,14 +7,14 @@ of blocks that are never read again, with no second queue to size.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Final, final
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, BlockStatus, Keys, Protected
 
 __all__ = ["SIEVECachePolicy"]
 
@@ -133,13 +133,7 @@ class SIEVECachePolicy(QueuePolicy):
         self._log.clear()
         super().clear()
 
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        keys: list[OffloadKey],
-        blocks: list[BlockStatus],
-    ) -> bool:
+    def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """The hand's walk until ``n`` victims. It may lap; a whole lap with neither a
         victim nor a bit cleared means the remaining blocks are all pinned or protected:
         then every bit it cleared is set again and nothing changes."""

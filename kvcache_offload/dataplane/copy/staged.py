@@ -44,7 +44,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +58,7 @@ from kvcache_offload.dataplane.copy.kernel_issue import (
     raw_event,
 )
 from kvcache_offload.dataplane.copy.plan import SideGeometry, TransferPlan
+from kvcache_offload.dataplane.copy.staged_job import ISSUED_NOW, StagedJob
 from kvcache_offload.dataplane.copy.staged_tables import PreparedJob, StagedChunk, StagedTables
 from kvcache_offload.dataplane.copy.staging_cells import CellLayout
 from kvcache_offload.dataplane.copy.staging_config import DEFAULT_STAGING_CONFIG, StagingConfig
@@ -89,28 +89,6 @@ numpy calls; two submit threads running it at once hand the GIL back and forth a
 call and each takes ~2 ms instead of ~0.4 ms (H200 host, a store and a load submitted
 together), which delays the start of both jobs."""
 _STAGE_ALIGN = 256
-
-
-ISSUED_NOW = threading.Event()
-"""The ``issued`` flag of every job issued on the caller's thread (set from the start)."""
-ISSUED_NOW.set()
-
-
-@dataclass
-class StagedJob:
-    """One job on its way through the staged path (owned by the handler's transfer)."""
-
-    plan: TransferPlan
-    start_event: torch.cuda.Event
-    end_event: torch.cuda.Event
-    table: Any
-    """The handler's ``_TableSlot`` (pinned host table and its device copy)."""
-    ready_event: torch.cuda.Event | None = None
-    """Recorded on the compute stream at submission (stores wait on it)."""
-    prev_end: torch.cuda.Event | None = None
-    issued: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    end_recorded: bool = False
 
 
 class StagedCopier(StagedTables):

@@ -17,7 +17,7 @@ from kvcache_offload.dataplane.copy.staging_config import StagingConfig
 from kvcache_offload.dataplane.copy.triton_kernel import GROUP_ROW
 
 if TYPE_CHECKING:
-    from kvcache_offload.dataplane.copy.staged import StagedJob
+    from kvcache_offload.dataplane.copy.staged_job import StagedJob
 
 try:  # the host-copy extension's tables of a serving job (a dozen numpy calls less per job)
     from kvcache_offload.dataplane.copy._hostcopy import staged_small_tables as _small_tables

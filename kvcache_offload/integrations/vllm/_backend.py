@@ -61,7 +61,7 @@ class OffloadBackend:
 
     @property
     def side_port(self) -> Any:
-        """The running :class:`SidePort`, or None."""
+        """The running side port (``integrations/vllm/_side_port.py``), or None."""
         return self._side_ports[0] if self._side_ports else None
 
     def manager(self) -> OffloadingManager:
@@ -75,7 +75,7 @@ class OffloadBackend:
 
     def _observed(self, manager: OffloadingManager, where: SidePortSettings) -> ObservedManager:
         from kvcache_offload.integrations.vllm._engine_view import EngineView
-        from kvcache_offload.integrations.vllm._side_port import SidePort
+        from kvcache_offload.integrations.vllm._side_port import start_side_port
 
         view = EngineView(self.config, int(self.spec.kv_bytes_per_offloaded_block))
         ports = self._side_ports
@@ -87,7 +87,7 @@ class OffloadBackend:
             on_shutdown=lambda: _stop(ports),
         )
         view.observe(observed)
-        ports.append(SidePort(view, where.host, where.port))
+        ports.append(start_side_port(view, where.host, where.port))
         weakref.finalize(observed, _stop, ports)
         return observed
 

@@ -18,7 +18,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvcache_offload.aio.engine_stats import tier_counts
-from kvcache_offload.aio.event_hub import EventHub, EventSubscription
 from kvcache_offload.aio.types import (
     EngineStats,
     EventType,
@@ -29,6 +28,7 @@ from kvcache_offload.config import OffloadConfig
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import OffloadError
+from kvcache_offload.events.hub import EventHub, EventSubscription
 from kvcache_offload.integrations.vllm._observed_manager import ObservedManager
 
 __all__ = ["EngineView", "ReadOnlyError"]

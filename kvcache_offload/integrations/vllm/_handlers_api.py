@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult
 
-from kvcache_offload import base as ours
+from kvcache_offload import contracts as ours
 from kvcache_offload.config import KVCacheLayout
 from kvcache_offload.contracts.handler import OffloadingHandler as OurHandler
 from kvcache_offload.integrations.vllm._backend import OffloadBackend

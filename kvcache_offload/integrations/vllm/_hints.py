@@ -9,7 +9,7 @@ conversation ends with this request (the user closed it, an agent's task is done
 and the plug-in *releases* the request's blocks as it touches and stores them: when room is
 needed they are evicted first, before the policy chooses (``CPUOffloadingManager.release``).
 A block another request uses again (any ``touch``) is unmarked, so a shared prefix survives a
-wrong or early hint. The policy lab measured what this is worth (``bench.policy_hints``,
+wrong or early hint. The policy lab measured what this is worth (``research.policy_hints``,
 ``docs/policy-lab.md``): no policy can tell a finished conversation from a paused one.
 
 From vLLM 0.33 an orchestrator can also attach structured hints to a request

@@ -14,7 +14,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import LoadStoreSpec, PrepareStoreOutput
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvcache_offload import base as ours
+from kvcache_offload import contracts as ours
 from kvcache_offload.contracts.capabilities import DiscardsBlocks
 from kvcache_offload.integrations.vllm._hints import session_ends
 

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvcache_offload.aio.engine_base import LOAD_DIRECTION, STORE_DIRECTION, EngineTotals
+from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, EngineTotals
 from kvcache_offload.aio.types import EventType, Histogram
 from kvcache_offload.contracts.capabilities import DiscardsBlocks, ReportsStats, SkipsStores
 from kvcache_offload.contracts.load_store_spec import LoadStoreSpec

@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetric
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcache_offload import base as ours
+from kvcache_offload import contracts as ours
 from kvcache_offload.config import KVCacheLayout
 from kvcache_offload.contracts.capabilities import ReportsStats, SkipsStores
 from kvcache_offload.contracts.handler import OffloadingHandler

@@ -21,7 +21,7 @@ from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
 from kvcache_offload.dataplane.copy.kernel_issue import _address
 from kvcache_offload.dataplane.copy.triton_kernel import on_device
 
-__all__ = ["EndWait", "end_wait_available"]
+__all__ = ["EndWait", "end_wait_available", "end_wait_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +84,15 @@ class EndWait:
             proxy, self._proxy = self._proxy, 0
         if proxy:
             self._runtime.event_destroy(proxy)
+
+
+def end_wait_for(device: torch.device) -> EndWait | None:
+    """An :class:`EndWait` for ``device``, or None where none can be built (the copies'
+    events are then blocking-sync, as before)."""
+    if not end_wait_available():
+        return None
+    try:
+        return EndWait(device)
+    except RuntimeError as exc:
+        logger.info("copies keep blocking-sync events: %s", exc)
+        return None

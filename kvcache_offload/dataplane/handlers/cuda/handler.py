@@ -26,37 +26,33 @@ from kvcache_offload.contracts.handler import (
     TransferType,
 )
 from kvcache_offload.contracts.kv_caches import CanonicalKVCacheRef
-from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec
 from kvcache_offload.dataplane.copy.dma import get_cuda_runtime
-from kvcache_offload.dataplane.copy.kernel_issue import copy_seconds as _copy_seconds
 from kvcache_offload.dataplane.copy.plan import CopySides, TransferPlan, refs_arrays
 from kvcache_offload.dataplane.copy.plan_builder import PlanBuilder, parse_job
 from kvcache_offload.dataplane.copy.staged import (
     DEFAULT_STAGING_CONFIG,
+    StagedCopier,
     StagingConfig,
 )
 from kvcache_offload.dataplane.copy.triton_kernel import (
     DEFAULT_KERNEL_CONFIG,
-    GROUP_ROW,
     KernelConfig,
-    triton_available,
 )
-from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait, end_wait_available
+from kvcache_offload.dataplane.handlers.cuda import ends, held_units, path_choice
+from kvcache_offload.dataplane.handlers.cuda.end_wait import end_wait_for
+from kvcache_offload.dataplane.handlers.cuda.held_units import HeldUnits
 from kvcache_offload.dataplane.handlers.cuda.inflight import CopyPools, CopyWatch, InFlightCopy
 from kvcache_offload.dataplane.handlers.cuda.launch import CopyLauncher
+from kvcache_offload.dataplane.handlers.cuda.path_setup import start_paths
 from kvcache_offload.dataplane.handlers.cuda.paths import (
     DEFAULT_STAGED_MIN_JOB_BYTES,
     CompletionWait,
     Mechanism,
-    build_ref_table,
     check_tensors,
-    make_torch_fallback,
-    probe_paths,
-    resolve_mechanism,
+    probe_mechanism,
 )
 from kvcache_offload.dataplane.handlers.held_jobs import (
     BatchingSwitch,
-    HeldJobs,
     MarkedHeldJobs,
 )
 from kvcache_offload.dataplane.handlers.threaded import (
@@ -65,13 +61,6 @@ from kvcache_offload.dataplane.handlers.threaded import (
     ThreadedOffloadingHandler,
 )
 from kvcache_offload.errors import ConfigError, TransferError
-
-try:  # the held job's units and blocks in one C call (see _hold_units); Python otherwise
-    from kvcache_offload.dataplane.copy._hostcopy import hold_units as _hold_units_native
-except ImportError:  # pragma: no cover - the extension is optional
-    _hold_units_native = None
-
-_INT64 = np.dtype(np.int64)
 
 __all__ = ["DEFAULT_BATCH_MAX_BYTES", "DEFAULT_BATCH_MIN_BYTES", "SingleDirectionOffloadingHandler"]
 
@@ -87,35 +76,11 @@ batches stay in flight, so the copy of one overlaps the host work of the next (o
 everything would leave the link idle while the host completes it and submits the next)."""
 
 
-def _end_wait(device: torch.device) -> EndWait | None:
-    """An :class:`EndWait` for ``device``, or None where none can be built (the copies'
-    events are then blocking-sync, as before)."""
-    if not end_wait_available():
-        return None
-    try:
-        return EndWait(device)
-    except RuntimeError as exc:
-        logger.info("copies keep blocking-sync events: %s", exc)
-        return None
-
-
-def _grown(units: np.ndarray, used: int, size: int) -> np.ndarray:
-    """A unit scratch of ``size`` entries holding the first ``used`` of ``units``."""
-    grown = np.empty(size, dtype=np.int64)
-    grown[:used] = units[:used]
-    return grown
-
-
-class _HeldUnits:
-    """A held one-group job whose kernel units are already written to the handler's unit
-    scratches, after those of the jobs held before it. Its spec is kept in case the batch
-    does not go out as one kernel copy (then it is planned)."""
-
-    __slots__ = ("num_bytes", "spec")
-
-    def __init__(self, spec: TransferSpec, num_bytes: int) -> None:
-        self.spec = spec
-        self.num_bytes = num_bytes
+def _never_or_more(name: str, value: int) -> int:
+    """A byte threshold where 0 means never: ConfigError below 0."""
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0 (0: never), got {value}")
+    return int(value)
 
 
 class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
@@ -167,18 +132,12 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
         taken behind copies in flight only while this handler is :meth:`copying` too, or
         for jobs of at least ``one_way_min_job_bytes`` each."""
-        if staged_one_way_min_job_bytes < 0:
-            raise ConfigError(
-                "staged_one_way_min_job_bytes must be >= 0 (0: never), "
-                f"got {staged_one_way_min_job_bytes}"
-            )
-        self.one_way_min_job_bytes = int(staged_one_way_min_job_bytes)
-        if staged_mixed_min_job_bytes < 0:
-            raise ConfigError(
-                "staged_mixed_min_job_bytes must be >= 0 (0: never), "
-                f"got {staged_mixed_min_job_bytes}"
-            )
-        self.mixed_min_job_bytes = int(staged_mixed_min_job_bytes)
+        self.one_way_min_job_bytes = _never_or_more(
+            "staged_one_way_min_job_bytes", staged_one_way_min_job_bytes
+        )
+        self.mixed_min_job_bytes = _never_or_more(
+            "staged_mixed_min_job_bytes", staged_mixed_min_job_bytes
+        )
         """Under pairing, jobs that average this many bytes or more (0: none) take the
         staged path whenever the other direction is copying, also on an idle direction (the
         lone lane, and batches whose previous copy ended): the kernel's traffic does not
@@ -191,22 +150,8 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
         runtime = get_cuda_runtime()
         self._runtime = runtime
-        self.kernel_ok, self.dma_ok, reasons = probe_paths(runtime, cpu_tensors)
-        self.staged_ok = self.dma_ok and triton_available()[0]
-        if not self.staged_ok:
-            reasons["staged"] = (
-                "needs triton and cudaMemcpyBatchAsync: "
-                + "; ".join(v for k, v in reasons.items() if k != "kernel")
-                if not self.dma_ok
-                else f"needs triton ({triton_available()[1]})"
-            )
-        self.mechanism = resolve_mechanism(
-            mechanism,
-            kernel_ok=self.kernel_ok,
-            dma_ok=self.dma_ok,
-            staged_ok=self.staged_ok,
-            reasons=reasons,
-            direction="store" if gpu_to_cpu else "load",
+        self.kernel_ok, self.dma_ok, self.staged_ok, self.mechanism = probe_mechanism(
+            runtime, cpu_tensors, mechanism, gpu_to_cpu
         )
 
         self._lock = threading.Lock()
@@ -215,7 +160,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         # Sleeping waits go through an EndWait where one can be built, so the copies' own
         # events need not be blocking-sync (each record of one costs the driver's event
         # thread an interrupt; end_wait.py).
-        self._end_wait = _end_wait(self.device) if self._blocking_events else None
+        self._end_wait = end_wait_for(self.device) if self._blocking_events else None
         self._pools = CopyPools(self.device, self._blocking_events and self._end_wait is None)
         self._launcher = CopyLauncher(
             device=self.device,
@@ -229,7 +174,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self._closed = False
         self._watch = CopyWatch(
             "kvoffload-done-" + ("store" if gpu_to_cpu else "load"),
-            (lambda: _end_wait(self.device)) if self._end_wait is not None else None,
+            (lambda: end_wait_for(self.device)) if self._end_wait is not None else None,
         )
         self._batching = False
         if not 0 < batch_min_bytes <= batch_max_bytes:
@@ -241,7 +186,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.batch_min_bytes = int(batch_min_bytes)
         self._in_flight_bytes = 0
         """Bytes of the copies issued and not yet seen finished (the batch rule's yardstick)."""
-        self._held: MarkedHeldJobs[TransferPlan | _HeldUnits] = MarkedHeldJobs(
+        self._held: MarkedHeldJobs[TransferPlan | HeldUnits] = MarkedHeldJobs(
             self.dst_geom.num_rows
         )
         self._src_units = np.empty(4096, dtype=np.int64)
@@ -255,191 +200,19 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.jobs_by_mechanism: dict[str, int] = dict.fromkeys(
             ("kernel", "dma", "staged", "torch"), 0
         )
-        if self.kernel_ok and self.mechanism in ("auto", "kernel"):
-            self._launcher.set_ref_table(
-                *build_ref_table(self._group_refs, self.src_geom, self.dst_geom, self.device)
-            )
-        wants_staged = self.mechanism == "staged" or (
-            self.mechanism == "auto"
-            and self.staged_ok
-            and staging.auto_min_piece_bytes is not None
-            and all(t.numel() == 0 or t.is_pinned() for t in cpu_tensors)
-        )
-        self._staged = (
-            self._launcher.start_staged(gpu_tensors, cpu_tensors, factor, self._group_refs, staging)
-            if wants_staged
-            else None
-        )
-
+        self._staged: StagedCopier | None = None
         self._fallback: ThreadedOffloadingHandler | None = None
-        if self.mechanism == "torch":
-            self._fallback = make_torch_fallback(
-                sides,
-                kv_cache_groups_data_refs,
-                gpu_to_cpu=gpu_to_cpu,
-                device=self.device,
-                max_staging_bytes=max_staging_bytes,
-            )
-        self._lone_limit = self._lone_kernel_limit()
-        single = self._planner.single_group
-        if self._lone_limit and single is not None:
-            self._launcher.plan_lone_units(
-                src_rows=self.src_geom.num_rows,
-                dst_rows=self.dst_geom.num_rows,
-                pairs_per_unit=len(single.tensors),
-                max_size=single.max_size,
-            )
-
-    def _lone_kernel_limit(self) -> int:
-        """Jobs below this many bytes that find the direction idle take the lone-kernel lane
-        (0: none do). Only where :meth:`choose_mechanism` would pick the kernel for every
-        such job of the one group: the kernel forced, or ``auto`` below the staged path's
-        job size."""
-        single = self._planner.single_group
-        if (
-            self._fallback is not None
-            or single is None
-            or not self.kernel_ok
-            or self._launcher.ref_table is None
-        ):
-            return 0
-        if self.mechanism == "kernel":
-            return 1 << 62
-        if self.mechanism != "auto":
-            return 0
-        return self.staged_auto_min_job_bytes if self._staged is not None else 1 << 62
-
-    def _single_job(
-        self, spec: TransferSpec
-    ) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
-        """``(source ids, destination ids, size, first block index, bytes)`` of a job of the
-        engine's own spec classes over the one group; None for any other job (the general
-        path then plans it, and names any error). Only where ``_lone_limit`` is set."""
-        try:
-            src, dst = spec
-        except (TypeError, ValueError):
-            return None
-        gpu_spec, cpu_spec = (src, dst) if self.gpu_to_cpu else (dst, src)
-        if type(gpu_spec) is not GPULoadStoreSpec or type(cpu_spec) is not CPULoadStoreSpec:
-            return None
-        sizes, starts = gpu_spec.group_sizes, gpu_spec.block_indices
-        if len(sizes) != 1 or len(starts) != 1:
-            return None
-        size = int(sizes[0])
-        if size <= 0:
-            return None
-        single = self._planner.single_group
-        assert single is not None
-        ids = gpu_spec.block_ids, cpu_spec.block_ids
-        src_ids, dst_ids = ids if self.gpu_to_cpu else (ids[1], ids[0])
-        return src_ids, dst_ids, size, int(starts[0]), single.bytes_per_unit * size
-
-    def _try_lone_kernel(self, job_id: int, spec: TransferSpec) -> bool:
-        """Issue a one-group kernel job on an idle direction without building a plan; False
-        when the job is not one (the general path then plans it, and names any error)."""
-        job = self._single_job(spec)
-        if job is None:
-            return False
-        src_ids, dst_ids, size, start, nbytes = job
-        if nbytes >= self._lone_limit or self._mixed_job(nbytes, 1):
-            return False
-        jobs = [(job_id, nbytes)]
-        lane = self._launcher.lone_units(jobs, src_ids, dst_ids, size, start)
-        if lane is not None:
-            self._track(lane, jobs, "kernel")
-            return True
-        entries = GROUP_ROW + 2 * size
-        slot = self._pools.slot()
-        table = slot.ensure(entries, need_device=True)
-        if not self._planner.write_single_units(
-            src_ids, dst_ids, size, start, table[GROUP_ROW:entries]
-        ):
-            self._pools.return_slot(slot)
-            return False
-        single = self._planner.single_group
-        assert single is not None
-        transfer = self._launcher.lone_kernel(
-            jobs, slot, size, len(single.tensors) * size, single.max_size
+        self._lone_limit = 0
+        start_paths(
+            self,
+            gpu_tensors,
+            cpu_tensors,
+            factor,
+            staging,
+            sides,
+            kv_cache_groups_data_refs,
+            max_staging_bytes,
         )
-        self._track(transfer, jobs, "kernel")
-        return True
-
-    def _hold_units(self, job_id: int, spec: TransferSpec) -> bool:
-        """Hold a one-group job for the batch as its kernel units, written to the unit
-        scratch now (which also checks its ids), without a plan: if the batch goes out as
-        one kernel copy (:meth:`_issue_units`), no plan object is built, merged or read for
-        any of its jobs; on the H200 host those cost the event-loop thread more than the
-        copy's CUDA calls in 1-block load streams. False when the job is not one, or when
-        it must wait for a held job writing the same block (the general path then holds
-        it, or names any error). Under the lock, with copies in flight or jobs held."""
-        job = self._single_job(spec)
-        if job is None:
-            return False
-        src_ids, dst_ids, size, start, nbytes = job
-        if nbytes >= self._lone_limit or nbytes >= self.batch_max_bytes:
-            return False
-        # Held as units whatever path the batch then takes: a batch that leaves by the
-        # staged path is planned once from the units (:meth:`_units_plan`), so a job that
-        # is sure to go staged costs no more held this way than planned now.
-        if job_id in self._in_flight_ids or job_id in self._held:
-            return False
-        used = self._units_used
-        end = used + size
-        if end > len(self._src_units):
-            self._src_units = _grown(self._src_units, used, 2 * end)
-            self._dst_units = _grown(self._dst_units, used, 2 * end)
-        src_units, dst_units = self._src_units, self._dst_units
-        held = self._held
-        if _hold_units_native is not None and src_ids.dtype == _INT64 and dst_ids.dtype == _INT64:
-            # Units written and checked, destination blocks checked and marked, in one call:
-            # in a cProfile of tp4_70b's 1-block load stream on the H200 host this method's
-            # Python took a quarter of the loop's time per job (docs/transfers.md).
-            src, dst = self.src_geom, self.dst_geom
-            marks, mark = held.current_marks()
-            try:
-                outcome = _hold_units_native(
-                    src_ids, dst_ids, size, start, src.factor, dst.factor, src.num_rows,
-                    dst.num_rows, src_units, dst_units, used, marks, mark,
-                )  # fmt: skip
-            except (BufferError, ValueError):  # a strided id view: the general path copes
-                return False
-            if outcome != 1:
-                return False  # malformed (the general path names it) or a held job's block
-            held.add_marked(job_id, _HeldUnits(spec, nbytes))
-        else:
-            out = np.empty(2 * size, dtype=np.int64)
-            if not self._planner.write_single_units(src_ids, dst_ids, size, start, out):
-                return False
-            dst_blocks = set(self._dst_block_ids(out[size:]))
-            if held.writes_any(dst_blocks):
-                return False
-            src_units[used:end] = out[:size]
-            dst_units[used:end] = out[size:]
-            held.add(job_id, _HeldUnits(spec, nbytes), dst_blocks)
-        self._units_used = end
-        if self._batch_full():
-            self._flush_locked()
-        return True
-
-    def _issue_units(
-        self, jobs: list[tuple[int, int]], total: int, prev: InFlightCopy | None
-    ) -> None:
-        """Issue held :class:`_HeldUnits` jobs as one kernel copy of the one group: their
-        ``total`` units per side, back to back from the start of each scratch, go into a
-        job table (sources then destinations) in two copies."""
-        slot = self._pools.slot()
-        table = slot.ensure(GROUP_ROW + 2 * total, need_device=True)
-        table[GROUP_ROW : GROUP_ROW + total] = self._src_units[:total]
-        table[GROUP_ROW + total : GROUP_ROW + 2 * total] = self._dst_units[:total]
-        if prev is not None and not prev.issued():
-            assert prev.staged is not None
-            prev.staged.issued.wait()  # its end event must be recorded before we wait on it
-        single = self._planner.single_group
-        assert single is not None
-        transfer = self._launcher.lone_kernel(
-            jobs, slot, total, len(single.tensors) * total, single.max_size, prev
-        )
-        self._track(transfer, jobs, "kernel")
 
     # -- the handler contract ---------------------------------------------------------------
     def plan(self, spec: TransferSpec) -> TransferPlan:
@@ -448,26 +221,9 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
 
     def choose_mechanism(self, plan: TransferPlan, busy: bool = False) -> str:
         """The path of ``plan`` under ``auto``; ``busy``: copies of this direction are in
-        flight (the job queues behind them anyway) and ``staged_when_busy`` is on."""
-        if self.mechanism != "auto":
-            return self.mechanism
-        staged = self._staged
-        if (
-            staged is not None
-            and staged.config.auto_min_piece_bytes is not None
-            and (plan.num_bytes >= self.staged_auto_min_job_bytes or not self.kernel_ok or busy)
-        ):
-            # A lone serving-size job takes the kernel: it starts at once and costs less host
-            # time. The kernel tops out at 45-49 GB/s for loads, stores or both at once, the
-            # copy engines at 54 one way and 97-98 both ways, so behind copies in flight, with
-            # the other direction copying, or for loads of 32 MiB and more, the staged path
-            # moves more (``staged_when_busy``, docs/transfers.md has the measurements).
-            pieces = staged.layout.estimated_pieces(plan, self.gpu_to_cpu)
-            if pieces and plan.num_bytes / pieces >= staged.config.auto_min_piece_bytes:
-                return "staged"
-        if self.dma_ok and not self.kernel_ok:
-            return "dma"
-        return "kernel"
+        flight (the job queues behind them anyway) and ``staged_when_busy`` is on
+        (``path_choice.py``)."""
+        return path_choice.choose(self, plan, busy)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         if self._fallback is not None:
@@ -480,7 +236,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                     not self._closed
                     and not self._transfers
                     and not self._held
-                    and self._try_lone_kernel(job_id, spec)
+                    and held_units.try_lone_kernel(self, job_id, spec)
                 ):
                     return True
         if self._batching and self._lone_limit and (self._transfers or self._held):
@@ -488,7 +244,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 if (
                     not self._closed
                     and (self._transfers or self._held)
-                    and self._hold_units(job_id, spec)
+                    and held_units.hold_units(self, job_id, spec)
                 ):
                     return True
         plan = self.plan(spec)
@@ -504,7 +260,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
                 if self._held.writes_any(dst):
                     self._flush_locked()  # the later job must land after the earlier one
                 self._held.add(job_id, plan, dst)
-                if self._batch_full():
+                if held_units.batch_full(self):
                     self._flush_locked()
                 return True
             self._flush_locked()
@@ -545,20 +301,10 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         return mechanism in ("kernel", "dma", "staged") and plan.num_bytes < self.batch_max_bytes
 
     def _batch_full(self) -> bool:
-        """Whether the held batch goes out now rather than at the end of the loop tick.
+        return held_units.batch_full(self)
 
-        Once it holds ``batch_min_bytes`` and at least as many bytes as this direction has in
-        flight: the copy queued behind the one running is then never smaller than what is
-        left to run, so the link does not run dry while the loop thread handles completions,
-        and in a steady stream the batches grow to about half of the direction's traffic
-        (fewer copies, so less host time per job). ``batch_max_bytes`` bounds it. A fixed
-        16 MiB split four 8 MiB jobs' worth of traffic into eight copies per direction; one
-        fixed 64 MiB held a 2-block stream's whole traffic in one batch, which left the link
-        idle between batches (docs/transfers.md, twelfth session)."""
-        held = self._held.nbytes
-        return held >= self.batch_min_bytes and (
-            held >= self._in_flight_bytes or held >= self.batch_max_bytes
-        )
+    def _flush_locked(self) -> None:
+        held_units.flush(self)
 
     def _dst_blocks(self, plan: TransferPlan) -> set[int]:
         out: set[int] = set()
@@ -571,83 +317,12 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         factor = self.dst_geom.factor
         return (dst_units if factor == 1 else dst_units // factor).tolist()
 
-    def _flush_locked(self) -> None:
-        nbytes = self._held.nbytes
-        held = self._held.take()
-        if not held:
-            return
-        total = self._units_used  # the held units, read below before anything writes
-        self._units_used = 0  # to the scratches again
-        jobs = [(job_id, job.num_bytes) for job_id, job in held]
-        all_units = all(isinstance(job, _HeldUnits) for _, job in held)
-        prev = self._transfers[-1] if self._transfers else None
-        busy = self._busy(prev, nbytes, len(jobs))
-        if all_units and (self.mechanism == "kernel" or (not busy and nbytes < self._lone_limit)):
-            # What choose_mechanism would pick for their plan: the kernel.
-            self._issue_units(jobs, total, prev)
-            return
-        if all_units:
-            # Another path (the staged one, behind copies in flight): one plan straight
-            # from the units already written, none built per job and merged.
-            self._issue(jobs, self._units_plan(total), busy)
-            return
-        planned = [
-            (job_id, job if isinstance(job, TransferPlan) else self.plan(job.spec))
-            for job_id, job in held
-        ]
-        self._issue(jobs, HeldJobs.merged(planned), busy)
-
-    def _units_plan(self, total: int) -> TransferPlan:
-        """The one plan of the held :class:`_HeldUnits` jobs (every job held), from their
-        ``total`` units per side in the scratches, in submission order; copied, as the
-        scratches are written again."""
-        return self._planner.units_plan(
-            self._src_units[:total].copy(), self._dst_units[:total].copy()
-        )
-
-    def _busy(self, prev: InFlightCopy | None, nbytes: int, num_jobs: int) -> bool:
-        """Whether a copy of ``num_jobs`` jobs of ``nbytes`` in all that queues behind
-        ``prev`` takes the staged path under ``staged_when_busy`` (see :meth:`pair_with`)."""
-        if not self.staged_when_busy:
-            return False
-        # done() and copying() are event queries, not free on the hot path: each is asked
-        # at most once.
-        busy = prev is not None and not prev.done()
-        other = self._other_direction
-        if other is None:
-            return busy
-        # "mixed": the copy engines while the other direction copies too (they overlap it),
-        # behind copies in flight or for jobs of mixed_min_job_bytes on an idle direction;
-        # or, behind copies in flight, for jobs large enough that their copy outlasts the
-        # staged path's extra host time (one way, the copy engines move more of the link
-        # than the kernel).
-        large = self.one_way_min_job_bytes
-        if busy and large > 0 and nbytes >= large * num_jobs:
-            return True
-        return (busy or self._mixed_size(nbytes, num_jobs)) and other.copying()
-
-    def _mixed_size(self, nbytes: int, num_jobs: int) -> bool:
-        """Whether ``num_jobs`` jobs of ``nbytes`` in all average ``mixed_min_job_bytes``."""
-        least = self.mixed_min_job_bytes
-        return least > 0 and nbytes >= least * num_jobs
-
-    def _mixed_job(self, nbytes: int, num_jobs: int) -> bool:
-        """Whether ``num_jobs`` jobs of ``nbytes`` in all take the staged path because the
-        other direction is copying (see :attr:`mixed_min_job_bytes`)."""
-        other = self._other_direction
-        return (
-            other is not None
-            and self.staged_when_busy
-            and self._mixed_size(nbytes, num_jobs)
-            and other.copying()
-        )
-
     def _issue(
         self, jobs: list[tuple[int, int]], plan: TransferPlan, busy: bool | None = None
     ) -> None:
         prev = self._transfers[-1] if self._transfers else None
         if busy is None:
-            busy = self._busy(prev, plan.num_bytes, len(jobs))
+            busy = path_choice.busy(self, prev, plan.num_bytes, len(jobs))
         mechanism = self.choose_mechanism(plan, busy=busy)
         inline = mechanism == "staged" and plan.num_bytes < self.staged_min_job_bytes
         if mechanism == "staged" and not inline:
@@ -675,54 +350,12 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             self.batches += 1
             self.batched_jobs += len(jobs)
 
+    # -- copies' ends: results, waits, the watcher, shutdown (ends.py) ------------------------
     def get_finished(self) -> list[TransferResult]:
-        if self._fallback is not None:
-            return self._fallback.get_finished()
-        results = []
-        transfers = self._transfers
-        with self._lock:
-            while transfers:
-                t = transfers[0]
-                seconds: float | None
-                if t.event_calls is not None:
-                    # A kernel copy issued from C (never staged): its end and GPU time in
-                    # one C call.
-                    assert _copy_seconds is not None
-                    seconds = _copy_seconds(*t.event_calls, t.raw_start, t.raw_end)
-                    if seconds < 0:
-                        break
-                    failed = False
-                else:
-                    if not t.done():
-                        break
-                    failed = t.staged is not None and t.staged.error is not None
-                    seconds = None if failed else t.start_event.elapsed_time(t.end_event) * 1e-3
-                transfers.popleft()
-                if self._other_direction is not None and seconds is not None:  # copying()'s window
-                    self._last_end_seen = time.perf_counter()
-                    self._last_copy_s = seconds
-                for job_id, nbytes in t.jobs:
-                    results.append(
-                        TransferResult(job_id, not failed, nbytes, seconds, self.transfer_type)
-                    )
-                self._recycle(t)
-        return results
-
-    def _recycle(self, t: InFlightCopy) -> None:
-        self._pools.recycle(t)
-        for job_id, nbytes in t.jobs:
-            self._in_flight_ids.discard(job_id)
-            self._in_flight_bytes -= nbytes
+        return ends.get_finished(self)
 
     def wait(self, job_ids: set[int]) -> None:
-        if self._fallback is not None:
-            self._fallback.wait(job_ids)
-            return
-        self.flush()
-        with self._lock:
-            waiting = [t for t in self._transfers if any(j in job_ids for j, _ in t.jobs)]
-        for t in waiting:
-            t.synchronize(self._end_wait)
+        ends.wait(self, job_ids)
 
     def set_completion_callback(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` from a watcher thread once jobs finished (None: stop).
@@ -730,76 +363,23 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         The watcher waits on each job's end event in submission order (sleeping in the
         driver with ``completion_wait="blocking"``), so nobody has to poll ``get_finished``.
         """
-        if self._fallback is not None:
-            self._fallback.set_completion_callback(callback)
-            return
-        with self._lock:
-            old = self._watch.replace(None if self._closed else callback, self._transfers)
-        if old is not None:
-            old.close()
+        ends.set_completion_callback(self, callback)
 
     def set_watch_on_demand(self, enabled: bool) -> None:
         """Leave new copies unwatched until :meth:`watch_in_flight` (see ``WatchesOnDemand``):
         the poller looks for a while after each submission, and a copy ending meanwhile then
         costs no watcher wake-up, no futex and no GIL hand-off."""
-        self._watch.on_demand = enabled
-        if not enabled:
-            self.watch_in_flight()
+        ends.set_watch_on_demand(self, enabled)
 
     def watch_in_flight(self) -> None:
-        with self._lock:
-            self._watch.watch_all(self._transfers)
+        ends.watch_in_flight(self)
 
     def pending_job_ids(self) -> list[int]:
-        if self._fallback is not None:
-            return self._fallback.pending_job_ids()
-        with self._lock:
-            return [j for j, _ in self._held.jobs] + [j for t in self._transfers for j, _ in t.jobs]
+        return ends.pending_job_ids(self)
 
     def shutdown(self) -> None:
         """Wait for in-flight jobs, then drop them with every pooled resource. Idempotent."""
-        if self._fallback is not None:
-            self._fallback.shutdown()
-        with self._lock:
-            self._flush_locked()
-            self._closed = True
-            watcher = self._watch.replace(None, ())
-        if watcher is not None:
-            watcher.close()
-        with self._lock:
-            if self._staged is not None:
-                self._staged.close()  # issues what is queued, then stops its thread
-            for t in self._transfers:
-                t.synchronize(self._end_wait)
-            if self._staged is not None:
-                self._staged.release()
-            self._transfers.clear()
-            self._in_flight_ids.clear()
-            self._in_flight_bytes = 0
-            self._pools.clear()
-            self._launcher.close()
-            if self._end_wait is not None:
-                self._end_wait.close()
-            self.gpu_tensors = []
-            self.cpu_tensors = []
+        ends.shutdown(self)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "direction": "store" if self.gpu_to_cpu else "load",
-            "mechanism": self.mechanism,
-            "kernel_available": self.kernel_ok,
-            "dma_available": self.dma_ok,
-            "staged_min_job_bytes": self.staged_min_job_bytes,
-            "staged_auto_min_job_bytes": self.staged_auto_min_job_bytes,
-            "staged_mixed_min_job_bytes": self.mixed_min_job_bytes,
-            "completion_wait": "blocking" if self._blocking_events else "spin",
-            "sleeps_through_end_wait": self._end_wait is not None,
-            "kernel_config": repr(self.kernel_config),
-            "staging": self._staged.describe() if self._staged is not None else None,
-            "jobs_by_mechanism": dict(self.jobs_by_mechanism),
-            "batching": self._batching,
-            "batches": self.batches,
-            "batched_jobs": self.batched_jobs,
-            "batch_min_bytes": self.batch_min_bytes,
-            "batch_max_bytes": self.batch_max_bytes,
-        }
+        return path_choice.describe(self)

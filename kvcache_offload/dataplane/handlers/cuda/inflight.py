@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvcache_offload.dataplane.copy.kernel_issue import copy_seconds
-from kvcache_offload.dataplane.copy.staged import StagedJob
+from kvcache_offload.dataplane.copy.staged_job import StagedJob
 from kvcache_offload.dataplane.handlers.cuda.end_wait import EndWait
 
 __all__ = [

@@ -9,8 +9,7 @@ stream, and returns the :class:`~.inflight.InFlightCopy` that the handler then t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,20 +42,14 @@ from kvcache_offload.dataplane.handlers.cuda.inflight import (
     LaneCopy,
     TableSlot,
 )
+from kvcache_offload.dataplane.handlers.cuda.job_table import (
+    fill_job_table,
+    upload_table,
+    write_group_row,
+)
+from kvcache_offload.dataplane.handlers.cuda.store_order import StoreOrder
 
 __all__ = ["CopyLauncher"]
-
-
-def _event_handle(prev: InFlightCopy | None, stream: torch.cuda.Stream) -> int:
-    """The raw end event of ``prev`` (0: none to wait for)."""
-    return 0 if prev is None else raw_event(prev.end_event, stream)
-
-
-def _current_raw_stream_getter() -> Callable[[int], int] | None:
-    """torch's current stream of a device as a raw handle, without a stream object (a
-    private binding; None where this torch lacks it, and the public call is used)."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return getter if callable(getter) else None
 
 
 class CopyLauncher:
@@ -85,12 +78,7 @@ class CopyLauncher:
         self.kernel_align = 1
         self._staged: StagedCopier | None = None
         self._kernel: BoundCopyKernel | None = None
-        self._current_mark = torch.cuda.Event()
-        self._raw_mark = 0
-        """A raw event for the same ordering through the runtime (0: torch's event)."""
-        self._current_raw_stream = _current_raw_stream_getter()
-        if runtime is not None and self._current_raw_stream is not None:
-            self._raw_mark = runtime.event_create()
+        self._order = StoreOrder(device, gpu_to_cpu, runtime)
         self._issue: KernelIssue | None = None
         """The kernel bound to the C issuer, once a launch compiled it (see ``_bind``)."""
         self._issue_unbound = kernel_issue_available() and runtime is not None
@@ -107,9 +95,7 @@ class CopyLauncher:
     def close(self) -> None:
         """Release the raw event and the tables (the handler's shutdown, after its copies
         ended)."""
-        if self._raw_mark and self.runtime is not None:
-            self.runtime.event_destroy(self._raw_mark)
-        self._raw_mark = 0
+        self._order.close()
         self._kernel = None
         self._issue = None
         self._issue_unbound = False
@@ -170,7 +156,7 @@ class CopyLauncher:
             host = slot.ensure(k_entries + 3 * n_dma, need_device=bool(k_entries))
         n_units = 0
         if k_groups and host is not None:
-            n_units = self._fill_job_table(k_groups, host[:k_entries])
+            n_units = fill_job_table(k_groups, self.ref_start, host[:k_entries])
         dma_table: np.ndarray | None = None
         if dma_part is not None and host is not None:
             dma_table = coalesce_pieces(
@@ -188,9 +174,9 @@ class CopyLauncher:
         handle = stream.cuda_stream
         with on_device(self.device):
             if k_entries and slot is not None:
-                self._upload_table(slot, k_entries, stream)
+                upload_table(self.runtime, slot, k_entries, stream)
             if self.gpu_to_cpu:
-                self._after_current_stream(stream)
+                self._order.after_current_stream(stream)
             if prev is not None:
                 stream.wait_event(prev.end_event)
             start.record(stream)
@@ -228,20 +214,21 @@ class CopyLauncher:
         if issue is not None:
             with on_device(self.device):
                 raw_start, raw_end = raw_event(start, stream), raw_event(end, stream)
+                after = 0 if prev is None else raw_event(prev.end_event, stream)
                 if issue.issue(
                     slot.host_ptr, slot.dev_ptr, n_units, self._ref_row, num_fragments,
-                    max_size, handle, *self._store_order(), _event_handle(prev, stream),
+                    max_size, handle, *self._order.handles(), after,
                     raw_start, raw_end,
                 ):  # fmt: skip
                     return InFlightCopy(
                         jobs, stream, start, end, slot, "kernel", raw_start=raw_start,
                         raw_end=raw_end, event_calls=self._event_calls,
                     )  # fmt: skip
-        _write_group_row(slot.host_np, n_units, self._ref_row)
+        write_group_row(slot.host_np, n_units, self._ref_row)
         with on_device(self.device):
-            self._upload_table(slot, GROUP_ROW + 2 * n_units, stream)
+            upload_table(self.runtime, slot, GROUP_ROW + 2 * n_units, stream)
             if self.gpu_to_cpu:
-                self._after_current_stream(stream)
+                self._order.after_current_stream(stream)
             if prev is not None:
                 stream.wait_event(prev.end_event)
             start.record(stream)
@@ -277,7 +264,7 @@ class CopyLauncher:
         the call does not take the job; :meth:`lone_kernel` then issues it (and names any
         error). What it skips per job: a table, a stream and events from the pools, the
         units' own C call, the device guard, four raw handles and a new
-        :class:`InFlightCopy` (docs/transfers.md, twenty-first session)."""
+        :class:`InFlightCopy` (docs/transfers.md)."""
         issue = self._issue if self._issue is not None or not self._issue_unbound else self._bind()
         if issue is None or not issue.units_ready:
             return None
@@ -285,7 +272,7 @@ class CopyLauncher:
         lane = pools.lane_copies.pop() if pools.lane_copies else self._new_lane_copy()
         slot = lane.slot
         assert slot is not None
-        before, mark = self._store_order()
+        before, mark = self._order.handles()
         if not issue.issue_units(
             slot.host_ptr, slot.dev_ptr, slot.capacity, src_ids, dst_ids, size, start,
             lane.raw_stream, before, mark, 0, lane.raw_start, lane.raw_end,
@@ -317,7 +304,7 @@ class CopyLauncher:
         """Bind the kernel to the C issuer once the JIT compiled it (the first lone copy
         launches through Triton); a store also needs the raw ordering event."""
         kernel, runtime = self._kernel, self.runtime
-        no_order = self.gpu_to_cpu and (not self._raw_mark or self._current_raw_stream is None)
+        no_order = self.gpu_to_cpu and not self._order.raw
         if kernel is None or runtime is None or no_order:
             self._issue_unbound = False
             return None
@@ -331,20 +318,6 @@ class CopyLauncher:
                 **geometry,
             )
         return self._issue
-
-    def _store_order(self) -> tuple[int, int]:
-        """(the current stream, the raw mark) as raw handles for a store, which must copy
-        what the model enqueued there; (0, 0) for a load, or where there is no raw mark.
-
-        The mark, not the stream, says that there is something to wait for: torch's default
-        stream has the raw handle 0 (the C issuer once read that as "no wait", and a store
-        issued from C while the model ran on the default stream copied the KV cache without
-        waiting for it; GPU test)."""
-        current = self._current_raw_stream
-        if not self.gpu_to_cpu or current is None or not self._raw_mark:
-            return 0, 0
-        index = self.device.index
-        return current(index if index is not None else torch.cuda.current_device()), self._raw_mark
 
     def _launch_kernel(
         self,
@@ -365,30 +338,6 @@ class CopyLauncher:
             max_size=max_size,
             stream=stream,
         )
-
-    def _upload_table(self, slot: TableSlot, entries: int, stream: torch.cuda.Stream) -> None:
-        """The job table's first ``entries`` values to the GPU, on ``stream``: one runtime
-        call where the runtime is loaded, else a dispatched ``copy_``."""
-        assert slot.host is not None and slot.dev is not None
-        if self.runtime is not None:
-            self.runtime.memcpy_async(slot.dev_ptr, slot.host_ptr, 8 * entries, stream.cuda_stream)
-        else:
-            with torch.cuda.stream(stream):
-                slot.dev[:entries].copy_(slot.host[:entries], non_blocking=True)
-
-    def _after_current_stream(self, stream: torch.cuda.Stream) -> None:
-        """Make ``stream`` wait for the work enqueued so far on the current stream (a store
-        must copy what the model wrote). One reused event: a wait is bound to the record
-        before it, so recording the event again later does not move an earlier wait, and it
-        costs half of ``wait_stream``, which creates an event per call. Through the runtime
-        where it is loaded: torch's ``current_stream()`` builds a stream object per call
-        (3.4 us on the H200 host, against 0.2 us for the raw handle)."""
-        before, mark = self._store_order()
-        if mark and self.runtime is not None:
-            self.runtime.stream_after(stream.cuda_stream, before, mark)
-            return
-        self._current_mark.record(torch.cuda.current_stream(self.device))
-        stream.wait_event(self._current_mark)
 
     def staged(
         self,
@@ -420,35 +369,3 @@ class CopyLauncher:
         )
         self._staged.submit(job, inline=inline)
         return InFlightCopy(jobs, None, start, end, slot, "staged", staged=job)
-
-    def _fill_job_table(self, groups: list[Any], out: np.ndarray) -> int:
-        """Group rows then source and destination units; returns the number of units."""
-        n_groups = len(groups)
-        if n_groups == 1:  # the common case: four scalars and two unit runs, no reductions
-            g = groups[0]
-            n_units = len(g.src_units)
-            _write_group_row(out, n_units, int(self.ref_start[g.index]) + g.ref_offset)
-            out[GROUP_ROW : GROUP_ROW + n_units] = g.src_units
-            out[GROUP_ROW + n_units : GROUP_ROW + 2 * n_units] = g.dst_units
-            return n_units
-        counts = np.fromiter((len(g.src_units) for g in groups), np.int64, n_groups)
-        refs = np.fromiter((len(g.ref_tensors) for g in groups), np.int64, n_groups)
-        n_units = int(counts.sum())
-        rows = out[: GROUP_ROW * n_groups].reshape(n_groups, GROUP_ROW)
-        pairs = counts * refs
-        rows[0, 0] = 0
-        np.cumsum(pairs[:-1], out=rows[1:, 0])
-        rows[:, 1] = counts
-        rows[:, 2] = [self.ref_start[g.index] + g.ref_offset for g in groups]
-        rows[0, 3] = 0
-        np.cumsum(counts[:-1], out=rows[1:, 3])
-        base = GROUP_ROW * n_groups
-        np.concatenate([g.src_units for g in groups], out=out[base : base + n_units])
-        np.concatenate([g.dst_units for g in groups], out=out[base + n_units : base + 2 * n_units])
-        return n_units
-
-
-def _write_group_row(out: np.ndarray, n_units: int, ref_row: int) -> None:
-    """The job table's row of a job of one group: its first pair, its unit count, the row of
-    its first ref in the ref table, its first unit."""
-    out[0], out[1], out[2], out[3] = 0, n_units, ref_row, 0

@@ -37,6 +37,7 @@ __all__ = [
     "build_ref_table",
     "check_tensors",
     "make_torch_fallback",
+    "probe_mechanism",
     "probe_paths",
     "resolve_mechanism",
     "staged_when_busy_per_direction",
@@ -264,3 +265,31 @@ def check_tensors(
                 f"page of {g.shape[1]} bytes"
             )
     return factor
+
+
+def probe_mechanism(
+    runtime: CudaRuntime | None,
+    cpu_tensors: Sequence[torch.Tensor],
+    mechanism: Mechanism,
+    gpu_to_cpu: bool,
+) -> tuple[bool, bool, bool, str]:
+    """(kernel usable, DMA usable, staged path usable, the mechanism ``mechanism`` resolves
+    to) on this host; a forced path that is not usable raises :class:`ConfigError`."""
+    kernel_ok, dma_ok, reasons = probe_paths(runtime, cpu_tensors)
+    staged_ok = dma_ok and triton_available()[0]
+    if not staged_ok:
+        reasons["staged"] = (
+            "needs triton and cudaMemcpyBatchAsync: "
+            + "; ".join(v for k, v in reasons.items() if k != "kernel")
+            if not dma_ok
+            else f"needs triton ({triton_available()[1]})"
+        )
+    resolved = resolve_mechanism(
+        mechanism,
+        kernel_ok=kernel_ok,
+        dma_ok=dma_ok,
+        staged_ok=staged_ok,
+        reasons=reasons,
+        direction="store" if gpu_to_cpu else "load",
+    )
+    return kernel_ok, dma_ok, staged_ok, resolved

@@ -1,6 +1,6 @@
-"""Share of the LRU -> Belady gap each policy closes, on whole traces and on slices (issue 16).
+"""Share of the LRU -> Belady gap each policy closes, on whole traces and on slices.
 
-    python -m bench.policy_gap [--policies lru,alru,lru2,s3fifo-prefix,adaptive]
+    python -m research.policy_gap [--policies lru,alru,lru2,s3fifo-prefix,adaptive]
                                [--capacities 1%,2%,5%,10%,20%,3%,7%,15%] [--slices 2]
                                [--markdown]
 
@@ -19,7 +19,6 @@ import argparse
 import sys
 from typing import Any
 
-from bench._common import write_json
 from kvcache_offload.lab.belady import belady_hits
 from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.sweep import make_manager, parse_capacities
@@ -30,6 +29,7 @@ from kvcache_offload.lab.trace import (
     load_trace,
     trace_from_requests,
 )
+from research._output import write_json
 
 
 def _parts(path: Any, slices: int) -> list[tuple[str, Trace]]:
@@ -51,7 +51,7 @@ def _cell(hit: float, lru: float, bound: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_gap", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.policy_gap", description=__doc__)
     parser.add_argument("--policies", default="lru,alru,lru2,s3fifo-prefix,adaptive")
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")
     parser.add_argument("--slices", type=int, default=1, help="also replay each 1/N of a trace")

@@ -1,6 +1,6 @@
 """Session-end hints: what ``discard`` is worth when the serving engine says a session ended.
 
-    python -m bench.policy_hints [--trace PATH] [--policies lru,adaptive]
+    python -m research.policy_hints [--trace PATH] [--policies lru,adaptive]
                                  [--capacities 1%,2%,5%,10%,20%,3%,7%,15%]
                                  [--delays-s 0,10,30,60,120] [--modes discard,release]
                                  [--scope stores|request]
@@ -35,13 +35,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import write_json
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.lab.belady import belady_hits
 from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import Trace, default_trace_paths, load_trace
+from research._output import write_json
 
 
 def conversations(keys: Sequence[Sequence[OffloadKey]], min_depth: int = 2) -> list[int]:
@@ -108,7 +108,7 @@ def _default_trace() -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_hints", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.policy_hints", description=__doc__)
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--policies", default="lru,adaptive")
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")

@@ -1,6 +1,6 @@
 """Hit rates under vLLM 0.33's manager calls, which never include ``touch``.
 
-    python -m bench.vllm_touches [--trace PATH] [--policies lru,adaptive]
+    python -m research.vllm_touches [--trace PATH] [--policies lru,adaptive]
                                  [--capacities 1%,2%,5%,10%,20%]
 
 vLLM 0.21's scheduler touches each request's keys when it looks the request up and again
@@ -8,7 +8,7 @@ after every store; the lab's driver (``replay_trace``) makes those calls. vLLM 0
 scheduler makes none: it reports a request's end instead. This replays a trace with 0.33's
 calls (lookups, a load of the hit prefix, a store of the rest, the request's end) three ways:
 
-* ``none``: no touch at all (the plug-in before the nineteenth session);
+* ``none``: no touch at all (what vLLM 0.33 itself does);
 * ``at end``: every key the request loaded or offered to store touched once at its end;
 * ``replayed``: the plug-in's replay of 0.21's touches (``integrations/vllm/_request_keys``),
 
@@ -25,13 +25,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import write_json
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.integrations.vllm import _request_keys as request_keys
 from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import Trace, default_trace_paths, load_trace
+from research._output import write_json
 
 MODES = ("none", "at end", "replayed")
 
@@ -88,7 +88,7 @@ def replay_as_vllm_033(manager: CPUOffloadingManager, trace: Trace, mode: str) -
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.vllm_touches", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.vllm_touches", description=__doc__)
     parser.add_argument("--trace", type=Path, action="append", default=None)
     parser.add_argument("--policies", default="lru,adaptive")
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%")

@@ -1,8 +1,8 @@
-"""Ceilings for families of eviction rules (issue 16): rules that are told part of the future.
+"""Ceilings for families of eviction rules: rules that are told part of the future.
 
-    python -m bench.policy_oracles [--capacities 1%,2%,5%,10%]
+    python -m research.policy_oracles [--capacities 1%,2%,5%,10%]
 
-Each oracle runs in ``bench.policy_candidates``' simulator of the replay driver on a whole
+Each oracle runs in ``research.policy_candidates``' simulator of the replay driver on a whole
 shipped trace and gets one piece of the future that an online rule could at best estimate:
 
 * ``future-count``: least frequently used, where a block's count is its number of accesses
@@ -26,11 +26,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from bench._common import write_json
-from bench.policy_candidates import LRU, pop_victims, replay
 from kvcache_offload.lab.belady import belady_hits
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import default_trace_paths, load_trace
+from research._output import write_json
+from research.policy_candidates import LRU, pop_victims, replay
 
 
 class _CountLFU:
@@ -90,7 +90,7 @@ class _DeadBypassLRU(LRU):
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_oracles", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.policy_oracles", description=__doc__)
     parser.add_argument("--capacities", default="1%,2%,5%,10%")
     args = parser.parse_args(argv)
     rows = []

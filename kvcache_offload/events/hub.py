@@ -31,9 +31,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvcache_offload._closing import AsyncClosing
-from kvcache_offload.aio.types import EngineEvent, EventType, GapMarker
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError
+from kvcache_offload.events.records import EngineEvent, EventType, GapMarker
 
 __all__ = ["EventCursor", "EventHub", "EventSubscription"]
 

@@ -1,6 +1,6 @@
-"""Policy research harness (issue 16): candidate eviction rules against LRU and Belady.
+"""Policy research harness: candidate eviction rules against LRU and Belady.
 
-    python -m bench.policy_candidates [--capacities 1%,2%,5%,10%,20%,3%,7%,15%] [--slices 2]
+    python -m research.policy_candidates [--capacities 1%,2%,5%,10%,20%,3%,7%,15%] [--slices 2]
 
 A candidate is tried here before it is written as a real ``CachePolicy``: this is a small
 integer-key simulator of the replay driver's call sequence (lookup the prefix up to the first
@@ -76,8 +76,8 @@ The candidates, written from their published descriptions:
   away; the deepest block of the document expected last goes first, each request's last
   stored block before everything, shared roots after.
 
-``python -m bench.policy_features`` shows what such features know about whether a new
-suffix comes back. ``python -m bench.policy_oracles`` gives ceilings for whole families of
+``python -m research.policy_features`` shows what such features know about whether a new
+suffix comes back. ``python -m research.policy_oracles`` gives ceilings for whole families of
 such rules (rules that know the future counts or the dead blocks exactly).
 """
 
@@ -91,7 +91,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from bench._common import write_json
 from kvcache_offload.lab.belady import belady_hits
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import (
@@ -99,6 +98,7 @@ from kvcache_offload.lab.trace import (
     load_trace,
     trace_from_requests,
 )
+from research._output import write_json
 
 
 class Policy(Protocol):
@@ -1246,7 +1246,7 @@ CANDIDATES: dict[str, Callable[[int], Policy]] = {
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_candidates")
+    parser = argparse.ArgumentParser(prog="python -m research.policy_candidates")
     parser.add_argument("--capacities", default="1%,2%,5%,10%,20%,3%,7%,15%")
     parser.add_argument("--candidates", default=",".join(CANDIDATES))
     parser.add_argument("--slices", type=int, default=1, help="also replay each 1/N of a trace")

@@ -1,6 +1,6 @@
-"""How well online features predict whether a stored suffix comes back (issue 16, sixth round).
+"""How well online features predict whether a stored suffix comes back .
 
-    python -m bench.policy_features
+    python -m research.policy_features
 
 For every request of each shipped trace, the blocks no earlier request used (the request's
 new suffix, what any cache would have to store) either come back in a later request or not.
@@ -10,12 +10,12 @@ the share of new *blocks* that came back. A dead-block admission predictor can o
 what these shares separate. Features, all known when the suffix is stored:
 
 * ``turn``: earlier requests of the request's document (its first block with fewer than two
-  distinct children so far, as ``bench.policy_candidates``' document candidates use);
+  distinct children so far, as ``research.policy_candidates``' document candidates use);
 * ``gap``: requests since the document's previous request (``-`` for a first request), /250;
 * ``new``: length of the new suffix in blocks, /4; ``len``: the request's length, /8;
 * ``seen``: the request's blocks seen before the new suffix (its known prefix), /4;
 * ``from_end``: a new block's distance from the request's last block (0 = the last block);
-* ``out``: the request's output length in tokens, /128 (sixteenth session; known when the
+* ``out``: the request's output length in tokens, /128 (known when the
   request ends, shortly after its prompt's blocks were stored: a hint a scheduler could
   give, not something the cache sees today);
 * ``secs``: seconds since the document's previous request (``-`` for a first request),
@@ -31,9 +31,9 @@ import argparse
 from collections import defaultdict
 from typing import Any
 
-from bench._common import write_json
-from bench.policy_candidates import _doc_of
 from kvcache_offload.lab.trace import default_trace_paths, load_trace
+from research._output import write_json
+from research.policy_candidates import _doc_of
 
 
 def _odds(
@@ -89,7 +89,7 @@ def _odds(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.policy_features", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.policy_features", description=__doc__)
     parser.parse_args(argv)
     result: dict[str, Any] = {}
     for path in default_trace_paths():

@@ -1,6 +1,6 @@
 """Hit rates of vLLM 0.33's own CPU tier against this library's under the same manager calls.
 
-    .venv-vllm/0.33.0/bin/python -m bench.vllm_policies [--trace PATH]
+    .venv-vllm/0.33.0/bin/python -m research.vllm_policies [--trace PATH]
         [--vllm-policies lru,arc] [--ours lru,adaptive] [--capacities 1%,2%,5%,10%,20%]
 
 Needs vLLM 0.33 installed (``./scripts/vllm-tests.sh 0.33.0`` builds such a venv). Each request
@@ -28,16 +28,16 @@ try:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmManager
 except ImportError as exc:  # vLLM absent, or a release without this manager API
     raise SystemExit(
-        f"bench.vllm_policies needs vLLM 0.33 ({exc}); ./scripts/vllm-tests.sh 0.33.0 builds "
-        ".venv-vllm/0.33.0, then run .venv-vllm/0.33.0/bin/python -m bench.vllm_policies"
+        f"research.vllm_policies needs vLLM 0.33 ({exc}); ./scripts/vllm-tests.sh 0.33.0 builds "
+        ".venv-vllm/0.33.0, then run .venv-vllm/0.33.0/bin/python -m research.vllm_policies"
     ) from None
 
-from bench._common import write_json
-from bench.vllm_touches import replay_as_vllm_033
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import BLOCK_TOKENS, Trace, default_trace_paths, load_trace
+from research._output import write_json
+from research.vllm_touches import replay_as_vllm_033
 
 
 def _context(index: int, keys: list[OffloadKey]) -> ReqContext:
@@ -72,12 +72,12 @@ def replay_vllm(manager: Any, trace: Trace) -> int:
 
 def replay_ours(manager: CPUOffloadingManager, trace: Trace) -> int:
     """Hit blocks of our manager under the same calls, through the 0.33 adapter's logic
-    (``bench.vllm_touches``' replay: the adapter does not read key positions)."""
+    (``research.vllm_touches``' replay: the adapter does not read key positions)."""
     return replay_as_vllm_033(manager, trace, "replayed")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.vllm_policies", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.vllm_policies", description=__doc__)
     parser.add_argument("--trace", type=Path, action="append", default=None)
     parser.add_argument("--vllm-policies", default="lru,arc")
     parser.add_argument("--ours", default="lru,adaptive")

@@ -1,11 +1,11 @@
 """How well must a policy know when blocks return? MIN driven by noisy return times.
 
-    python -m bench.noisy_oracle [--traces PATH,...] [--capacities 1%,2%,5%,10%]
+    python -m research.noisy_oracle [--traces PATH,...] [--capacities 1%,2%,5%,10%]
                                  [--sigmas 0,0.25,0.5,1,2,4] [--seed 0]
 
-Issue 16 asks a policy to close a quarter of the LRU -> Belady gap. Nineteen rounds of the
-policy lab did not reach it on the synthetic trace without hints, and knowing how often each
-block is used was not enough either (a hindsight-optimal static cache stayed under the bar).
+The policy lab's bar is a policy that closes a quarter of the LRU -> Belady gap. No policy
+reaches it on the synthetic trace without hints, and knowing how often each block is used is
+not enough either (a hindsight-optimal static cache stayed under the bar).
 This measures what would be: the offline-optimal schedule (MIN with bypass,
 ``kvcache_offload.lab.belady``) driven not by the true next use of each access but by a
 prediction of it whose distance is off by a log-normal factor, ``exp(sigma * z)`` with ``z``
@@ -28,12 +28,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import write_json
 from kvcache_offload.control.manager import CPUOffloadingManager
 from kvcache_offload.lab.belady import belady_hits, next_use_positions
 from kvcache_offload.lab.driver import replay_trace
 from kvcache_offload.lab.sweep import parse_capacities
 from kvcache_offload.lab.trace import Trace, default_trace_paths, load_trace
+from research._output import write_json
 
 console = Console()
 
@@ -86,7 +86,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.noisy_oracle", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m research.noisy_oracle", description=__doc__)
     parser.add_argument("--traces", default="", help="comma-separated; default: the shipped")
     parser.add_argument("--capacities", default="1%,2%,5%,10%")
     parser.add_argument("--sigmas", default="0,0.25,0.5,1,2,4")
