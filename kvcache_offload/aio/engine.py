@@ -36,6 +36,7 @@ from kvcache_offload.aio.engine_lookups import Lookups
 from kvcache_offload.aio.engine_stats import collect_stats
 from kvcache_offload.aio.event_hub import EventHub
 from kvcache_offload.aio.gc_freeze import HeapFreeze
+from kvcache_offload.aio.layerwise import LayerwiseLoad, LayerwiseLoads
 from kvcache_offload.aio.leases import LeaseTable
 from kvcache_offload.aio.observers import AccessObservers
 from kvcache_offload.aio.poller import TransferPoller
@@ -50,13 +51,14 @@ from kvcache_offload.contracts.capabilities import (
     ShutsDown,
 )
 from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
-from kvcache_offload.contracts.manager import OffloadingManager
+from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.contracts.spec import OffloadingSpec
 from kvcache_offload.control.spec_factory import OffloadingSpecFactory
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker
 
 if TYPE_CHECKING:
+    from kvcache_offload.aio.engine_jobs import GpuBlocks
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
     from kvcache_offload.kv_events.publisher import KVEventPublisher
 
@@ -155,6 +157,27 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
         self._bytes = {STORE_DIRECTION: 0, LOAD_DIRECTION: 0}
         self._seconds = {STORE_DIRECTION: 0.0, LOAD_DIRECTION: 0.0}
         self._durations = {STORE_DIRECTION: Histogram(), LOAD_DIRECTION: Histogram()}
+        self._layerwise = LayerwiseLoads(self)
+
+    async def load_layerwise(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: GpuBlocks,
+        req_context: ReqContext | None = None,
+        *,
+        refs_per_layer: int = 1,
+    ) -> LayerwiseLoad:
+        """``load``, issued layer by layer: returns once the copy is issued, with a handle
+        whose ``wait_layer(i, stream)`` orders a stream after layer i's copy and whose
+        ``done()`` gives the :class:`LoadResult` (``aio/layerwise.py``). A layer is
+        ``refs_per_layer`` consecutive refs of the one KV-cache group (2 for separate K and
+        V tensors)."""
+        return await self._layerwise.load(keys, gpu_blocks, req_context, refs_per_layer)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            await self._layerwise.drain(self.close_timeout_s)
+        await super().aclose()
 
     def _build_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         worker = OffloadingWorker()
