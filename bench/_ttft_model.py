@@ -97,5 +97,4 @@ def copy_floor(nbytes: int, device: torch.device, reps: int) -> float:
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     seconds, _, _ = median_time(lambda: dst.copy_(src, non_blocking=pin), reps, device, None)
-    del src, dst
     return seconds

@@ -88,7 +88,9 @@ class ContextRun:
                 return False
         return True
 
-    async def _timed(self, step: Any, reps: int, before: Any = None) -> tuple[float, list[float], Any]:
+    async def _timed(
+        self, step: Any, reps: int, before: Any = None
+    ) -> tuple[float, list[float], Any]:
         times, result = [], None
         for i in range(reps + 1):
             if before is not None:
@@ -114,11 +116,16 @@ class ContextRun:
     ) -> list[dict[str, Any]]:
         want = self.args.paths
         rows = []
-        selected = (lambda name: want == "all" or name in want.split(","))
+
+        def selected(name: str) -> bool:
+            return want == "all" or name in want.split(",")
+
         rec = await self.recompute() if selected("recompute") else None
         hit = await self.gpu_hit()
         if rec is not None:
-            rec["agree"] = sum(a == b for a, b in zip(rec.pop("_tokens"), self.hit_tokens))
+            rec["agree"] = sum(
+                a == b for a, b in zip(rec.pop("_tokens"), self.hit_tokens, strict=True)
+            )
             rows.append(rec)
         rows.append(hit)
         if selected("restore"):

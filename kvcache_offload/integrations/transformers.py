@@ -76,7 +76,9 @@ class PagedKV:
     ) -> PagedKV:
         """Pages shaped for a transformers model ``config`` (Llama-like attention), in
         ``dtype`` (default: the model's parameters' dtype if the config names none)."""
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = (
+            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        )
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(
             num_layers=text.num_hidden_layers,

@@ -36,8 +36,10 @@ async def test_layerwise_load_moves_every_byte_and_unpins(kv_first: bool) -> Non
     keys = [make_offload_key(bytes([i + 1]) * 8, 0) for i in range(24)]
     src = list(range(0, 48, 2))
     dst = list(range(40, 64))
+
     def blocks(t: torch.Tensor, ids: list[int]) -> torch.Tensor:
         return t[:, ids] if kv_first else t[ids]
+
     async with OffloadEngine(config, kv_caches=kv) as engine:
         await engine.store(keys, src)
         torch.cuda.synchronize()

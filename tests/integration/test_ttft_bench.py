@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import ttft  # noqa: E402
+from bench import ttft
 
 
 def test_tiny_ttft_restores_every_byte_and_the_same_tokens(capsys) -> None:
@@ -24,7 +24,12 @@ def test_tiny_ttft_restores_every_byte_and_the_same_tokens(capsys) -> None:
     result = asyncio.run(ttft._run(args))
     rows = {(r["context"], r["path"]): r for r in result["rows"]}
     for context in (48, 80):
-        for path in ("restore (auto)", "layerwise", "disk", *(("redis",) if "redis" in paths else ())):
+        for path in (
+            "restore (auto)",
+            "layerwise",
+            "disk",
+            *(("redis",) if "redis" in paths else ()),
+        ):
             row = rows[(context, path)]
             assert row["kv_equal"] is True, (context, path)
             assert row["tokens_equal"] is True, (context, path)
