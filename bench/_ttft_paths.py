@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bench._handler_variants import handler_variant
 from bench._ttft_model import forward, greedy, new_cache, sync
 from kvcache_offload import make_offload_key
 from kvcache_offload.aio import OffloadEngine
@@ -195,7 +196,7 @@ class ContextRun:
         redis: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         extra: dict[str, Any] = {}
-        if mechanism != "auto":
+        if not mechanism.startswith("auto"):
             extra["transfer_mechanism"] = mechanism
         server = None
         if tier == "disk":
@@ -206,7 +207,8 @@ class ContextRun:
             server, port = _start_redis(redis, 2 * self.kv_bytes + GiB)
             extra["remote_url"] = f"redis://127.0.0.1:{port}/0"
         try:
-            engine = OffloadEngine(self.config(**extra), kv_caches=self.paged.kv_caches())
+            with handler_variant(mechanism):
+                engine = OffloadEngine(self.config(**extra), kv_caches=self.paged.kv_caches())
             async with engine:
                 return await self._restore_with(engine, mechanism, layerwise, tier)
         finally:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bench._common import write_json
+from bench._handler_variants import handler_variant
 from bench._ttft_model import copy_floor
 from kvcache_offload import make_offload_key
 from kvcache_offload.aio import OffloadEngine
@@ -43,7 +44,7 @@ async def _one(layout: str, mechanism: str, sizes: list[int], reps: int) -> list
     top = max(sizes)
     tensors, kv = _pages(layout, top + 8)
     block = layouts.block_nbytes(kv)
-    extra = {} if mechanism == "auto" else {"transfer_mechanism": mechanism}
+    extra = {} if mechanism.startswith("auto") else {"transfer_mechanism": mechanism}
     config = OffloadConfig(
         cpu_bytes_to_use=(top + 16) * block,
         layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=block, num_gpu_blocks=top + 8),
@@ -51,7 +52,9 @@ async def _one(layout: str, mechanism: str, sizes: list[int], reps: int) -> list
     )
     keys = [make_offload_key(i.to_bytes(8, "big") + b"restore!", 0) for i in range(top)]
     rows = []
-    async with OffloadEngine(config, kv_caches=kv) as engine:
+    with handler_variant(mechanism):
+        engine = OffloadEngine(config, kv_caches=kv)
+    async with engine:
         await engine.store(keys, list(range(top)))
         for n in sizes:
             times = []
