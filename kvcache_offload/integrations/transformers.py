@@ -157,12 +157,12 @@ class PagedKV:
         pages for consecutive blocks (no copy), a gather otherwise."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        cache: Any = DynamicCache(config=config) if config is not None else DynamicCache()
         views, _ = self.layer_views(block_ids, num_tokens)
         for layer, (k, v) in enumerate(views):
             while len(cache.layers) <= layer:
                 cache.layers.append(cache.layer_class_to_replicate())
-            entry = cache.layers[layer]
+            entry: Any = cache.layers[layer]
             entry.lazy_initialization(k, v)
             entry.keys, entry.values = k, v
         return cache
