@@ -1,7 +1,9 @@
 """``auto`` with one CUDA handler default changed, to compare rule candidates in one run.
 
-``auto+inline``: staged loads issued on the caller's thread at every size (no submit
-thread); ``auto+kernel``: lone loads take the Triton kernel at every size.
+``auto+old``: lone loads of 256 MiB and more go to the staged path's submit thread (the rule
+before ``DEFAULT_STAGED_LONE_MAX_LOAD_BYTES``); ``auto+inline``: staged loads issued on the
+caller's thread at every size (no submit thread); ``auto+kernel``: lone loads take the
+Triton kernel at every size.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Iterator
 
 VARIANTS = {
     # ``auto`` with one handler default changed: candidates for the rule, same run.
-    "auto+inline": {"staged_min_job_bytes": 1 << 62},  # staged loads issued on the caller
+    "auto+old": {"staged_lone_max_load_bytes": 0},
+    "auto+inline": {"staged_lone_max_load_bytes": 0, "staged_min_job_bytes": 1 << 62},
     "auto+kernel": {"staged_min_job_bytes": 1 << 62, "staged_lone_min_load_bytes": 1 << 62},
 }
 

@@ -64,3 +64,26 @@ async def test_layerwise_load_moves_every_byte_and_unpins(kv_first: bool) -> Non
         assert result.transfer_bytes == len(keys) * page
         stats = engine.stats()
         assert (stats.blocks_reading, stats.load_blocks_completed) == (0, len(keys))
+
+
+async def test_a_lone_restore_sized_load_takes_the_kernel_not_the_submit_thread() -> None:
+    """A 256 MiB load on an idle direction went to the staged path's submit thread, at
+    2.0-2.8x the copy floor (docs/transfers.md, the auto rule)."""
+    blocks = 136
+    tensors = [torch.zeros((blocks, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+               for _ in range(32)]  # fmt: skip
+    kv = layouts.blocks_first_per_layer(tensors)
+    page = layouts.block_nbytes(kv)
+    config = OffloadConfig(
+        cpu_bytes_to_use=blocks * page,
+        layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=page, num_gpu_blocks=blocks),
+    )
+    keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(128)]
+    async with OffloadEngine(config, kv_caches=kv) as engine:
+        await engine.store(keys, list(range(128)))
+        handler = engine.worker.transfer_type_to_handler[("CPU", "GPU")]  # type: ignore[union-attr]
+        before = dict(handler.jobs_by_mechanism)
+        await engine.load(keys, list(range(128)))
+        after = handler.jobs_by_mechanism
+        assert after["kernel"] == before["kernel"] + 1
+        assert after["staged"] == before["staged"]

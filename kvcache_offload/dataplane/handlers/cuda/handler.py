@@ -139,6 +139,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         staged_auto_min_job_bytes: int | None = None,
+        staged_lone_max_job_bytes: int = 0,
         completion_wait: CompletionWait = "blocking",
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
@@ -174,6 +175,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.staged_auto_min_job_bytes = auto_min
         """``auto`` stages a small-fragment job from this size on, even on an idle direction
         (None: from ``staged_min_job_bytes``)."""
+        if staged_lone_max_job_bytes < 0:
+            raise ConfigError(
+                "staged_lone_max_job_bytes must be >= 0 (0: never), "
+                f"got {staged_lone_max_job_bytes}"
+            )
+        self.staged_lone_max_job_bytes = int(staged_lone_max_job_bytes)
+        """``auto`` sends a job from this size on that is not queued behind copies (``busy``
+        false) through the kernel rather than the staged path (0: never; see
+        ``DEFAULT_STAGED_LONE_MAX_LOAD_BYTES``)."""
         self.staged_when_busy = bool(staged_when_busy)
         self._other_direction: SingleDirectionOffloadingHandler | None = None
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is
@@ -479,6 +489,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
             staged is not None
             and staged.config.auto_min_piece_bytes is not None
             and (plan.num_bytes >= self.staged_auto_min_job_bytes or not self.kernel_ok or busy)
+            and not self._lone_kernel_job(plan.num_bytes, busy)
         ):
             # A lone serving-size job takes the kernel: it starts at once and costs less host
             # time. The kernel tops out at 45-49 GB/s for loads, stores or both at once, the
@@ -493,6 +504,11 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         if self.dma_ok and self.hybrid_dma_share > 0:
             return "hybrid"
         return "kernel"
+
+    def _lone_kernel_job(self, nbytes: int, busy: bool) -> bool:
+        """Whether a job this large that is not queued behind copies takes the kernel."""
+        limit = self.staged_lone_max_job_bytes
+        return limit > 0 and not busy and self.kernel_ok and nbytes >= limit
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         if self._fallback is not None:
