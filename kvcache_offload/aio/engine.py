@@ -33,6 +33,7 @@ from kvcache_offload.aio.engine_leases import LeaseOperations
 from kvcache_offload.aio.engine_lifecycle import Lifecycle
 from kvcache_offload.aio.engine_lookups import Lookups
 from kvcache_offload.aio.engine_stats import collect_stats
+from kvcache_offload.aio.layerwise import LayerwiseLoad, LayerwiseLoads
 from kvcache_offload.aio.types import EngineStats
 from kvcache_offload.config import OffloadConfig
 from kvcache_offload.events.hub import EventHub
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
     from kvcache_offload.aio.poller import TransferPoller
     from kvcache_offload.aio.tiering import EngineTiers
     from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
-    from kvcache_offload.contracts.manager import OffloadingManager
+    from kvcache_offload.aio.engine_jobs import GpuBlocks
+    from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
+    from kvcache_offload.contracts.offload_key import OffloadKey
     from kvcache_offload.contracts.spec import OffloadingSpec
     from kvcache_offload.dataplane.handlers.router import OffloadingWorker
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
@@ -109,6 +112,7 @@ class OffloadEngine:
         self._jobs = TransferJobs(core)
         self._lease_ops = LeaseOperations(core)
         self._lifecycle = Lifecycle(core, self._blocks)
+        self._layerwise = LayerwiseLoads(core)
         # The hot path: the parts' bound methods themselves (the class's forwarders below
         # keep the signatures and docs; an instance attribute wins over them).
         self.__dict__.update(
@@ -137,7 +141,28 @@ class OffloadEngine:
     region_info = _part_method("_blocks", BlockBytes.region_info)
     start = _part_method("_lifecycle", Lifecycle.start)
     reset = _part_method("_lifecycle", Lifecycle.reset)
-    aclose = _part_method("_lifecycle", Lifecycle.aclose)
+
+    async def load_layerwise(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_blocks: GpuBlocks,
+        req_context: ReqContext | None = None,
+        *,
+        refs_per_layer: int = 1,
+    ) -> LayerwiseLoad:
+        """``load``, issued layer by layer: returns once the copy is issued, with a handle
+        whose ``wait_layer(i, stream)`` orders a stream after layer i's copy and whose
+        ``done()`` gives the :class:`LoadResult` (``aio/layerwise.py``). A layer is
+        ``refs_per_layer`` consecutive refs of the one KV-cache group (2 for separate K and
+        V tensors)."""
+        return await self._layerwise.load(keys, gpu_blocks, req_context, refs_per_layer)
+
+    async def aclose(self) -> None:
+        """Finish or fail in-flight jobs (layer-wise loads first), roll back leases, stop
+        tasks, release everything. Idempotent and shielded from cancellation."""
+        if not self._core._closed:
+            await self._layerwise.drain(self._core.close_timeout_s)
+        await self._lifecycle.aclose()
 
     async def __aenter__(self) -> Self:
         await self.start()

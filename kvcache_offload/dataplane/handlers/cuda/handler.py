@@ -100,6 +100,7 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         staged_auto_min_job_bytes: int | None = None,
+        staged_lone_max_job_bytes: int = 0,
         completion_wait: CompletionWait = "blocking",
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         batch_min_bytes: int = DEFAULT_BATCH_MIN_BYTES,
@@ -127,6 +128,15 @@ class SingleDirectionOffloadingHandler(BatchingSwitch, OffloadingHandler):
         self.staged_auto_min_job_bytes = auto_min
         """``auto`` stages a small-fragment job from this size on, even on an idle direction
         (None: from ``staged_min_job_bytes``)."""
+        if staged_lone_max_job_bytes < 0:
+            raise ConfigError(
+                "staged_lone_max_job_bytes must be >= 0 (0: never), "
+                f"got {staged_lone_max_job_bytes}"
+            )
+        self.staged_lone_max_job_bytes = int(staged_lone_max_job_bytes)
+        """``auto`` sends a job from this size on that is not queued behind copies (``busy``
+        false) through the kernel rather than the staged path (0: never; see
+        ``DEFAULT_STAGED_LONE_MAX_LOAD_BYTES``)."""
         self.staged_when_busy = bool(staged_when_busy)
         self._other_direction: SingleDirectionOffloadingHandler | None = None
         """Set by :meth:`pair_with` (``staged_when_busy="mixed"``): the staged path is

@@ -17,6 +17,7 @@ from kvcache_offload.dataplane.handlers.cuda.handler import (
     SingleDirectionOffloadingHandler,
 )
 from kvcache_offload.dataplane.handlers.cuda.paths import (
+    DEFAULT_STAGED_LONE_MAX_LOAD_BYTES,
     DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
     DEFAULT_STAGED_MIN_JOB_BYTES,
     DEFAULT_STAGED_MIXED_MIN_JOB_BYTES,
@@ -55,6 +56,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
         staging: StagingConfig = DEFAULT_STAGING_CONFIG,
         staged_min_job_bytes: int = DEFAULT_STAGED_MIN_JOB_BYTES,
         staged_lone_min_load_bytes: int = DEFAULT_STAGED_LONE_MIN_LOAD_BYTES,
+        staged_lone_max_load_bytes: int = DEFAULT_STAGED_LONE_MAX_LOAD_BYTES,
         completion_wait: CompletionWait = "blocking",
         pin_memory: bool = True,
         staged_when_busy: StagedWhenBusy = "mixed",
@@ -105,6 +107,7 @@ class CpuGpuOffloadingHandlers(HandlerPair[SingleDirectionOffloadingHandler]):
             staged_when_busy=busy_loads,
             staged_one_way_min_job_bytes=staged_one_way_min_load_bytes,
             staged_auto_min_job_bytes=staged_lone_min_load_bytes,
+            staged_lone_max_job_bytes=staged_lone_max_load_bytes,
             **kwargs,
         )
         if staged_when_busy == "mixed":

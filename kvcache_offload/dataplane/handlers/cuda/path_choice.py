@@ -19,6 +19,7 @@ __all__ = [
     "busy",
     "choose",
     "describe",
+    "lone_kernel_job",
     "lone_kernel_limit",
     "mixed_job",
     "mixed_size",
@@ -35,6 +36,7 @@ def choose(h: SingleDirectionOffloadingHandler, plan: TransferPlan, busy: bool =
         staged is not None
         and staged.config.auto_min_piece_bytes is not None
         and (plan.num_bytes >= h.staged_auto_min_job_bytes or not h.kernel_ok or busy)
+        and not lone_kernel_job(h, plan.num_bytes, busy)
     ):
         # A lone serving-size job takes the kernel: it starts at once and costs less host
         # time. The kernel tops out at 45-49 GB/s for loads, stores or both at once, the
@@ -47,6 +49,13 @@ def choose(h: SingleDirectionOffloadingHandler, plan: TransferPlan, busy: bool =
     if h.dma_ok and not h.kernel_ok:
         return "dma"
     return "kernel"
+
+
+def lone_kernel_job(h: SingleDirectionOffloadingHandler, nbytes: int, busy: bool) -> bool:
+    """Whether a job this large that is not queued behind copies takes the kernel
+    (``staged_lone_max_job_bytes``)."""
+    limit = h.staged_lone_max_job_bytes
+    return limit > 0 and not busy and h.kernel_ok and nbytes >= limit
 
 
 def lone_kernel_limit(h: SingleDirectionOffloadingHandler) -> int:
@@ -120,6 +129,7 @@ def describe(h: SingleDirectionOffloadingHandler) -> dict[str, Any]:
         "dma_available": h.dma_ok,
         "staged_min_job_bytes": h.staged_min_job_bytes,
         "staged_auto_min_job_bytes": h.staged_auto_min_job_bytes,
+        "staged_lone_max_job_bytes": h.staged_lone_max_job_bytes,
         "staged_mixed_min_job_bytes": h.mixed_min_job_bytes,
         "completion_wait": "blocking" if h._blocking_events else "spin",
         "sleeps_through_end_wait": h._end_wait is not None,

@@ -25,6 +25,7 @@ from kvcache_offload.dataplane.handlers.threaded import ThreadedOffloadingHandle
 from kvcache_offload.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_STAGED_LONE_MAX_LOAD_BYTES",
     "DEFAULT_STAGED_LONE_MIN_LOAD_BYTES",
     "DEFAULT_STAGED_MIN_JOB_BYTES",
     "DEFAULT_STAGED_MIXED_MIN_JOB_BYTES",
@@ -58,6 +59,15 @@ thread) from this size on, also when it finds its direction idle. On an H200 (be
 four runs, two per-layer layouts) 64-block loads (80-128 MiB) took 2-13 % less time staged
 than through the kernel in 7 of 8 pairs (the eighth +3 %); 64-block stores were within -7 to
 +4 %, so a lone store keeps the kernel below ``DEFAULT_STAGED_MIN_JOB_BYTES``."""
+DEFAULT_STAGED_LONE_MAX_LOAD_BYTES = 256 * 1024 * 1024
+"""A load that finds its direction idle takes the kernel from this size on, instead of the
+staged path's submit thread (0: never). A restore of a returning conversation is such a load
+(128-2,048 blocks of Llama-3.1-8B, 256 MiB-4 GiB): on an H100 (issue 50's probe, main @
+08e9356, public API, default configuration) ``auto`` sent them to the submit thread and took
+2.0-2.8x the copy floor at 256 MiB-2 GiB, the kernel 1.11-1.17x, and at 4 GiB 1.04x against
+the kernel's 1.10x. The submit thread takes the GIL between chunks while the caller's loop
+looks for the job's end, so a job shorter than the caller's look (``poll_spin_s``, 20 ms)
+waits on the GIL at every chunk."""
 DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES = 5 * 1024 * 1024
 """Under ``staged_when_busy="mixed"``, a load queued behind loads also takes the staged path
 while no store is copying, once the jobs of its copy average this many bytes (0: never).
