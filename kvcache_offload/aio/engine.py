@@ -39,11 +39,11 @@ from kvcache_offload.config import OffloadConfig
 from kvcache_offload.events.hub import EventHub
 
 if TYPE_CHECKING:
+    from kvcache_offload.aio.engine_jobs import GpuBlocks
     from kvcache_offload.aio.gc_freeze import HeapFreeze
     from kvcache_offload.aio.poller import TransferPoller
     from kvcache_offload.aio.tiering import EngineTiers
     from kvcache_offload.contracts.kv_caches import CanonicalKVCaches
-    from kvcache_offload.aio.engine_jobs import GpuBlocks
     from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
     from kvcache_offload.contracts.offload_key import OffloadKey
     from kvcache_offload.contracts.spec import OffloadingSpec
