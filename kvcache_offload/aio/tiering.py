@@ -18,6 +18,17 @@ The engine calls five hooks and nothing else; each is a no-op cost when no tier 
 * :meth:`on_reset`: forgets the slot map.
 
 Blocks promoted from a tier are not written back down (the tiers already hold them).
+
+Slot fence: a queued write reads its key's bytes from the CPU slot long after the store
+completed, and meanwhile the slot may have left the key (discard, eviction, a failed store,
+an expired lease, a reset) and been handed to another key. Every slot gets new bytes only
+after the manager hands it to a store, and every such hand-out passes :meth:`on_prepared`, so
+that is the one place that fences them: handing a slot out bumps its generation and drops the
+queued write of the key it held before. A queued write notes the slot and generation its
+store completed with and copies the bytes only while both still match, checked before and
+again after the copy (which runs in a worker thread while the next store may already write
+the slot). A freed slot that nobody took yet still holds its old key's bytes, so that write
+stands.
 """
 
 from __future__ import annotations
@@ -49,6 +60,9 @@ _PROMOTE_ATTEMPTS = 4
 _CLOSE_DRAIN_S = 5.0
 """A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
+_Held = tuple[int, int]
+"""A CPU slot and its generation when a store was prepared in it (the slot fence)."""
+_NOWHERE: _Held = (-1, -1)
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
 
 
@@ -85,10 +99,15 @@ class EngineTiers:
         self._get_memory = block_memory
         self._write_blocks = write_blocks
         self._memory: BlockMemory | None = None
-        self._slots: dict[OffloadKey, int] = {}
-        """CPU slot of each stored key whose bytes have not been handed to the tiers yet."""
-        self._preparing: dict[OffloadKey, int] = {}
-        """CPU slot of each key whose store is prepared but not completed yet."""
+        self._slots: dict[OffloadKey, _Held] = {}
+        """CPU slot (and its generation) of each stored key whose bytes have not been handed
+        to the tiers yet."""
+        self._preparing: dict[OffloadKey, _Held] = {}
+        """CPU slot (and its generation) of each key whose store is prepared, not completed."""
+        self._generation: dict[int, int] = {}
+        """How many times each slot was handed to a store (the slot fence's counter)."""
+        self._owner: dict[int, OffloadKey] = {}
+        """The key each slot in ``_slots`` holds bytes of."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
         self._parked: dict[OffloadKey, bytes] = {}
         """Bytes of evicted keys queued for the tiers and not written yet: lookups and
@@ -125,7 +144,17 @@ class EngineTiers:
         if evicted_keys:
             self._save_victims(evicted_keys)
         if keys_to_store:
-            self._preparing.update(zip(keys_to_store, _ids(store_spec), strict=True))
+            generation, owner, slots, preparing = (
+                self._generation, self._owner, self._slots, self._preparing
+            )
+            for key, slot in zip(keys_to_store, _ids(store_spec), strict=True):
+                # The slot fence: the slot's old key (if its write is still queued) loses it.
+                gen = generation.get(slot, 0) + 1
+                generation[slot] = gen
+                old = owner.pop(slot, None)
+                if old is not None and slots.get(old, _NOWHERE)[0] == slot:
+                    del slots[old]
+                preparing[key] = (slot, gen)
 
     def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -133,16 +162,34 @@ class EngineTiers:
 
     def on_stored(self, keys: Sequence[OffloadKey]) -> None:
         fresh: list[OffloadKey] = []
+        generation, owner, slots = self._generation, self._owner, self._slots
         for key in keys:
-            slot = self._preparing.pop(key, None)
-            if slot is not None and key not in self._from_tier:
-                self._slots[key] = slot
-                fresh.append(key)
+            held = self._preparing.pop(key, None)
+            if held is None or key in self._from_tier or generation.get(held[0]) != held[1]:
+                continue
+            old = slots.get(key)
+            if old is not None and owner.get(old[0]) == key:
+                del owner[old[0]]
+            slots[key] = held
+            owner[held[0]] = key
+            fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
         if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
             for key in fresh:  # dropped (counted by the tier set)
-                self._slots.pop(key, None)
+                self._forget_slot(key)
+
+    def _forget_slot(self, key: OffloadKey) -> _Held | None:
+        held = self._slots.pop(key, None)
+        if held is not None and self._owner.get(held[0]) == key:
+            del self._owner[held[0]]
+        return held
+
+    def _current(self, key: OffloadKey, held: _Held | None) -> bool:
+        """The slot fence's test: ``key``'s slot still holds the bytes it was stored with."""
+        return held is not None and self._slots.get(key) == held and (
+            self._generation.get(held[0]) == held[1]
+        )
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
@@ -153,14 +200,16 @@ class EngineTiers:
         """
         memory = self._memory or await self._get_memory()
         slots = self._slots
-        todo = [(k, slots[k]) for k in dict.fromkeys(keys) if k in slots]
+        current = self._current
+        todo = [(k, slots.get(k)) for k in dict.fromkeys(keys)]
+        todo = [(k, held) for k, held in todo if held is not None and current(k, held)]
         if not todo:
             return []
-        data = await anyio.to_thread.run_sync(lambda: [memory.read(b) for _, b in todo])
+        data = await anyio.to_thread.run_sync(lambda: [memory.read(h[0]) for _, h in todo])
         out = []
-        for (key, slot), blob in zip(todo, data, strict=True):
-            if slots.get(key) == slot:
-                del slots[key]  # handed to the tiers
+        for (key, held), blob in zip(todo, data, strict=True):
+            if current(key, held):  # again: the slot may have changed hands during the copy
+                self._forget_slot(key)  # handed to the tiers
                 out.append((key, blob))
         return out
 
@@ -170,10 +219,11 @@ class EngineTiers:
         memory = self._memory
         items: list[tuple[OffloadKey, bytes]] = []
         for key in keys:
-            slot = self._slots.pop(key, None)
-            if slot is not None and memory is not None:
+            held = self._slots.get(key)
+            if held is not None and memory is not None and self._current(key, held):
                 # On the loop on purpose: the evicting store reuses the slot right after.
-                items.append((key, memory.read(slot)))
+                items.append((key, memory.read(held[0])))
+            self._forget_slot(key)
         if items:
             parked = self._parked
             parked.update(items)
@@ -191,6 +241,7 @@ class EngineTiers:
 
     def on_reset(self) -> None:
         self._slots.clear()
+        self._owner.clear()
         self._preparing.clear()
         self._parked.clear()
 
