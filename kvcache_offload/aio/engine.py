@@ -217,10 +217,14 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             queue_size=cfg.tier_queue_size,
             read_timeout_s=cfg.tier_read_timeout_s,
             on_event=publish,
+            block_nbytes=cfg.layout.bytes_per_block * self._factor,
         )
-        return EngineTiers(
+        tiers = EngineTiers(
             tier_set, self.manager, self._get_block_memory, self.write_blocks, cfg.tier_write
         )
+        if cfg.tier_write_backpressure:
+            tiers.backpressure_s = cfg.tier_write_backpressure_timeout_s
+        return tiers
 
     def _shutdown_spec(self, what: str) -> None:
         if isinstance(self.spec, ShutsDown):

@@ -70,6 +70,8 @@ class BlockBytes(ManagerSteps):
                     f"block data for key {key.hex()} must be {size} bytes, got {len(blob)}"
                 )
         ctx = ReqContext()
+        if self._tiers is not None:
+            await self._tier_room(keys)
         out = self._prepare_store(keys, ctx)
         stored = out.keys_to_store
         if not stored:

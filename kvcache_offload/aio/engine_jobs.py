@@ -98,6 +98,8 @@ class TransferJobs(Lifecycle):
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
         # between, so subscribers see the same events in the same order.
+        if self._tiers is not None:
+            await self._tier_room(keys)
         out = self._prepare_store(keys, ctx, publish=False)
         stored = out.keys_to_store
         try:

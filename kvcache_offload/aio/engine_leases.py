@@ -38,6 +38,8 @@ class LeaseOperations(Lifecycle):
         if ttl_s is not None:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
+        if self._tiers is not None:
+            await self._tier_room(keys)
         out = self._prepare_store(list(keys), ctx)
         lease = self._leases.add(
             "store",

@@ -74,6 +74,13 @@ class ManagerSteps(EngineBase):
             self._publish_manager_events()
         return out
 
+    async def _tier_room(self, keys: Sequence[OffloadKey]) -> None:
+        """With ``tier_write_backpressure``: wait (bounded) until the tiers' write queue has
+        room for this store's write, before the store takes slots."""
+        tiers = self._tiers
+        if tiers is not None and tiers.needs_room(keys):
+            await tiers.wait_for_room()
+
     def _evict_ahead(self, stored: int) -> None:
         """After a lone store's copy was launched: have the manager choose, in the copy's
         shadow, what the next store of ``stored`` blocks would evict (at most

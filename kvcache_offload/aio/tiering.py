@@ -16,6 +16,11 @@ The engine calls five hooks and nothing else; each is a no-op cost when no tier 
 * :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
   that follows is an ordinary CPU->GPU load. Concurrent promotions of one key share the work.
 * :meth:`on_reset`: forgets the slot map.
+* :meth:`needs_room` / :meth:`wait_for_room` (write-through with ``tier_write_backpressure``):
+  a store waits for room in the write queue before it starts, so its write is not dropped.
+  Room a store waited for is not taken back by stores already running, so the queue then
+  holds up to twice ``tier_queue_size`` jobs; only a store whose wait timed out can find it
+  full and have its write dropped (counted).
 
 Blocks promoted from a tier are not written back down (the tiers already hold them).
 
@@ -115,6 +120,12 @@ class EngineTiers:
         its write landing."""
         self._from_tier: set[OffloadKey] = set()
         self.promoted_blocks = 0
+        self.backpressure_s: float | None = None
+        """With ``tier_write_backpressure``: the longest a store waits for room."""
+        self.backpressure_waits = 0
+        """Stores that found the write queue full and waited for room."""
+        self.backpressure_timeouts = 0
+        """Stores whose wait for room timed out (they went on; their write may be dropped)."""
 
     async def open(self) -> None:
         """Idempotent; the engine calls it on start, and every async hook makes sure of it."""
@@ -145,7 +156,10 @@ class EngineTiers:
             self._save_victims(evicted_keys)
         if keys_to_store:
             generation, owner, slots, preparing = (
-                self._generation, self._owner, self._slots, self._preparing
+                self._generation,
+                self._owner,
+                self._slots,
+                self._preparing,
             )
             for key, slot in zip(keys_to_store, _ids(store_spec), strict=True):
                 # The slot fence: the slot's old key (if its write is still queued) loses it.
@@ -175,9 +189,25 @@ class EngineTiers:
             fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
-        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh)):
+        limit = None if self.backpressure_s is None else 2 * self.tier_set.queue_size
+        if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh), limit=limit):
             for key in fresh:  # dropped (counted by the tier set)
                 self._forget_slot(key)
+
+    def needs_room(self, keys: Sequence[OffloadKey]) -> bool:
+        """True when a store of ``keys`` must first :meth:`wait_for_room` (backpressure)."""
+        return (
+            self.backpressure_s is not None
+            and self.tier_set.full
+            and self.write_mode == "through"
+            and not self._from_tier.issuperset(keys)
+        )
+
+    async def wait_for_room(self) -> None:
+        assert self.backpressure_s is not None
+        self.backpressure_waits += 1
+        if not await self.tier_set.wait_for_room(self.backpressure_s):
+            self.backpressure_timeouts += 1
 
     def _forget_slot(self, key: OffloadKey) -> _Held | None:
         held = self._slots.pop(key, None)
@@ -187,8 +217,10 @@ class EngineTiers:
 
     def _current(self, key: OffloadKey, held: _Held | None) -> bool:
         """The slot fence's test: ``key``'s slot still holds the bytes it was stored with."""
-        return held is not None and self._slots.get(key) == held and (
-            self._generation.get(held[0]) == held[1]
+        return (
+            held is not None
+            and self._slots.get(key) == held
+            and (self._generation.get(held[0]) == held[1])
         )
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
