@@ -8,7 +8,6 @@ import asyncio
 from pathlib import Path
 
 import httpx
-import pytest
 
 from bench.tier_integrity import drive, tier_drops
 from tests._redis import redis_server, skip_without_redis
