@@ -26,13 +26,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 import anyio
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import TierError
+from kvcache_offload.tiers._tier_health import TierHealth as _Health
 from kvcache_offload.tiers.base import SecondaryTier, TierStats
 
 __all__ = ["BlockSource", "TierEventSink", "TierSet"]
@@ -49,55 +50,6 @@ _T = TypeVar("_T")
 
 def _contains(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[bool]]:
     return tier.contains(keys)
-
-
-
-_BACKOFF_FIRST_S = 0.1
-_BACKOFF_MAX_S = 5.0
-_SLOW_ON_S = 1.0
-_SLOW_OFF_S = 0.5
-_SLOW_PROBE_S = 1.0
-_EMA_WEIGHT = 0.2
-
-
-@dataclass
-class _Health:
-    """Back-off state of one tier."""
-
-    down_until: float = 0.0
-    backoff_s: float = 0.0
-    write_ema_s: float = 0.0
-    slow: bool = False
-    last_probe: float = 0.0
-    counts: TierStats = field(default_factory=lambda: TierStats("", ""))
-    """The counters the tier set keeps itself (hits, misses, errors, writes_dropped)."""
-
-    def available(self, now: float) -> bool:
-        return now >= self.down_until
-
-    def failed(self, now: float) -> None:
-        self.counts.errors += 1
-        self.backoff_s = min(max(self.backoff_s * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
-        self.down_until = now + self.backoff_s
-
-    def succeeded(self) -> None:
-        self.backoff_s = 0.0
-        self.down_until = 0.0
-
-    def accepts_write(self, now: float) -> bool:
-        if not self.available(now):
-            return False
-        if self.slow and now - self.last_probe < _SLOW_PROBE_S:
-            return False
-        self.last_probe = now
-        return True
-
-    def wrote(self, seconds: float) -> None:
-        self.write_ema_s += _EMA_WEIGHT * (seconds - self.write_ema_s)
-        if self.write_ema_s > _SLOW_ON_S:
-            self.slow = True
-        elif self.write_ema_s < _SLOW_OFF_S:
-            self.slow = False
 
 
 class TierSet:
