@@ -2,7 +2,8 @@
 
 32 HTTP clients (by default) drive ``kvcache-offload serve`` with a CPU tier far smaller than
 the keys in play, over the disk tier, a real ``redis-server``, or both: PUTs, GETs, lookups,
-discards, and the pattern of a session that ends while the next one starts (PUT X, discard X,
+discards, long PUTs that keep the tier writer busy, and the pattern of a session that ends
+while the next one starts (PUT X, discard X,
 PUT Y at once, so Y takes X's freed slot while X's tier write is still queued). Every key's
 block is a function of the key, so every GET is checked: the key's own bytes, or a miss.
 
@@ -130,8 +131,10 @@ async def _client(
                 r = await http.post("/v1/lookup", json={"keys": [k.hex() for k in pick(8)]})
                 counts.lookups += 1
                 note(r.status_code)
-            elif op < 0.90:
+            elif op < 0.85:
                 await discard(pick(rng.randint(1, 4)))
+            elif op < 0.90:  # a long prompt: keeps the tier writer busy, so writes queue up
+                await put(pick(16))
             else:  # a session ends and the next one stores at once, into the freed slots
                 gone, fresh = pick(2), pick(2)
                 await put(gone)
