@@ -219,12 +219,12 @@ class OffloadEngine(TransferJobs, LeaseOperations, Lookups):
             on_event=publish,
             block_nbytes=cfg.layout.bytes_per_block * self._factor,
         )
-        tiers = EngineTiers(
+        engine_tiers = EngineTiers(
             tier_set, self.manager, self._get_block_memory, self.write_blocks, cfg.tier_write
         )
         if cfg.tier_write_backpressure:
-            tiers.backpressure_s = cfg.tier_write_backpressure_timeout_s
-        return tiers
+            engine_tiers.backpressure_s = cfg.tier_write_backpressure_timeout_s
+        return engine_tiers
 
     def _shutdown_spec(self, what: str) -> None:
         if isinstance(self.spec, ShutsDown):

@@ -24,16 +24,9 @@ The engine calls these hooks and nothing else; each is a no-op cost when no tier
 
 Blocks promoted from a tier are not written back down (the tiers already hold them).
 
-Slot fence: a queued write reads its key's bytes from the CPU slot long after the store
-completed, and meanwhile the slot may have left the key (discard, eviction, a failed store,
-an expired lease, a reset) and been handed to another key. Every slot gets new bytes only
-after the manager hands it to a store, and every such hand-out passes :meth:`on_prepared`, so
-that is the one place that fences them: handing a slot out bumps its generation and drops the
-queued write of the key it held before. A queued write notes the slot and generation its
-store completed with and copies the bytes only while both still match, checked before and
-again after the copy (which runs in a worker thread while the next store may already write
-the slot). A freed slot that nobody took yet still holds its old key's bytes, so that write
-stands.
+A queued write reads only a slot that still holds its key's bytes: every slot hand-out passes
+:meth:`on_prepared`, which reports it to the slot fence
+(:class:`~kvcache_offload.aio.tier_slots.PendingSlots`), whatever freed the slot before.
 """
 
 from __future__ import annotations
@@ -45,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
+from kvcache_offload.aio.tier_slots import PendingSlots
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
@@ -65,9 +59,6 @@ _PROMOTE_ATTEMPTS = 4
 _CLOSE_DRAIN_S = 5.0
 """A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
-_Held = tuple[int, int]
-"""A CPU slot and its generation when a store was prepared in it (the slot fence)."""
-_NOWHERE: _Held = (-1, -1)
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
 
 
@@ -104,15 +95,8 @@ class EngineTiers:
         self._get_memory = block_memory
         self._write_blocks = write_blocks
         self._memory: BlockMemory | None = None
-        self._slots: dict[OffloadKey, _Held] = {}
-        """CPU slot (and its generation) of each stored key whose bytes have not been handed
-        to the tiers yet."""
-        self._preparing: dict[OffloadKey, _Held] = {}
-        """CPU slot (and its generation) of each key whose store is prepared, not completed."""
-        self._generation: dict[int, int] = {}
-        """How many times each slot was handed to a store (the slot fence's counter)."""
-        self._owner: dict[int, OffloadKey] = {}
-        """The key each slot in ``_slots`` holds bytes of."""
+        self._pending = PendingSlots()
+        """The CPU slot of each key whose bytes have not been handed to the tiers yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
         self._parked: dict[OffloadKey, bytes] = {}
         """Bytes of evicted keys queued for the tiers and not written yet: lookups and
@@ -155,44 +139,28 @@ class EngineTiers:
         if evicted_keys:
             self._save_victims(evicted_keys)
         if keys_to_store:
-            generation, owner, slots, preparing = (
-                self._generation,
-                self._owner,
-                self._slots,
-                self._preparing,
-            )
+            handed_out = self._pending.handed_out
             for key, slot in zip(keys_to_store, _ids(store_spec), strict=True):
-                # The slot fence: the slot's old key (if its write is still queued) loses it.
-                gen = generation.get(slot, 0) + 1
-                generation[slot] = gen
-                old = owner.pop(slot, None)
-                if old is not None and slots.get(old, _NOWHERE)[0] == slot:
-                    del slots[old]
-                preparing[key] = (slot, gen)
+                handed_out(key, slot)
 
     def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
-            self._preparing.pop(key, None)
+            self._pending.failed(key)
 
     def on_stored(self, keys: Sequence[OffloadKey]) -> None:
         fresh: list[OffloadKey] = []
-        generation, owner, slots = self._generation, self._owner, self._slots
+        pending = self._pending
         for key in keys:
-            held = self._preparing.pop(key, None)
-            if held is None or key in self._from_tier or generation.get(held[0]) != held[1]:
-                continue
-            old = slots.get(key)
-            if old is not None and owner.get(old[0]) == key:
-                del owner[old[0]]
-            slots[key] = held
-            owner[held[0]] = key
-            fresh.append(key)
+            if key in self._from_tier:
+                pending.unprepare(key)
+            elif pending.stored(key):
+                fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
         limit = None if self.backpressure_s is None else 2 * self.tier_set.queue_size
         if not self.tier_set.offer(len(fresh), lambda: self._read_cpu(fresh), limit=limit):
             for key in fresh:  # dropped (counted by the tier set)
-                self._forget_slot(key)
+                pending.forget(key)
 
     def needs_room(self, keys: Sequence[OffloadKey]) -> bool:
         """True when a store of ``keys`` must first :meth:`wait_for_room` (backpressure)."""
@@ -210,53 +178,42 @@ class EngineTiers:
         if not await self.tier_set.wait_for_room(self.backpressure_s):
             self.backpressure_timeouts += 1
 
-    def _forget_slot(self, key: OffloadKey) -> _Held | None:
-        held = self._slots.pop(key, None)
-        if held is not None and self._owner.get(held[0]) == key:
-            del self._owner[held[0]]
-        return held
-
-    def _current(self, key: OffloadKey, held: _Held | None) -> bool:
-        """The slot fence's test: ``key``'s slot still holds the bytes it was stored with."""
-        return (
-            held is not None
-            and self._slots.get(key) == held
-            and (self._generation.get(held[0]) == held[1])
-        )
-
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
 
         The copy runs in a worker thread while the CPU tier goes on; a key evicted meanwhile
-        was already copied out by :meth:`on_evicted` (it is still in the slot map until this
-        read ends), so its possibly overwritten bytes from here are dropped.
+        was already copied out by :meth:`_save_victims` (the slot fence drops it from here
+        on), so its possibly overwritten bytes from here are dropped.
         """
         memory = self._memory or await self._get_memory()
-        slots = self._slots
-        current = self._current
-        todo = [(k, slots.get(k)) for k in dict.fromkeys(keys)]
-        todo = [(k, held) for k, held in todo if held is not None and current(k, held)]
+        pending = self._pending
+        todo = []
+        for k in dict.fromkeys(keys):
+            held = pending.get(k)
+            if held is not None:
+                todo.append((k, held))
         if not todo:
             return []
         data = await anyio.to_thread.run_sync(lambda: [memory.read(h[0]) for _, h in todo])
         out = []
         for (key, held), blob in zip(todo, data, strict=True):
-            if current(key, held):  # again: the slot may have changed hands during the copy
-                self._forget_slot(key)  # handed to the tiers
+            if pending.holds(key, held):  # again: the slot may have changed hands meanwhile
+                pending.forget(key)  # handed to the tiers
                 out.append((key, blob))
         return out
 
     def _save_victims(self, keys: Sequence[OffloadKey]) -> None:
-        if not self._slots:
+        pending = self._pending
+        if not pending:
             return
         memory = self._memory
         items: list[tuple[OffloadKey, bytes]] = []
         for key in keys:
-            held = self._slots.get(key)
-            if held is not None and memory is not None and self._current(key, held):
+            held = pending.get(key)
+            if held is not None and memory is not None:
                 # On the loop on purpose: the evicting store reuses the slot right after.
                 items.append((key, memory.read(held[0])))
-            self._forget_slot(key)
+            pending.forget(key)
         if items:
             parked = self._parked
             parked.update(items)
@@ -273,9 +230,7 @@ class EngineTiers:
                 landed()
 
     def on_reset(self) -> None:
-        self._slots.clear()
-        self._owner.clear()
-        self._preparing.clear()
+        self._pending.clear()
         self._parked.clear()
 
     # -- reads -------------------------------------------------------------------------------
