@@ -81,3 +81,22 @@ def test_tier_check_counts_blocks_memory_and_shm() -> None:
     check_cpu_tier(4, 1024, 4096, available=4096)
     with pytest.raises(ConfigError, match=r"only 4\.00 KiB of memory available"):
         check_cpu_tier(5, 1024, 5120, available=4096)
+
+
+def test_tier_write_backpressure_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcache_offload_service.cli as cli
+
+    built: list[object] = []
+
+    def capture(config_file: Path | None = None, **flags: object) -> object:
+        built.append(build_config(config_file, **flags))
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(cli, "build_config", capture)
+    result = _serve("--tier-write-backpressure", "--tier-write-backpressure-timeout", "2.5")
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    (config,) = built
+    assert config.tier_write_backpressure is True  # type: ignore[attr-defined]
+    assert config.tier_write_backpressure_timeout_s == 2.5  # type: ignore[attr-defined]
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TIER_WRITE_BACKPRESSURE", "true")
+    assert build_config(None).tier_write_backpressure is True
