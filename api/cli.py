@@ -110,6 +110,16 @@ def serve(
     tier_write: Annotated[
         str | None, typer.Option(help="through (default) or back: when blocks go below the CPU.")
     ] = None,
+    tier_write_backpressure: Annotated[
+        bool | None,
+        typer.Option(
+            "--tier-write-backpressure/--no-tier-write-backpressure",
+            help="Stores wait for room in the tier write queue instead of dropping the write.",
+        ),
+    ] = None,
+    tier_write_backpressure_timeout: Annotated[
+        float | None, typer.Option(help="Longest a store waits for that room, in seconds.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
 ) -> None:
@@ -143,6 +153,8 @@ def serve(
             object_concurrency=object_concurrency,
             model_id=model_id,
             tier_write=tier_write,
+            tier_write_backpressure=tier_write_backpressure,
+            tier_write_backpressure_timeout_s=tier_write_backpressure_timeout,
         )
         from .startup import preflight
 

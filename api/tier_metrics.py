@@ -72,6 +72,21 @@ def tier_families(s: EngineStats) -> Iterator[Metric]:
         P + "write_queue_depth", "Write jobs waiting for the tiers.", value=s.tier_write_queue_depth
     )
     yield CounterMetricFamily(
+        P + "write_queue_full_blocks",
+        "Blocks whose tier write was dropped because the write queue was full.",
+        value=s.tier_write_queue_full_blocks,
+    )
+    yield CounterMetricFamily(
+        P + "write_backpressure_waits",
+        "Stores that waited for room in the tier write queue (tier_write_backpressure).",
+        value=s.tier_write_backpressure_waits,
+    )
+    yield CounterMetricFamily(
+        P + "write_backpressure_timeouts",
+        "Stores whose wait for room in the tier write queue timed out.",
+        value=s.tier_write_backpressure_timeouts,
+    )
+    yield CounterMetricFamily(
         P + "promoted_blocks",
         "Blocks copied up from a tier into CPU slots for a load.",
         value=s.tier_promoted_blocks,

@@ -196,6 +196,23 @@ class OffloadConfig(BaseSettings):
     evicting store's path)."""
     tier_queue_size: int = Field(default=256, ge=1)
     """Write jobs (one per completed store) queued for the tiers; more are dropped, counted."""
+    tier_write_backpressure: bool = Field(
+        default=False,
+        description=(
+            "Write-through only. False: a store never waits for the tiers; when the write "
+            "queue is full its write is dropped and counted (writes_dropped), so a slow tier "
+            "never slows the CPU tier, and the tiers may lack blocks the CPU tier acknowledged. "
+            "True: a store first waits for room in the write queue (at most "
+            "tier_write_backpressure_timeout_s), so stores slow down to the tiers' pace "
+            "instead; a store whose wait timed out goes on, and its write is dropped if the "
+            "queue is still full."
+        ),
+    )
+    tier_write_backpressure_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Longest a store waits for room in the tier write queue (backpressure).",
+    )
     tier_read_timeout_s: float = Field(default=0.5, gt=0)
     """A tier that takes longer to answer a lookup or a read is a miss (and backed off)."""
     object_url: str | None = Field(

@@ -77,6 +77,8 @@ class BlockBytes:
                     f"block data for key {key.hex()} must be {size} bytes, got {len(blob)}"
                 )
         ctx = ReqContext()
+        if c._tiers is not None:
+            await c._tier_room(keys)
         out = c._prepare_store(keys, ctx)
         stored = out.keys_to_store
         if not stored:

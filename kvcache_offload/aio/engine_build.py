@@ -85,7 +85,11 @@ def build_tiers(core: EngineCore, blocks: BlockBytes) -> EngineTiers | None:
         queue_size=cfg.tier_queue_size,
         read_timeout_s=cfg.tier_read_timeout_s,
         on_event=publish,
+        block_nbytes=cfg.layout.bytes_per_block * core._factor,
     )
-    return EngineTiers(
+    engine_tiers = EngineTiers(
         tier_set, core.manager, blocks.get_block_memory, blocks.write_blocks, cfg.tier_write
     )
+    if cfg.tier_write_backpressure:
+        engine_tiers.backpressure_s = cfg.tier_write_backpressure_timeout_s
+    return engine_tiers

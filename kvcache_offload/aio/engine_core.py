@@ -201,6 +201,13 @@ class EngineCore:
         if isinstance(self.spec, ShutsDown):
             self._guard(self.spec.shutdown, what)
 
+    async def _tier_room(self, keys: Sequence[OffloadKey]) -> None:
+        """With ``tier_write_backpressure``: wait (bounded) until the tiers' write queue has
+        room for this store's write, before the store takes slots."""
+        tiers = self._tiers
+        if tiers is not None and tiers.needs_room(keys):
+            await tiers.wait_for_room()
+
     def _prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, *, publish: bool = True
     ) -> PrepareStoreOutput:

@@ -102,6 +102,8 @@ class TransferJobs:
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
         # between, so subscribers see the same events in the same order.
+        if c._tiers is not None:
+            await c._tier_room(keys)
         out = c._prepare_store(keys, ctx, publish=False)
         stored = out.keys_to_store
         try:

@@ -46,6 +46,8 @@ class LeaseOperations:
         if ttl_s is not None:
             LeaseTable.check_ttl(ttl_s)
         ctx = req_context if req_context is not None else ReqContext()
+        if c._tiers is not None:
+            await c._tier_room(list(keys))
         out = c._prepare_store(list(keys), ctx)
         lease = c._leases.add(
             "store",

@@ -87,6 +87,9 @@ def collect_stats(engine: EngineCore) -> EngineStats:
         stats.tiers = e._tiers.tier_set.stats()
         stats.tier_write_queue_depth = e._tiers.tier_set.queue_depth
         stats.tier_promoted_blocks = e._tiers.promoted_blocks
+        stats.tier_write_queue_full_blocks = e._tiers.tier_set.queue_full_blocks
+        stats.tier_write_backpressure_waits = e._tiers.backpressure_waits
+        stats.tier_write_backpressure_timeouts = e._tiers.backpressure_timeouts
     shadow = e._observers.shadow_stats()
     if shadow is not None:
         stats.shadow_live_policy = str(shadow.live)

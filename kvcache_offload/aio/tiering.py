@@ -1,6 +1,6 @@
 """EngineTiers: what the engine does with its secondary tiers, kept out of the engine itself.
 
-The engine calls five hooks and nothing else; each is a no-op cost when no tier is configured
+The engine calls these hooks and nothing else; each is a no-op cost when no tier is configured
 (the engine then holds no ``EngineTiers`` at all):
 
 * :meth:`on_prepared` (a store was prepared): notes the CPU slot of each key to store; a
@@ -16,8 +16,17 @@ The engine calls five hooks and nothing else; each is a no-op cost when no tier 
 * :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
   that follows is an ordinary CPU->GPU load. Concurrent promotions of one key share the work.
 * :meth:`on_reset`: forgets the slot map.
+* :meth:`needs_room` / :meth:`wait_for_room` (write-through with ``tier_write_backpressure``):
+  a store waits for room in the write queue before it starts, so its write is not dropped.
+  Room a store waited for is not taken back by stores already running, so the queue then
+  holds up to twice ``tier_queue_size`` jobs; only a store whose wait timed out can find it
+  full and have its write dropped (counted).
 
 Blocks promoted from a tier are not written back down (the tiers already hold them).
+
+A queued write reads only a slot that still holds its key's bytes: every slot hand-out passes
+:meth:`on_prepared`, which reports it to the slot fence
+(:class:`~kvcache_offload.aio.tier_slots.PendingSlots`), whatever freed the slot before.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
+from kvcache_offload.aio.tier_slots import PendingSlots
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
@@ -90,10 +100,8 @@ class EngineTiers:
         self._get_memory = block_memory
         self._write_blocks = write_blocks
         self._memory: BlockMemory | None = None
-        self._slots: dict[OffloadKey, int] = {}
-        """CPU slot of each stored key whose bytes have not been handed to the tiers yet."""
-        self._preparing: dict[OffloadKey, int] = {}
-        """CPU slot of each key whose store is prepared but not completed yet."""
+        self._pending = PendingSlots()
+        """The CPU slot of each key whose bytes have not been handed to the tiers yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
         self._parked: dict[OffloadKey, bytes] = {}
         """Bytes of evicted keys queued for the tiers and not written yet: lookups and
@@ -101,6 +109,12 @@ class EngineTiers:
         its write landing."""
         self._from_tier: set[OffloadKey] = set()
         self.promoted_blocks = 0
+        self.backpressure_s: float | None = None
+        """With ``tier_write_backpressure``: the longest a store waits for room."""
+        self.backpressure_waits = 0
+        """Stores that found the write queue full and waited for room."""
+        self.backpressure_timeouts = 0
+        """Stores whose wait for room timed out (they went on; their write may be dropped)."""
 
     async def open(self) -> None:
         """Idempotent; the engine calls it on start, and every async hook makes sure of it."""
@@ -130,23 +144,25 @@ class EngineTiers:
         if evicted_keys:
             self._save_victims(evicted_keys)
         if keys_to_store:
-            self._preparing.update(zip(keys_to_store, _ids(store_spec), strict=True))
+            handed_out = self._pending.handed_out
+            for key, slot in zip(keys_to_store, _ids(store_spec), strict=True):
+                handed_out(key, slot)
 
     def on_store_failed(self, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
-            self._preparing.pop(key, None)
+            self._pending.failed(key)
 
     def on_stored(self, keys: Sequence[OffloadKey]) -> None:
         fresh: list[OffloadKey] = []
+        pending = self._pending
         for key in keys:
-            slot = self._preparing.pop(key, None)
-            if slot is not None and key not in self._from_tier:
-                self._slots[key] = slot
+            if key in self._from_tier:
+                pending.unprepare(key)
+            elif pending.stored(key):
                 fresh.append(key)
         if not fresh or self.write_mode != "through":
             return
-        slots = self._slots
-        taken = [slots[k] for k in fresh]
+        offered = [(k, held) for k in fresh if (held := pending.get(k)) is not None]
         read = False
 
         async def source() -> list[tuple[OffloadKey, bytes]]:
@@ -159,50 +175,74 @@ class EngineTiers:
             # here; forget them, or each would be copied out on the loop again at eviction,
             # for a write that no tier takes either.
             if not read:
-                for key, slot in zip(fresh, taken, strict=True):
-                    if slots.get(key) == slot:
-                        del slots[key]
+                for key, held in offered:
+                    if pending.holds(key, held):
+                        pending.forget(key)
 
-        if not self.tier_set.offer(len(fresh), source, ended):
+        limit = None if self.backpressure_s is None else 2 * self.tier_set.queue_size
+        if not self.tier_set.offer(len(fresh), source, ended, limit=limit):
             for key in fresh:  # dropped (counted by the tier set)
-                slots.pop(key, None)
+                pending.forget(key)
+
+    def needs_room(self, keys: Sequence[OffloadKey]) -> bool:
+        """True when a store of ``keys`` must first :meth:`wait_for_room` (backpressure)."""
+        return (
+            self.backpressure_s is not None
+            and self.tier_set.full
+            and self.write_mode == "through"
+            and not self._from_tier.issuperset(keys)
+        )
+
+    async def wait_for_room(self) -> None:
+        if self.backpressure_s is None:
+            return
+        self.backpressure_waits += 1
+        if not await self.tier_set.wait_for_room(self.backpressure_s):
+            self.backpressure_timeouts += 1
 
     async def _read_cpu(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, bytes]]:
         """Bytes of the keys still in the CPU tier, read without pinning them.
 
         The copy runs in a worker thread while the CPU tier goes on; a key evicted meanwhile
-        was already copied out by :meth:`on_evicted` (it is still in the slot map until this
-        read ends), so its possibly overwritten bytes from here are dropped.
+        was already copied out by :meth:`_save_victims` (the slot fence drops it from here
+        on), so its possibly overwritten bytes from here are dropped.
         """
         memory = self._memory or await self._get_memory()
-        slots = self._slots
-        todo = [(k, slots[k]) for k in dict.fromkeys(keys) if k in slots]
+        pending = self._pending
+        todo = []
+        for k in dict.fromkeys(keys):
+            held = pending.get(k)
+            if held is not None:
+                todo.append((k, held))
         if not todo:
             return []
-        data = await anyio.to_thread.run_sync(lambda: [memory.read(b) for _, b in todo])
+        data = await anyio.to_thread.run_sync(lambda: [memory.read(h[0]) for _, h in todo])
         out = []
-        for (key, slot), blob in zip(todo, data, strict=True):
-            if slots.get(key) == slot:
-                del slots[key]  # handed to the tiers
+        for (key, held), blob in zip(todo, data, strict=True):
+            if pending.holds(key, held):  # again: the slot may have changed hands meanwhile
+                pending.forget(key)  # handed to the tiers
                 out.append((key, blob))
         return out
 
     def _save_victims(self, keys: Sequence[OffloadKey]) -> None:
-        if not self._slots:
+        pending = self._pending
+        if not pending:
             return
         memory = self._memory
-        slots = [(k, s) for k in keys if (s := self._slots.pop(k, None)) is not None]
-        if not slots or memory is None:
+        held = [(k, h) for k in keys if (h := pending.get(k)) is not None]
+        for key in keys:
+            pending.forget(key)
+        if not held or memory is None:
             return
         tier_set = self.tier_set
         if tier_set.queue_depth >= tier_set.queue_size:
             # The write queue is full, so the copy would be dropped: refuse it (counted) without
             # copying. A writer far behind (a slow object store) otherwise cost every evicting
             # store a copy of its victims on the loop, for nothing.
-            tier_set.offer(len(slots), _never_read)
+            tier_set.offer(len(held), _never_read)
             return
         # On the loop on purpose: the evicting store reuses the slot right after.
-        items: list[tuple[OffloadKey, bytes]] = [(k, memory.read(s)) for k, s in slots]
+        items: list[tuple[OffloadKey, bytes]] = [(k, memory.read(h[0])) for k, h in held]
         if items:
             parked = self._parked
             parked.update(items)
@@ -219,8 +259,7 @@ class EngineTiers:
                 landed()
 
     def on_reset(self) -> None:
-        self._slots.clear()
-        self._preparing.clear()
+        self._pending.clear()
         self._parked.clear()
 
     # -- reads -------------------------------------------------------------------------------

@@ -260,6 +260,13 @@ class EngineStats(WireShape):
     tiers: list[TierStats] = field(default_factory=list)
     """Secondary tiers below the CPU tier, in lookup order (empty when none is configured)."""
     tier_write_queue_depth: int = 0
+    tier_write_queue_full_blocks: int = 0
+    """Blocks whose tier write was dropped because the write queue was full (each tier's
+    ``writes_dropped`` counts them too, with its own back-off and failed writes)."""
+    tier_write_backpressure_waits: int = 0
+    """Stores that waited for room in the write queue (``tier_write_backpressure``)."""
+    tier_write_backpressure_timeouts: int = 0
+    """Of those, stores whose wait timed out (their write was dropped if still no room)."""
     tier_promoted_blocks: int = 0
     """Blocks copied up from a secondary tier into CPU slots for a load."""
     shadow_live_policy: str = ""

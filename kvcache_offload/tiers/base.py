@@ -7,8 +7,10 @@ these" and "forget these"; capacity and eviction are the tier's own business.
 
 Failure model: a tier raises :class:`~kvcache_offload.errors.TierError` (or lets a timeout
 cancel it) when it cannot answer; the :class:`~kvcache_offload.tiers.tier_set.TierSet` above
-it turns that into misses and counts it. A value that fails its checksum is *not* an error: the
-tier reports a miss and removes the value itself.
+it turns that into misses and counts it. A value that fails its checks is *not* an error: the
+tier reports a miss, removes the value itself and counts it (``corrupt_blocks``); the tier set
+adds one check every tier shares, the block's length. A block that one ``put`` could not write
+is dropped and counted (``writes_dropped``) without failing the rest of the batch.
 """
 
 from __future__ import annotations
@@ -74,10 +76,12 @@ class TierStats:
     deleted_blocks: int = 0
     evicted_blocks: int = 0
     corrupt_blocks: int = 0
-    """Values that failed their checksum (counted as misses and removed)."""
+    """Values that failed any check (header, key, checksum, length, not a regular file):
+    each one a miss, and removed."""
     errors: int = 0
     writes_dropped: int = 0
-    """Blocks not written because the write queue was full or the tier was backed off."""
+    """Blocks not written: the write queue was full, the tier was backed off or slow, or the
+    write of that one block failed."""
     op_seconds: dict[str, LatencyHistogram] = field(default_factory=dict)
     """Latency per operation: contains, get, put, delete."""
     capacity_bytes: int | None = None

@@ -1,11 +1,16 @@
 """DiskTier: blocks as files in one directory, with a byte budget and its own LRU eviction.
 
-Layout: ``<path>/<fingerprint>/<first two hex digits>/<key hex>.kvb``, each file one frame
-(:mod:`kvcache_offload.tiers.frame`: header, then the block's bytes). A write goes to a
-``.part`` file that is fsynced and then renamed into place, so a crash leaves either the old
-state or a complete file, never a torn one under a block's name; stale ``.part`` files are
-removed on open. A file that fails its checks anyway (truncated or edited by hand, bit rot) is
-a miss and is removed.
+Layout: ``<path>/<fingerprint>/<two hex digits>/<name>.kvb``, each file one frame
+(:mod:`kvcache_offload.tiers.frame`: header with the full key, then the block's bytes); a key
+of any length has a name (:mod:`~kvcache_offload.tiers._disk_files`: hex digits, or a hash for
+a long key). A write goes to a ``.part`` file that is fsynced and then renamed into place, so a
+crash leaves either the old state or a complete file, never a torn one under a block's name; a
+write that fails removes its ``.part`` file, and stale ones are removed on open. A block that
+fails one write is dropped and counted (``writes_dropped``) while the rest of its batch lands;
+only an error of the device (full, read-only, I/O error) fails the batch, so that the tier
+backs off. A file that fails its checks (truncated or edited by hand, bit rot, not a regular
+file) is a miss, is removed and is counted (``corrupt_blocks``); files are opened without
+following links or blocking, so a FIFO or directory under a block's name never hangs a read.
 
 The index (key -> file size, in LRU order) lives in memory, rebuilt by scanning the directory
 on :meth:`open`, so the contents survive a restart and ``contains`` costs no I/O. Every file
@@ -25,15 +30,19 @@ import anyio
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import ConfigError, TierError
+from kvcache_offload.tiers import _disk_files as files
 from kvcache_offload.tiers import frame
 from kvcache_offload.tiers._cpus import SPARE_CORE_CPUS, usable_cpus
+from kvcache_offload.tiers._disk_files import read_exactly as _read_exactly
+from kvcache_offload.tiers._disk_files import unlink as _unlink
+from kvcache_offload.tiers._disk_files import unlink_all as _unlink_all
 from kvcache_offload.tiers._overlapped_checks import OverlappedChecks
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
 __all__ = ["DiskTier"]
 
-_SUFFIX = ".kvb"
-_PART = ".part"
+_SUFFIX = files.SUFFIX
+_PART = files.PART
 
 
 class DiskTier(SecondaryTier):
@@ -77,8 +86,8 @@ class DiskTier(SecondaryTier):
 
     def _path(self, key: OffloadKey) -> str:
         # A string, not a Path: joining Paths cost ~10 us a block on the read path.
-        hexkey = key.hex()
-        return f"{self._root}/{hexkey[:2]}/{hexkey}{_SUFFIX}"
+        name = files.block_name(key)
+        return f"{self._root}/{files.subdir_of(name)}/{name}"
 
     def _scan(self) -> list[tuple[OffloadKey, int, float]]:
         """Every complete block file with its size and mtime; partial or torn files go.
@@ -93,34 +102,47 @@ class DiskTier(SecondaryTier):
             raise TierError(f"cannot create disk tier directory {self.root}: {exc}") from exc
         found: list[tuple[OffloadKey, int, float]] = []
         for sub in self.root.iterdir():
-            if not sub.is_dir():
+            if not sub.is_dir() or sub.is_symlink():
                 continue
             for entry in os.scandir(sub):
-                path = Path(entry.path)
                 if entry.name.endswith(_PART):
-                    _unlink(path)
+                    files.remove_entry(entry.path)
                     continue
                 if not entry.name.endswith(_SUFFIX):
                     continue
-                try:
-                    key = OffloadKey(bytes.fromhex(entry.name[: -len(_SUFFIX)]))
-                    st = entry.stat()
-                    with open(path, "rb") as f:
-                        header = f.read(frame.HEADER_PREFIX + 2 * len(key))
-                except (ValueError, OSError):
-                    continue
-                parsed = frame.decode_header(header)
-                if (
-                    parsed is None
-                    or parsed[2] != bytes(key)
-                    or st.st_size != frame.HEADER_PREFIX + len(key) + parsed[1]
-                ):
-                    _unlink(path)
+                block = self._scan_one(entry.path, sub.name, entry.name)
+                if block is None:
+                    files.remove_entry(entry.path)
                     self._stats.corrupt_blocks += 1
-                    continue
-                found.append((key, st.st_size, st.st_mtime))
+                elif block is not _GONE:
+                    found.append(block)  # type: ignore[arg-type]
         found.sort(key=lambda item: item[2])  # oldest first: LRU order survives a restart
         return found
+
+    def _scan_one(self, path: str, sub: str, name: str) -> tuple[OffloadKey, int, float] | object:
+        """``(key, size, mtime)`` of a complete block file; None if it must go; ``_GONE``."""
+        try:
+            fd = files.open_regular(path)
+        except files.NotABlockFile:
+            return None
+        if fd is None:
+            return _GONE
+        try:
+            st = os.fstat(fd)
+            header = files.read_header(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if header is None:
+            return None
+        _digest, length, raw, head_len = header
+        key = OffloadKey(raw)
+        if files.block_name(key) != name or files.subdir_of(name) != sub:
+            return None  # not where this key's block lives: never found by a read
+        if st.st_size != head_len + length:
+            return None
+        return key, st.st_size, st.st_mtime
 
     def _write(self, key: OffloadKey, payload: bytes) -> int:
         header = frame.encode_header(key, payload)
@@ -128,21 +150,23 @@ class DiskTier(SecondaryTier):
         if final.parent not in self._subdirs:
             final.parent.mkdir(parents=True, exist_ok=True)
             self._subdirs.add(final.parent)
-        part = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}{_PART}"
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # A short name of its own: a long key's name plus a suffix would pass 255 characters.
+        part = final.parent / f".{uuid.uuid4().hex}{_PART}"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            written = os.writev(fd, [header, payload])  # one syscall for header and block
-            if written < len(header) + len(payload):  # rare short write: finish it
-                rest = memoryview(header + payload)[written:]
-                while rest:
-                    rest = rest[os.write(fd, rest) :]
-            os.fsync(fd)
+            try:
+                written = os.writev(fd, [header, payload])  # one syscall for header and block
+                if written < len(header) + len(payload):  # rare short write: finish it
+                    rest = memoryview(header + payload)[written:]
+                    while rest:
+                        rest = rest[os.write(fd, rest) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(part, final)
         except BaseException:
-            os.close(fd)
             _unlink(part)
             raise
-        os.close(fd)
-        os.replace(part, final)
         return len(header) + len(payload)
 
     def _read(self, key: OffloadKey) -> tuple[str, bytes, bytes] | None:
@@ -156,8 +180,11 @@ class DiskTier(SecondaryTier):
         """
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = files.open_regular(path)
+        except files.NotABlockFile:
+            files.remove_entry(path)
+            raise _Corrupt from None
+        if fd is None:
             return None
         try:
             size = os.fstat(fd).st_size
@@ -226,7 +253,7 @@ class DiskTier(SecondaryTier):
         for i, key in enumerate(keys):
             try:
                 found = self._read(key)
-            except _Corrupt:
+            except (_Corrupt, OSError):  # one block's failure is that block's miss
                 out[i] = _CORRUPT
                 continue
             if found is not None:
@@ -249,24 +276,38 @@ class DiskTier(SecondaryTier):
         incoming = sum(len(p) + frame.HEADER_PREFIX + len(k) for k, p in fresh.items())
         await self._evict_over_budget(incoming)
         start = time.perf_counter()
+        landed: list[tuple[OffloadKey, int]] = []
         try:
-            sizes = await anyio.to_thread.run_sync(self._write_all, list(fresh.items()))
-        except OSError as exc:
-            self._stats.errors += 1
-            raise TierError(f"writing blocks to {self.root}: {exc}") from exc
+            failed = await anyio.to_thread.run_sync(self._write_all, list(fresh.items()), landed)
+        finally:  # what landed is indexed (and in the budget) whatever happens to this call
+            for key, size in landed:
+                old = self._index.pop(key, None)  # a racing put of the same key
+                if old is not None:
+                    self._used -= old
+                self._index[key] = size
+                self._used += size
+                self._stats.put_blocks += 1
+                self._stats.put_bytes += len(fresh[key])
         self._hist["put"].observe(time.perf_counter() - start)
-        for (key, payload), size in zip(fresh.items(), sizes, strict=True):
-            old = self._index.pop(key, None)  # a racing put of the same key
-            if old is not None:
-                self._used -= old
-            self._index[key] = size
-            self._used += size
-            self._stats.put_blocks += 1
-            self._stats.put_bytes += len(payload)
+        self._stats.writes_dropped += len(fresh) - len(landed)
         await self._evict_over_budget(0)
+        if failed is not None:
+            self._stats.errors += 1
+            raise TierError(f"writing blocks to {self.root}: {failed}") from failed
 
-    def _write_all(self, items: list[tuple[OffloadKey, bytes]]) -> list[int]:
-        return [self._write(key, payload) for key, payload in items]
+    def _write_all(
+        self, items: list[tuple[OffloadKey, bytes]], landed: list[tuple[OffloadKey, int]]
+    ) -> OSError | None:
+        """Write each block, appending what landed to ``landed``; a block that fails is
+        skipped (its ``.part`` file removed). Returns the device error that stopped the
+        batch (disk full, read-only, I/O error), else None."""
+        for key, payload in items:
+            try:
+                landed.append((key, self._write(key, payload)))
+            except OSError as exc:
+                if exc.errno in files.DEVICE_ERRNOS:
+                    return exc
+        return None
 
     async def delete(self, keys: Sequence[OffloadKey]) -> None:
         paths = [self._file(k) for k in keys if self._forget(k)]
@@ -323,6 +364,8 @@ class _Corrupt(Exception):
 
 _CORRUPT = object()
 """What :meth:`DiskTier._read_all` reports for a corrupt file."""
+_GONE = object()
+"""What :meth:`DiskTier._scan_one` reports for a file removed while the scan ran."""
 
 
 def _verified(key: OffloadKey, path: str, header: bytes, payload: bytes) -> bytes | object:
@@ -331,37 +374,3 @@ def _verified(key: OffloadKey, path: str, header: bytes, payload: bytes) -> byte
         return payload
     _unlink(path)
     return _CORRUPT
-
-
-def _read_exactly(fd: int, length: int) -> bytes | None:
-    """``length`` bytes from ``fd``'s position, or None if the file ends first.
-
-    A regular file answers in one ``read``; the loop only covers a read cut short by a
-    signal (or a file shrunk under us, which then fails as too short).
-    """
-    data = os.read(fd, length)
-    if len(data) == length:
-        return data
-    parts = [data]
-    missing = length - len(data)
-    while missing:
-        more = os.read(fd, missing)
-        if not more:
-            return None
-        parts.append(more)
-        missing -= len(more)
-    return b"".join(parts)
-
-
-def _unlink(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
-
-
-def _unlink_all(paths: Sequence[Path]) -> None:
-    for path in paths:
-        _unlink(path)

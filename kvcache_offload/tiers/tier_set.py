@@ -5,9 +5,12 @@ The engine talks to this one object, never to a tier directly:
 * :meth:`lookup` asks the tiers in order which keys they hold (a key found in one tier is not
   asked of the next), each under a deadline. A tier that fails, times out or is backed off
   answers "miss" and the error is counted: a lookup never fails because of a tier.
-* :meth:`get` fetches bytes the same way (first tier that holds a key wins).
+* :meth:`get` fetches bytes the same way (first tier that holds a key wins). A value whose
+  length is not the block size (``block_nbytes``) fails a check like a bad checksum: it is a
+  miss, it is deleted from its tier and it is counted (``corrupt_blocks``), whatever the tier.
 * :meth:`offer` queues a write without waiting. The queue is bounded; a full queue drops the
-  write and counts it, so a slow tier never holds up the CPU tier or the event loop. One
+  write and counts it (``writes_dropped``), so a slow tier never holds up the CPU tier or the
+  event loop; :meth:`wait_for_room` lets a caller that prefers backpressure wait first. One
   writer task (:meth:`run`, owned by the engine's task group) drains the queue, reading the
   bytes only when it gets to a job and writing each batch to every available tier at once.
 * Back-off: a tier that fails is skipped for a while (0.1 s, doubling up to 5 s, reset by a
@@ -23,13 +26,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 import anyio
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.errors import TierError
+from kvcache_offload.tiers._tier_health import TierHealth as _Health
 from kvcache_offload.tiers.base import SecondaryTier, TierStats
 
 __all__ = ["BlockSource", "TierEventSink", "TierSet"]
@@ -48,58 +52,6 @@ def _contains(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[boo
     return tier.contains(keys)
 
 
-def _get(tier: SecondaryTier, keys: list[OffloadKey]) -> Awaitable[list[bytes | None]]:
-    return tier.get(keys)
-
-
-_BACKOFF_FIRST_S = 0.1
-_BACKOFF_MAX_S = 5.0
-_SLOW_ON_S = 1.0
-_SLOW_OFF_S = 0.5
-_SLOW_PROBE_S = 1.0
-_EMA_WEIGHT = 0.2
-
-
-@dataclass
-class _Health:
-    """Back-off state of one tier."""
-
-    down_until: float = 0.0
-    backoff_s: float = 0.0
-    write_ema_s: float = 0.0
-    slow: bool = False
-    last_probe: float = 0.0
-    counts: TierStats = field(default_factory=lambda: TierStats("", ""))
-    """The counters the tier set keeps itself (hits, misses, errors, writes_dropped)."""
-
-    def available(self, now: float) -> bool:
-        return now >= self.down_until
-
-    def failed(self, now: float) -> None:
-        self.counts.errors += 1
-        self.backoff_s = min(max(self.backoff_s * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
-        self.down_until = now + self.backoff_s
-
-    def succeeded(self) -> None:
-        self.backoff_s = 0.0
-        self.down_until = 0.0
-
-    def accepts_write(self, now: float) -> bool:
-        if not self.available(now):
-            return False
-        if self.slow and now - self.last_probe < _SLOW_PROBE_S:
-            return False
-        self.last_probe = now
-        return True
-
-    def wrote(self, seconds: float) -> None:
-        self.write_ema_s += _EMA_WEIGHT * (seconds - self.write_ema_s)
-        if self.write_ema_s > _SLOW_ON_S:
-            self.slow = True
-        elif self.write_ema_s < _SLOW_OFF_S:
-            self.slow = False
-
-
 class TierSet:
     """Ordered secondary tiers behind one non-blocking interface; see the module docstring."""
 
@@ -111,6 +63,7 @@ class TierSet:
         read_timeout_s: float = 0.5,
         write_timeout_s: float = 30.0,
         on_event: TierEventSink | None = None,
+        block_nbytes: int | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
@@ -120,6 +73,10 @@ class TierSet:
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
         self._on_event = on_event
+        self.block_nbytes = block_nbytes
+        """Every value's length (None: not checked)."""
+        self._room: deque[asyncio.Future[None]] = deque()
+        """Callers of :meth:`wait_for_room`, woken in turn as the writer takes jobs."""
         self._health = {t.name: _Health() for t in self.tiers}
         self._queue: deque[tuple[int, BlockSource, Callable[[], None] | None]] = deque()
         self._wakeup = asyncio.Event()
@@ -128,6 +85,8 @@ class TierSet:
         self._writing = False
         self._opened = False
         self.writes_queued = 0
+        self.queue_full_blocks = 0
+        """Blocks refused by :meth:`offer` because the queue was full."""
 
     @property
     def names(self) -> list[str]:
@@ -211,27 +170,87 @@ class TierSet:
 
     async def get(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, tuple[bytes, str]]:
         """Bytes and tier name of each key some tier could deliver (verified)."""
-        return await self._first_tier(keys, _get, count=False)
+        return await self._first_tier(keys, self._get_sized, count=False)
+
+    async def _get_sized(
+        self, tier: SecondaryTier, keys: list[OffloadKey]
+    ) -> Sequence[bytes | None]:
+        """``tier.get``, with a value of the wrong length a miss, deleted and counted."""
+        values = await tier.get(keys)
+        size = self.block_nbytes
+        if size is None:
+            return values
+        bad = [k for k, v in zip(keys, values, strict=True) if v is not None and len(v) != size]
+        if not bad:
+            return values
+        self._health[tier.name].counts.corrupt_blocks += len(bad)
+        logger.warning("tier %s held %d blocks of the wrong length; deleted", tier.name, len(bad))
+        try:
+            await tier.delete(bad)
+        except TierError as exc:  # still a miss; found again and deleted on a later read
+            logger.debug("deleting bad blocks from tier %s failed: %r", tier.name, exc)
+        return [None if v is not None and len(v) != size else v for v in values]
 
     # -- writes ------------------------------------------------------------------------------
 
     def offer(
-        self, num_blocks: int, source: BlockSource, done: Callable[[], None] | None = None
+        self,
+        num_blocks: int,
+        source: BlockSource,
+        done: Callable[[], None] | None = None,
+        *,
+        limit: int | None = None,
     ) -> bool:
         """Queue a write of ``num_blocks`` blocks; False (and counted) when the queue is full.
 
-        ``done`` runs on the loop once the write ended, landed or not (not when refused)."""
+        ``done`` runs on the loop once the write ended, landed or not (not when refused).
+        ``limit``: jobs the queue may hold for this offer (default ``queue_size``)."""
         if num_blocks <= 0:
             return True
-        if len(self._queue) >= self.queue_size:
+        if len(self._queue) >= (self.queue_size if limit is None else limit):
             for health in self._health.values():
                 health.counts.writes_dropped += num_blocks
+            self.queue_full_blocks += num_blocks
             return False
         self._queue.append((num_blocks, source, done))
         self.writes_queued += num_blocks
         self._idle.clear()
         self._wakeup.set()
         return True
+
+    @property
+    def full(self) -> bool:
+        return len(self._queue) >= self.queue_size
+
+    async def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait until the queue has room for one more job (at most ``timeout_s``); True when it
+        has. With no await between this and :meth:`offer`, the offer is then accepted."""
+        if not self.full:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.full:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            waiter = loop.create_future()
+            self._room.append(waiter)
+            try:
+                async with asyncio.timeout(left):
+                    await waiter
+            except TimeoutError:
+                return not self.full
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+        return True
+
+    def _wake_one(self) -> None:
+        while self._room:
+            waiter = self._room.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def run(self) -> None:
         """The writer: drains the queue until cancelled (owned by the engine's task group)."""
@@ -242,6 +261,7 @@ class TierSet:
                 await self._wakeup.wait()
                 continue
             num_blocks, source, done = self._queue.popleft()
+            self._wake_one()
             self._writing = True
             try:
                 await self._write_job(num_blocks, source)
@@ -306,20 +326,25 @@ class TierSet:
         for tier in self.tiers:
             health = self._health[tier.name]
             c = health.counts
+            own = tier.stats()
             out.append(
                 replace(
-                    tier.stats(),
+                    own,
                     available=health.available(now) and not health.slow,
                     hits=c.hits,
                     misses=c.misses,
                     errors=c.errors,
-                    writes_dropped=c.writes_dropped,
+                    # The tier's own counts (blocks one write or read rejected) plus the set's.
+                    writes_dropped=c.writes_dropped + own.writes_dropped,
+                    corrupt_blocks=c.corrupt_blocks + own.corrupt_blocks,
                 )
             )
         return out
 
     async def aclose(self) -> None:
         self._queue.clear()
+        while self._room:
+            self._wake_one()
         for tier in self.tiers:
             try:
                 await tier.aclose()

@@ -91,3 +91,22 @@ def test_serve_reports_a_settings_old_environment_name_once_and_honours_it(
     assert config.transfer.gc_freeze is False and config.port == 9
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "KVCACHE_OFFLOAD_TRANSFER__GC_FREEZE" in lines[0]
+
+
+def test_tier_write_backpressure_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcache_offload_service.cli as cli
+
+    built: list[object] = []
+
+    def capture(config_file: Path | None = None, **flags: object) -> object:
+        built.append(build_config(config_file, **flags))
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(cli, "build_config", capture)
+    result = _serve("--tier-write-backpressure", "--tier-write-backpressure-timeout", "2.5")
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    (config,) = built
+    assert config.tier_write_backpressure is True  # type: ignore[attr-defined]
+    assert config.tier_write_backpressure_timeout_s == 2.5  # type: ignore[attr-defined]
+    monkeypatch.setenv("KVCACHE_OFFLOAD_TIER_WRITE_BACKPRESSURE", "true")
+    assert build_config(None).tier_write_backpressure is True
