@@ -1,4 +1,4 @@
-"""Every relative link in the README and docs/ names a file of the tree, and its anchor a heading."""
+"""Every relative link in the README and docs/ names a file, and its anchor a heading."""
 
 from __future__ import annotations
 
