@@ -832,9 +832,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                 )
     goals = check_goals(rows_json, stream_json, device)
     if goals:
-        gt = Table(
-            title=f"{layout.name} on {device}: serving goals, default configuration (auto)"
-        )
+        gt = Table(title=f"{layout.name} on {device}: serving goals, default configuration (auto)")
         gt.add_column("goal")
         gt.add_column("measured")
         gt.add_column("met")

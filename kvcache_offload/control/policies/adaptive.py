@@ -26,8 +26,8 @@ candidate's miniature leads every other one widely, the race rests (the miniatur
 nothing for ``rest_windows`` evaluation windows of traffic, then race again): on the
 conversation trace at 1 % the race runs for a fifth of the trace instead of all of it, with
 the same decisions on both traces at every capacity of the lab (``docs/policy-lab.md``,
-"The default: `adaptive`"). A live LRU-2 keeps its blocks in this policy's table, as the adaptive LRU
-does, so a store or an eviction updates one dict.
+"The default: `adaptive`"). A live LRU-2 keeps its blocks in this policy's table, as the
+adaptive LRU does, so a store or an eviction updates one dict.
 """
 
 from __future__ import annotations
