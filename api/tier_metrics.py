@@ -1,4 +1,4 @@
-"""Prometheus families of the secondary tiers (disk, Redis), one label value per tier.
+"""Prometheus families of the secondary tiers (disk, Redis, object store), one label value per tier.
 
 Read from the same ``EngineStats`` snapshot as every other engine metric. Without tiers the
 labelled families are exported empty (the contract in docs/metrics.md lists them all).

@@ -1,9 +1,9 @@
 """``auto`` with one CUDA handler default changed, to compare rule candidates in one run.
 
-``auto+old``: lone loads of 256 MiB and more go to the staged path's submit thread (the rule
-before ``DEFAULT_STAGED_LONE_MAX_LOAD_BYTES``); ``auto+inline``: staged loads issued on the
-caller's thread at every size (no submit thread); ``auto+kernel``: lone loads take the
-Triton kernel at every size.
+``auto+old``: lone loads of 256 MiB and more go to the staged path's submit thread
+(``auto`` without its upper bound ``DEFAULT_STAGED_LONE_MAX_LOAD_BYTES``); ``auto+inline``:
+staged loads issued on the caller's thread at every size (no submit thread);
+``auto+kernel``: lone loads take the Triton kernel at every size.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Issue 11's goals, checked against one ``bench.serving`` layout's rows of the default column.
+"""The serving goals (job latency over its floor, stream rates over the link), checked
+against one ``bench.serving`` layout's rows of the default column.
 
 Each check reads the rows ``bench.serving.report`` builds (single jobs and streams, with the
 floors measured in the same run), so the goals table of a run is computed, not written by

@@ -197,7 +197,7 @@ class ContextRun:
     ) -> dict[str, Any]:  # fmt: skip
         extra: dict[str, Any] = {}
         if not mechanism.startswith("auto"):
-            extra["transfer_mechanism"] = mechanism
+            extra["transfer"] = {"mechanism": mechanism}
         server = None
         if tier == "disk":
             extra["disk_path"] = self.disk

@@ -5,7 +5,7 @@
 Starts the installed ``kvcache-offload serve`` (defaults, this checkout's sources). A prober
 thread sends ``GET /healthz`` back to back on one keep-alive connection; the main thread posts
 ``POST /v1/lookup`` with ``--tokens`` random token ids (0-151,999, like a large vocabulary;
-``"block_size": 1048576`` so the key limit does not trigger, as in issue 13 item 6). For each
+``"block_size": 1048576`` so the key limit does not trigger). For each
 size: the lookup's status and time, and the ``/healthz`` latencies that overlapped it (p50,
 p99, max). The floor is the same probe on the idle service, measured in the same run.
 ``--kv-events`` serves with a shared region and a KV-event publisher and posts the ids to

@@ -1,11 +1,11 @@
-"""Manager throughput on a Mooncake trace, driven as vLLM's scheduler drives it (issue 2).
+"""Manager throughput on a Mooncake trace, driven as vLLM's scheduler drives it.
 
     python -m bench.manager [--trace PATH] [--policies lru,arc] [--capacities 1%,5%,10%,25%]
                             [--repeat 3]
 
 For each policy and capacity the trace is replayed ``--repeat`` times (the repetitions
 round-robin over every policy and capacity, so each is taken at a different time) through a fresh
-``CPUOffloadingManager`` with the issue's call sequence: lookup the prefix until the first miss,
+``CPUOffloadingManager`` with the scheduler's call sequence: lookup the prefix until the first miss,
 touch, prepare_load/complete_load the hits, prepare_store/complete_store the rest
 (``--touch-after-store`` adds vLLM's second touch after a non-empty store preparation, as the
 policy lab does; see ``kvcache_offload/lab/driver.py``); manager time is the sum of
@@ -55,7 +55,7 @@ from kvcache_offload.lab.trace import (
 GOALS = {"lru": 1.2e6}
 """Requested blocks per second of manager time, on the conversation trace."""
 OTHER_POLICY_GOAL = 1.0e6
-"""Every other shipped policy (issue 16): on the same trace and machine as LRU's figure."""
+"""Every other shipped policy: on the same trace and machine as LRU's figure."""
 
 
 def _default_trace() -> Path:

@@ -1,4 +1,4 @@
-"""Policy lab on the shipped Mooncake traces (issue 7): every policy against Belady.
+"""Policy lab on the shipped Mooncake traces: every policy against Belady.
 
     python -m bench.replay [--traces PATH ...] [--policies all] [--capacities 1%,2%,5%,10%,20%]
                            [--docs docs]

@@ -1,7 +1,7 @@
 """Lone restore-sized loads through ``await engine.load``, per mechanism, against the floor.
 
 A returning conversation's restore is one load of 128-2,048 blocks (256 MiB-4 GiB of a
-Llama-3.1-8B-shaped cache). For each layout and ``transfer_mechanism``, an engine stores
+Llama-3.1-8B-shaped cache). For each layout and ``transfer.mechanism``, an engine stores
 the largest job once, then times ``await engine.load`` of the first N blocks (one job at a
 time, nothing else in flight: what bench.ttft's path 3 does) and divides by the copy floor
 (one bare pinned host->device copy of the same bytes, same run).
@@ -44,7 +44,7 @@ async def _one(layout: str, mechanism: str, sizes: list[int], reps: int) -> list
     top = max(sizes)
     tensors, kv = _pages(layout, top + 8)
     block = layouts.block_nbytes(kv)
-    extra = {} if mechanism.startswith("auto") else {"transfer_mechanism": mechanism}
+    extra = {} if mechanism.startswith("auto") else {"transfer": {"mechanism": mechanism}}
     config = OffloadConfig(
         cpu_bytes_to_use=(top + 16) * block,
         layout=KVCacheLayout(gpu_block_sizes=[16], bytes_per_block=block, num_gpu_blocks=top + 8),

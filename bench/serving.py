@@ -22,7 +22,7 @@ default ``OffloadConfig`` (only ``transfer.mechanism`` changes between the non-d
    (cores). ``--sweep``
    adds one-way load and store streams of other job sizes (where the kernel and the copy
    engines cross over).
-3. **Goals**: issue 11's goals checked against the ``auto`` column (``bench/_serving_goals.py``).
+3. **Goals**: the serving goals checked against the ``auto`` column (``bench/_serving_goals.py``).
 4. **Paced single jobs** (``--pace-ms``, 1 by default; 0: none): 1-block loads and stores
    with the event loop idle for that long before each, and the floor paced alike. Back to
    back, the host path runs on a core kept busy by the job before; a lone request at low
@@ -832,9 +832,7 @@ def report(layout: Layout, device: str, runs: list[dict[str, Any]], floors: Floo
                 )
     goals = check_goals(rows_json, stream_json, device)
     if goals:
-        gt = Table(
-            title=f"{layout.name} on {device}: issue 11's goals, default configuration (auto)"
-        )
+        gt = Table(title=f"{layout.name} on {device}: serving goals, default configuration (auto)")
         gt.add_column("goal")
         gt.add_column("measured")
         gt.add_column("met")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=None, help="greedy tokens checked (32; tiny 8)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (5; tiny 2)")
     p.add_argument(
-        "--mechanisms", default="auto", help="transfer_mechanism of path 3's engines (auto,...)"
+        "--mechanisms", default="auto", help="transfer.mechanism of path 3's engines (auto,...)"
     )
     p.add_argument("--paths", default="all", help="subset: recompute,gpu_hit,restore,...")
     p.add_argument("--no-json", action="store_true")

@@ -65,18 +65,20 @@ class TransferTuning(BaseModel):
     """A lone store or load (nothing else in flight) looks for its own copy's end on its
     caller's turns instead of waking the poller task. H200, two A/B runs over three layouts:
     lone 1-block jobs 1-8 us faster (11 of 12 rows 5-8 us), 8-block jobs 2-15 us; streams
-    within their run-to-run spread. Off: the poller finds every end."""
+    within their run-to-run spread (docs/transfers.md, "Completion"). Off: the poller finds
+    every end."""
     completion_sleep_behind_s: float = Field(default=0.003, ge=0)
     """The poller stops looking for copies' ends and lets the completion watchers wake it
     while every direction in flight is predicted to stay busy this long after its next copy
     ends (0: always look). H200: 32 tasks of 4-block loads or stores moved the same bytes on
-    0.55-0.97 cores instead of 1.02-1.07."""
+    0.55-0.97 cores instead of 1.02-1.07 (docs/transfers.md, "Completion")."""
     evict_ahead_fraction: float = Field(default=1 / 32, ge=0, le=0.5)
     """Once a lone store's copy is on its way, an ``lru`` policy chooses in its shadow the
     blocks the next store of the same size would evict, at most this fraction of the CPU
     tier; they stay loadable until a store needs their slots, so decisions and events are
     unchanged. Policies whose choice would differ (``adaptive`` among them) choose at need.
-    H200: 4-9 us off a lone 8-block store into a full tier on two layouts of three. 0: off."""
+    H200: 4-9 us off a lone 8-block store into a full tier on two layouts of three
+    (docs/transfers.md, "Victims chosen ahead (LRU only)"). 0: off."""
     gc_freeze: bool = True
     """At start, collect garbage once and ``gc.freeze()`` what is alive (undone on close), so
     the cycle collector's full passes walk only what was allocated since: 13-27 ms instead of

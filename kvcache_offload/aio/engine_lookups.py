@@ -119,7 +119,7 @@ class Lookups:
 
         No policy can tell a dead block from one whose session is just pausing, and on the
         Mooncake conversation trace that knowledge is worth more than any policy
-        (``docs/policy-lab.md``, eighteenth round). A key discarded too early only costs a
+        (``docs/policy-lab.md``, "Session-end hints"). A key discarded too early only costs a
         miss: it is stored again on its next request."""
         return self.discard_now(keys)
 

@@ -14,7 +14,7 @@ A put on a standalone server streams its batch down one pooled connection, block
 each ``MSET`` is written up to the end of the block's bytes, and its last argument, the header,
 follows once the block's checksum is known. The server runs a command only once all of it has
 arrived (a connection lost halfway writes nothing), so the bytes can leave before their checksum
-exists, and hashing a batch no longer holds back its first byte. A pipeline must hash its whole
+exists, and hashing a batch does not hold back its first byte. A pipeline must hash its whole
 batch first, and nothing is on the wire meanwhile: that held PUT to 0.67x of a bare pipeline of
 ``SET`` on a quiet host. Where the process has a core to spare (four usable CPUs, as for the
 disk tier's check thread) a hash thread of the tier checksums block *i* while the loop sends it;

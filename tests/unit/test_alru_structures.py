@@ -1,4 +1,4 @@
-"""The adaptive LRU's cheaper structures (lab's eighth round) decide as the plain ones did.
+"""The adaptive LRU's cheaper structures decide as plain ordered-dict models of them do.
 
 ``alru`` keeps its queues as logs of blocks with each block's queue, stamp and tail flag in
 its ``mark``; its weight miniatures share one access time per key; the adaptive policy's race
@@ -30,8 +30,8 @@ _DEMOTED = -(1 << 62)
 
 
 class _OrderedDictALRU:
-    """The adaptive LRU as it was before the eighth round (two ordered dicts of stamps, two
-    ghost lists, a tails dict), at a fixed weight: the model the logs must match."""
+    """The adaptive LRU as plain structures (two ordered dicts of stamps, two ghost lists, a
+    tails dict), at a fixed weight: the model the logs must match."""
 
     def __init__(self, capacity: int, weight: float) -> None:
         self.weight = weight
@@ -246,7 +246,7 @@ def test_alru_logs_evict_exactly_as_ordered_dicts(weight: float, seed: int, renu
 
 
 class _ModelCopy:
-    """One weight miniature as before the eighth round: per-copy clock and stamps."""
+    """One weight miniature as plain structures: per-copy clock and stamps."""
 
     def __init__(self, weight: float, capacity: int) -> None:
         self.weight, self.capacity = weight, capacity

@@ -1,5 +1,5 @@
 """``auto``'s choice for a lone restore-sized load: the kernel, not the staged path's submit
-thread (which took 2.0-2.8x the copy floor at 256 MiB-2 GiB on an H100, issue 50). The
+thread (which took 2.0-2.8x the copy floor at 256 MiB-2 GiB on an H100, through the public API). The
 choice is pure arithmetic on the handler's settings, so it is checked without a GPU."""
 
 from __future__ import annotations

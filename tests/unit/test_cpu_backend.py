@@ -842,8 +842,8 @@ def _small_engine(layers: int = 2):
 
 
 async def test_gpu_block_ids_as_a_strided_numpy_view_store_and_load_through_the_engine():
-    """A strided view (every other block) used to make the handler raise inside the C
-    planner's buffer check, so the engine refused the job ("worker refused job")."""
+    """A strided view (every other block) is copied, not refused by the C planner's buffer
+    check (which would surface as "worker refused job")."""
     from kvcache_offload import make_offload_key
 
     engine, tensors = _small_engine(layers=4)

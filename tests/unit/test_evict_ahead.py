@@ -77,9 +77,9 @@ def test_choosing_ahead_after_every_store_decides_as_at_need_on_a_trace(
 ) -> None:
     # The most choosing ahead can do (the engine does it after lone stores only), through
     # the lab's driver: lookups, loads, touches and stores of a real prefix-cache trace.
-    # Before the policies said whether they may choose ahead, ARC lost up to 5 % of its
-    # block hits this way and the default policy up to 1.9 % (the last store's blocks,
-    # still being written, could not be chosen, so older and better blocks went instead).
+    # A policy that chose ahead without saying it may would lose hits this way (ARC up to
+    # 5 %, the default policy up to 1.9 %: the last store's blocks, still being written,
+    # cannot be chosen, so older and better blocks would go instead).
     class ChoosingAhead(CPUOffloadingManager):
         def prepare_store(self, keys: Any, req_context: Any = None) -> Any:
             out = super().prepare_store(keys, req_context)

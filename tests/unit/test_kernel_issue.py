@@ -648,7 +648,7 @@ def _address_of(function: Any) -> int:
 def test_wait_through_sleeps_on_its_own_event_recorded_after_the_copy_ends() -> None:
     # The waiter's stream waits on the copy's end event, the waiter's blocking event is
     # recorded there, and the thread sleeps on that event: the copy's event needs no
-    # blocking-sync flag (docs/transfers.md, twenty-fifth session).
+    # blocking-sync flag (docs/transfers.md, "Completion").
     from kvcache_offload.dataplane.copy._kernel_issue import wait_through
 
     cuda = FakeCuda(param_sizes=[])

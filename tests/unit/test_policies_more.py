@@ -342,8 +342,8 @@ def _drain_against_model(policy: CachePolicy, model: _QueueModel) -> None:
 
 
 class _ModelSieve:
-    """SIEVE as two ordered dicts split at the hand (the policy before the fourteenth
-    session), planned then applied: the model the log-based policy must match."""
+    """SIEVE as two ordered dicts split at the hand, planned then applied: the plain
+    model the log-based policy must match."""
 
     def __init__(self) -> None:
         self.ahead: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -432,8 +432,8 @@ def test_sieve_log_decides_as_the_ordered_dict_model(
 
 
 class _ModelS3FIFO:
-    """S3-FIFO as it was before the fourteenth session (ordered dicts, victims planned then
-    applied), with the policy's class settings: the model the log-based one must match."""
+    """S3-FIFO as ordered dicts with victims planned then applied, with the policy's class
+    settings: the plain model the log-based one must match."""
 
     def __init__(self, cls: type[S3FIFOCachePolicy], capacity: int) -> None:
         self.cls, self.capacity = cls, capacity

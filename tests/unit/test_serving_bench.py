@@ -1,4 +1,4 @@
-"""bench.serving computes issue 11's goals from its own rows, and runs end to end on the CPU."""
+"""bench.serving computes its serving goals from its own rows, and runs end to end on the CPU."""
 
 from __future__ import annotations
 

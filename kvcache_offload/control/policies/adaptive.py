@@ -6,8 +6,8 @@ at weight 1, plain LRU where the cache holds nearly all the reuse). This policy 
 one candidate at a time (starting with the first, the adaptive LRU) while every candidate
 runs in miniature on a hashed sample of the keys (:mod:`._shadow_race`); when another
 candidate's miniature has led by a margin twice in a row, the live cache switches to it.
-S3-FIFO and plain LRU raced too until the seventh round of the lab: neither ever took over
-on either trace, at any capacity or slice, and their miniatures cost as much as the others.
+S3-FIFO and plain LRU are not candidates: raced in the lab, neither ever took over on either
+trace, at any capacity or slice, and their miniatures cost as much as the others.
 
 The miniatures are shared: the race's miniature of the adaptive LRU does not run weight
 miniatures of its own while the adaptive LRU serves, but follows the live policy's weight
@@ -26,8 +26,8 @@ candidate's miniature leads every other one widely, the race rests (the miniatur
 nothing for ``rest_windows`` evaluation windows of traffic, then race again): on the
 conversation trace at 1 % the race runs for a fifth of the trace instead of all of it, with
 the same decisions on both traces at every capacity of the lab (``docs/policy-lab.md``,
-eleventh round). A live LRU-2 keeps its blocks in this policy's table, as the adaptive LRU
-does, so a store or an eviction updates one dict.
+"The default: `adaptive`"). A live LRU-2 keeps its blocks in this policy's table, as the
+adaptive LRU does, so a store or an eviction updates one dict.
 """
 
 from __future__ import annotations

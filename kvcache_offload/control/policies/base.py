@@ -84,7 +84,7 @@ class CachePolicy(ABC):
     stored before older ones (a probation queue for blocks never used, ARC's T1) would
     take older blocks instead. Replayed with choices ahead after every store, the default
     policy lost 13 % of its block hits on the shipped sample and ARC 5 % on a Mooncake
-    trace (docs/transfers.md, thirty-first session). LRU stores a new block as its most
+    trace (docs/transfers.md, "Victims chosen ahead (LRU only)"). LRU stores a new block as its most
     recent, and a use only moves a block away from eviction: it chooses ahead. A subclass
     inherits the flag: one that changes where a new block goes, or what a use does, sets it
     False."""

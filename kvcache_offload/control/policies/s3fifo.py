@@ -128,9 +128,9 @@ class S3FIFOCachePolicy(QueuePolicy):
     (promotions and reinsertions append to the main log, which its walk then reaches, as a
     FIFO with reinsertion does); only when it has all its victims does it drop them from the
     table and remember their keys. A walk that cannot find enough puts every mark back and
-    cuts the main log back to its length, so the queues are exactly as they were. Until the
-    fourteenth session the main queue was an ordered dict and the victims were planned and
-    then applied: the same decisions (``docs/policy-lab.md``, fifteenth round).
+    cuts the main log back to its length, so the queues are exactly as they were. The log
+    decides exactly as an ordered-dict main queue with victims planned and then applied
+    would (``tests/unit/test_policies_more.py`` keeps that model).
     """
 
     name = "s3fifo"

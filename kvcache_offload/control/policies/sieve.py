@@ -92,10 +92,9 @@ class SIEVECachePolicy(QueuePolicy):
     lap (new blocks join their end); those before it, the ones it passed, oldest first.
     When the hand passes the newest it wraps to the oldest. Pinned and protected blocks are
     passed over unchanged. An eviction changes nothing until it has all its victims (a
-    store that cannot get them leaves the queue exactly as it was). Until the fourteenth
-    session the two parts were ordered dicts, planned and then applied: the same decisions,
-    at 0.84 M requested blocks/s at 20 % of the conversation trace, against LRU's 1.6
-    (``docs/policy-lab.md``, fifteenth round).
+    store that cannot get them leaves the queue exactly as it was). The logs decide exactly as
+    two ordered dicts planned and then applied would (``tests/unit/test_policies_more.py``
+    keeps that model), at a fraction of the cost (``docs/policy-lab.md``, "Speed").
     """
 
     name = "sieve"

@@ -635,10 +635,10 @@ static PyObject *wait_through(PyObject *module, PyObject *const *args, Py_ssize_
 
 /* copy_seconds(event_query, event_elapsed, start, end) -> seconds, or -1.0 while `end` has
  * not fired: the end and the GPU time of a kernel copy issued from C in one call, for the
- * poller's looks. Through torch they took Event.query() and Event.elapsed_time() (itself two
+ * poller's looks. Through torch this takes Event.query() and Event.elapsed_time() (itself two
  * more queries and a device guard), on the path from a copy's end to its caller; in-engine
  * A/Bs on the H200 host measured single jobs 4-7 us faster this way (docs/transfers.md,
- * twenty-seventh session). Any other CUDA error raises RuntimeError, as torch's calls do. */
+ * "The C issuers"). Any other CUDA error raises RuntimeError, as torch's calls do. */
 typedef int (*query_fn)(void *);
 typedef int (*elapsed_fn)(float *, void *, void *);
 enum { CUDA_NOT_READY = 600 };

@@ -39,7 +39,7 @@ _EVENT_BLOCKING_SYNC = 1  # cudaEventBlockingSync
 _EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 FEW_PIECES = 7
 """A DMA of at most this many pieces is one ``cudaMemcpyAsync`` per piece instead of one
-``cudaMemcpyBatchAsync``. Host time per call on the H200 host (twenty-third session, 1.25 MiB
+``cudaMemcpyBatchAsync``. Host time per call on the H200 host (1.25 MiB
 pieces, either direction): 3.7 us for one piece and about 2.4 us per added one, against
 12.7 us plus about 1.1 us per added piece for the batch; they cross between 7 pieces (18.1
 against 19.1 us by that fit) and 8 (20.7 against 19.6 us measured)."""

@@ -63,8 +63,8 @@ lone 1-4 MiB job 100-120 us, about as long as its copy; 4 MiB is ~0.2-0.4 ms of 
 the longest a lone job holds the loop thread. Only a lone job: while the other direction
 copies, a large inline copy held the loop the other thread was waiting on (a mixed stream
 of 2 MiB jobs, two tasks: 14 against 21 GB/s), and a direction whose thread is busy holds or
-queues its jobs as before, so streams keep their copies off the loop thread
-(docs/transfers.md, twenty-eighth session)."""
+queues its jobs, so streams keep their copies off the loop thread
+(docs/transfers.md, "The CPU backend")."""
 
 GPU_TO_CPU: TransferType = ("GPU", "CPU")
 CPU_TO_GPU: TransferType = ("CPU", "GPU")

@@ -4,7 +4,7 @@ A CUDA event made with ``cudaEventBlockingSync`` lets a host thread sleep until 
 the driver then arms an interrupt for every record of it, and its event thread
 (``cuda-EvtHandlr``) took 0.03-0.14 of a core in the H200 streams, also in the streams where
 the poller finds every end by looking and nobody sleeps on one (docs/transfers.md,
-twenty-fifth session). So the copies' own events spin, and a thread that must sleep until one
+"Completion"). So the copies' own events spin, and a thread that must sleep until one
 fires waits through an :class:`EndWait`: its stream waits on the copy's end event, a
 blocking-sync event of its own is recorded there, and the thread sleeps on that one. Only the
 copies someone really sleeps on raise an interrupt.

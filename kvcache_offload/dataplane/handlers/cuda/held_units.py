@@ -211,7 +211,7 @@ def batch_full(h: SingleDirectionOffloadingHandler) -> bool:
     (fewer copies, so less host time per job). ``batch_max_bytes`` bounds it. A fixed
     16 MiB split four 8 MiB jobs' worth of traffic into eight copies per direction; one
     fixed 64 MiB held a 2-block stream's whole traffic in one batch, which left the link
-    idle between batches (docs/transfers.md, twelfth session)."""
+    idle between batches (docs/transfers.md, "Batch bounds")."""
     held = h._held.nbytes
     return held >= h.batch_min_bytes and (held >= h._in_flight_bytes or held >= h.batch_max_bytes)
 

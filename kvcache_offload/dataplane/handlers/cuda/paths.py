@@ -62,8 +62,8 @@ than through the kernel in 7 of 8 pairs (the eighth +3 %); 64-block stores were 
 DEFAULT_STAGED_LONE_MAX_LOAD_BYTES = 256 * 1024 * 1024
 """A load that finds its direction idle takes the kernel from this size on, instead of the
 staged path's submit thread (0: never). A restore of a returning conversation is such a load
-(128-2,048 blocks of Llama-3.1-8B, 256 MiB-4 GiB): on an H100 (issue 50's probe, main @
-08e9356, public API, default configuration) ``auto`` sent them to the submit thread and took
+(128-2,048 blocks of Llama-3.1-8B, 256 MiB-4 GiB): on an H100 (a probe through the public
+API, default configuration) ``auto`` with a lower bound only sent them to the submit thread and took
 2.0-2.8x the copy floor at 256 MiB-2 GiB, the kernel 1.11-1.17x, and at 4 GiB 1.04x against
 the kernel's 1.10x. The submit thread takes the GIL between chunks while the caller's loop
 looks for the job's end, so a job shorter than the caller's look (``poll_spin_s``, 20 ms)
@@ -73,16 +73,16 @@ DEFAULT_STAGED_ONE_WAY_MIN_LOAD_BYTES = 5 * 1024 * 1024
 while no store is copying, once the jobs of its copy average this many bytes (0: never).
 H200, four runs: 4- and 8-block load streams (5-16 MiB jobs) at 0.93-1.02 of the link
 against the kernel's 0.85-0.91; 1-block (1.25-2 MiB) jobs gain nothing staged, since the
-staged path costs more host time per copy. It was 4 MiB until the eleventh session, whose
-interleaved A/B (four passes) had llama8b's 4 MiB loads at 43.2 GB/s staged against 48.7
-with the kernel (every pass) and cross_layer's at 49.6 against 48.5: the crossover lies
-between 4 and 5 MiB."""
+staged path costs more host time per copy. At 4 MiB, an interleaved A/B (four passes) had
+llama8b's loads at 43.2 GB/s staged against 48.7 with the kernel (every pass) and
+cross_layer's at 49.6 against 48.5: the crossover lies between 4 and 5 MiB
+(docs/transfers.md, "The `auto` rule (CUDA handlers)")."""
 DEFAULT_STAGED_MIXED_MIN_JOB_BYTES = 5 * 1024 * 1024
 """Under "mixed", jobs that average this many bytes take the staged path whenever the other
 direction is copying, on an idle direction too (its lone lane, and batches whose previous
-copy ended). H200, sixteenth session, six alternating rounds: tp4_70b's mixed 4-block stream
+copy ended). H200, six alternating passes: tp4_70b's mixed 4-block stream
 sent 55 % of its 5 MiB stores through the kernel without it and 2 % with it; the stream's
-rate moved within the rounds' spread (1.17 against 1.11x one way, ahead in 4 of 6) and the
+rate moved within the passes' spread (1.17 against 1.11x one way, ahead in 4 of 6) and the
 p99 of its jobs fell from 4.75 to 3.86 ms, cross_layer's from 5.78 to 4.48 ms."""
 DEFAULT_STAGED_ONE_WAY_MIN_STORE_BYTES = 8 * 1024 * 1024
 """The same for stores queued behind stores. H200, four runs: 8-block store streams
