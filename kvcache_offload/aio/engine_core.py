@@ -84,6 +84,13 @@ def _ignore(lease: Lease) -> None:
     """No lease operations attached (yet): an expired lease needs nothing more."""
 
 
+class EnginePart:
+    """One of the parts an engine holds: its operations run over the one shared core."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+
 class EngineCore:
     """The engine's shared state and manager steps (see the module docstring)."""
 
