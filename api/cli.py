@@ -7,10 +7,12 @@ Ctrl-C / SIGTERM drain open requests, then the lifespan closes the engine and it
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
@@ -37,81 +39,95 @@ def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig
     return config
 
 
+class _Flag(NamedTuple):
+    """A ``serve`` flag that sets one config field (``None`` when not given: the environment,
+    the file or the default decides)."""
+
+    field: str
+    type: type
+    help: str
+    name: str = ""
+    """The parameter (``--name``) when it is not the field's name."""
+    decls: tuple[str, ...] = ()
+
+
+_CONFIG_FLAGS: tuple[_Flag, ...] = (
+    _Flag("host", str, "Interface to bind (default 127.0.0.1)."),
+    _Flag("port", int, "TCP port (default 8000)."),
+    _Flag("cpu_bytes_to_use", str, "CPU bytes for offloaded blocks, e.g. 4GiB.", "cpu_bytes"),
+    _Flag("eviction_policy", str, "Eviction policy (default adaptive; lru, arc, ...).", "policy"),
+    _Flag("block_size", int, "Tokens per offloaded block."),
+    _Flag("store_threshold", int, "Store a block only after it was offered this many times."),
+    _Flag("backend", str, "Data plane: auto, cpu or cuda."),
+    _Flag(
+        "shared_region",
+        bool,
+        "Keep blocks in a /dev/shm region worker processes can map.",
+        decls=("--shared-region/--no-shared-region",),
+    ),
+    _Flag("lease_ttl_s", float, "Seconds before an uncompleted lease rolls back.", "lease_ttl"),
+    _Flag("region_name", str, "Name of the shared region (one per service on a host)."),
+    _Flag("api_token", str, "Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
+    _Flag(
+        "kv_events_endpoint",
+        str,
+        "Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557.",
+    ),
+    _Flag("kv_events_replay_endpoint", str, "ZMQ endpoint answering KV-event replay requests."),
+    _Flag("kv_events_topic", str, "Topic frame of every KV-event message."),
+    _Flag(
+        "remote_url", str, "Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."
+    ),
+    _Flag("disk_path", Path, "Disk tier directory."),
+    _Flag("disk_bytes", str, "Disk tier budget, e.g. 100GiB."),
+    _Flag("object_url", str, "Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
+    _Flag(
+        "object_endpoint",
+        str,
+        "S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000.",
+    ),
+    _Flag(
+        "object_bytes",
+        str,
+        "Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules).",
+    ),
+    _Flag("object_concurrency", int, "Object tier requests in flight per direction (16)."),
+    _Flag("model_id", str, "Model name: only instances with the same one share tiers."),
+    _Flag("tier_write", str, "through (default) or back: when blocks go below the CPU."),
+)
+"""The flags that set config fields, in the order ``--help`` lists them (after ``--config``)."""
+
+
+def _with_config_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` (which takes them as ``**flags``) one typer option per config flag."""
+    own = inspect.signature(command, eval_str=True).parameters.values()
+    options = [
+        inspect.Parameter(
+            flag.name or flag.field,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[flag.type | None, typer.Option(*flag.decls, help=flag.help)],
+        )
+        for flag in _CONFIG_FLAGS
+    ]
+    kept = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    # --config first, the config flags, then the serving flags: the order --help shows.
+    signature = inspect.Signature([*kept[:1], *options, *kept[1:]], return_annotation=None)
+    command.__signature__ = signature  # type: ignore[attr-defined]
+    command.__annotations__.update({p.name: p.annotation for p in (*kept, *options)})
+    return command
+
+
+@_with_config_flags
 def serve(
-    host: Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
+    *,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", "-c", help="TOML, JSON or YAML config file.", exists=True),
     ] = None,
-    cpu_bytes: Annotated[
-        str | None, typer.Option(help="CPU bytes for offloaded blocks, e.g. 4GiB.")
-    ] = None,
-    policy: Annotated[
-        str | None, typer.Option(help="Eviction policy (default adaptive; lru, arc, ...).")
-    ] = None,
-    block_size: Annotated[int | None, typer.Option(help="Tokens per offloaded block.")] = None,
-    store_threshold: Annotated[
-        int | None, typer.Option(help="Store a block only after it was offered this many times.")
-    ] = None,
-    backend: Annotated[str | None, typer.Option(help="Data plane: auto, cpu or cuda.")] = None,
-    shared_region: Annotated[
-        bool | None,
-        typer.Option(
-            "--shared-region/--no-shared-region",
-            help="Keep blocks in a /dev/shm region worker processes can map.",
-        ),
-    ] = None,
-    lease_ttl: Annotated[
-        float | None, typer.Option(help="Seconds before an uncompleted lease rolls back.")
-    ] = None,
-    region_name: Annotated[
-        str | None,
-        typer.Option(help="Name of the shared region (one per service on a host)."),
-    ] = None,
-    api_token: Annotated[
-        str | None,
-        typer.Option(help="Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
-    ] = None,
-    kv_events_endpoint: Annotated[
-        str | None,
-        typer.Option(help="Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557."),
-    ] = None,
-    kv_events_replay_endpoint: Annotated[
-        str | None, typer.Option(help="ZMQ endpoint answering KV-event replay requests.")
-    ] = None,
-    kv_events_topic: Annotated[
-        str | None, typer.Option(help="Topic frame of every KV-event message.")
-    ] = None,
-    remote_url: Annotated[
-        str | None,
-        typer.Option(help="Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."),
-    ] = None,
-    disk_path: Annotated[Path | None, typer.Option(help="Disk tier directory.")] = None,
-    disk_bytes: Annotated[str | None, typer.Option(help="Disk tier budget, e.g. 100GiB.")] = None,
-    object_url: Annotated[
-        str | None,
-        typer.Option(help="Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
-    ] = None,
-    object_endpoint: Annotated[
-        str | None,
-        typer.Option(help="S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000."),
-    ] = None,
-    object_bytes: Annotated[
-        str | None,
-        typer.Option(help="Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules)."),
-    ] = None,
-    object_concurrency: Annotated[
-        int | None, typer.Option(help="Object tier requests in flight per direction (16).")
-    ] = None,
-    model_id: Annotated[
-        str | None, typer.Option(help="Model name: only instances with the same one share tiers.")
-    ] = None,
-    tier_write: Annotated[
-        str | None, typer.Option(help="through (default) or back: when blocks go below the CPU.")
-    ] = None,
     log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    **flags: Any,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
     if log_level.lower() not in _LOG_LEVELS:
@@ -120,29 +136,7 @@ def serve(
         require("server", "kvcache-offload serve")
         config = build_config(
             config_file,
-            host=host,
-            port=port,
-            cpu_bytes_to_use=cpu_bytes,
-            eviction_policy=policy,
-            block_size=block_size,
-            store_threshold=store_threshold,
-            backend=backend,
-            shared_region=shared_region,
-            lease_ttl_s=lease_ttl,
-            region_name=region_name,
-            api_token=api_token,
-            kv_events_endpoint=kv_events_endpoint,
-            kv_events_replay_endpoint=kv_events_replay_endpoint,
-            kv_events_topic=kv_events_topic,
-            remote_url=remote_url,
-            disk_path=disk_path,
-            disk_bytes=disk_bytes,
-            object_url=object_url,
-            object_endpoint=object_endpoint,
-            object_bytes=object_bytes,
-            object_concurrency=object_concurrency,
-            model_id=model_id,
-            tier_write=tier_write,
+            **{flag.field: flags.get(flag.name or flag.field) for flag in _CONFIG_FLAGS},
         )
         from .startup import preflight
 

@@ -96,16 +96,17 @@ class EngineCore:
 
     def __init__(
         self,
-        config: OffloadConfig | None = None,
+        config: OffloadConfig | None,
         *,
-        kv_caches: CanonicalKVCaches | None = None,
-        spec: OffloadingSpec | None = None,
-        access_observers: Sequence[object] = (),
-        poll_spin_s: float = 0.02,
-        poll_backoff_s: float = 0.001,
-        close_timeout_s: float = 30.0,
-        observer_budget: float | None = None,
+        kv_caches: CanonicalKVCaches | None,
+        spec: OffloadingSpec | None,
+        access_observers: Sequence[object],
+        poll_spin_s: float,
+        poll_backoff_s: float,
+        close_timeout_s: float,
+        observer_budget: float | None,
     ) -> None:
+        # Every argument is the engine's (``OffloadEngine``, which documents and defaults them).
         if config is None:
             config = spec.config if spec is not None else OffloadConfig()
         self.config = config
