@@ -47,6 +47,7 @@ from kvcache_offload.control.policies.base import (
     Keys,
     Protected,
     Victims,
+    victims_from,
 )
 from kvcache_offload.control.policies.lru2 import LRU2CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
@@ -202,17 +203,15 @@ class AdaptiveCachePolicy(CachePolicy):
             self._switch(self._race.leader)
 
     def evict(self, n: int, protected: Protected) -> Victims | None:
-        victims = self._live.evict(n, protected)
-        if victims and not self._shared:
-            blocks = self._blocks
-            for key, _ in victims:
-                del blocks[key]
-        return victims
+        return victims_from(self._evict_into, n, protected)
 
     def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
-        # :meth:`evict` in the manager's list form, which the live policy fills directly.
         if not self._plain_evict:
             return super().evict_blocks(n, protected, keys, blocks)
+        return self._evict_into(n, protected, keys, blocks)
+
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """Both eviction forms: the live policy fills the manager's lists directly."""
         start = len(keys)
         if not self._live.evict_blocks(n, protected, keys, blocks):
             return False

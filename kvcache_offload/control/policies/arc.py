@@ -27,6 +27,7 @@ from kvcache_offload.control.policies.base import (
     Keys,
     Protected,
     Victims,
+    victims_from,
 )
 
 __all__ = ["ARCCachePolicy"]
@@ -265,11 +266,7 @@ class ARCCachePolicy(CachePolicy):
         return node
 
     def evict(self, n: int, protected: Protected) -> Victims | None:
-        keys: list[OffloadKey] = []
-        blocks: list[BlockStatus] = []
-        if not self._evict_into(n, protected, keys, blocks):
-            return None
-        return list(zip(keys, blocks, strict=True))
+        return victims_from(self._evict_into, n, protected)
 
     def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         if type(self).evict is not ARCCachePolicy.evict:  # a subclass's ``evict`` decides

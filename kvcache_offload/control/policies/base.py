@@ -10,14 +10,23 @@ read by that many loads. A block also carries two ints for the policy holding it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockStatus", "Blocks", "CachePolicy", "Keys", "Protected", "Victims", "append_victims"]
+__all__ = [
+    "BlockStatus",
+    "Blocks",
+    "CachePolicy",
+    "Keys",
+    "Protected",
+    "Victims",
+    "append_victims",
+    "victims_from",
+]
 
 
 class BlockStatus:
@@ -63,6 +72,19 @@ Protected = Collection[OffloadKey]
 """Keys that must survive an eviction."""
 Victims = list[tuple[OffloadKey, BlockStatus]]
 """``evict``'s answer: (key, block) pairs."""
+
+
+def victims_from(
+    select: Callable[[int, Protected, Keys, Blocks], bool], n: int, protected: Protected
+) -> Victims | None:
+    """An eviction's pair form from its list form ``select`` (``evict`` from an
+    ``evict_blocks``-like method; :func:`append_victims` goes the other way): None when
+    ``select`` cannot take ``n``."""
+    keys: list[OffloadKey] = []
+    blocks: list[BlockStatus] = []
+    if not select(n, protected, keys, blocks):
+        return None
+    return list(zip(keys, blocks, strict=True))
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -15,6 +15,7 @@ from kvcache_offload.control.policies.base import (
     Keys,
     Protected,
     Victims,
+    victims_from,
 )
 
 __all__ = ["LRUCachePolicy"]
@@ -74,25 +75,16 @@ class LRUCachePolicy(CachePolicy):
                 move(key)
 
     def evict(self, n: int, protected: Protected) -> Victims | None:
-        if n <= 0:
-            return []
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
-        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
-        for key, block in self.blocks.items():
-            if block.ref_cnt == 0 and not (guarded and key in protected):
-                victims.append((key, block))
-                if len(victims) == n:
-                    break
-        else:
-            return None
-        blocks = self.blocks
-        for key, _ in victims:
-            del blocks[key]
-        return victims
+        return victims_from(self._evict_into, n, protected)
 
     def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         if not self._plain_evict:
             return super().evict_blocks(n, protected, keys, blocks)
+        return self._evict_into(n, protected, keys, blocks)
+
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """The one walk of both eviction forms: the victims appended to the lists, or False
+        having appended nothing."""
         if n <= 0:
             return True
         start, blocks_start = len(keys), len(blocks)
