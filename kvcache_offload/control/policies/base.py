@@ -22,6 +22,7 @@ __all__ = [
     "Blocks",
     "CachePolicy",
     "Keys",
+    "ListEvictionPolicy",
     "Protected",
     "Victims",
     "append_victims",
@@ -194,6 +195,30 @@ class CachePolicy(ABC):
     def debug_state(self) -> dict[str, object]:
         """Policy-specific internals for tests and introspection (sizes, targets)."""
         return {"size": len(self)}
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ListEvictionPolicy(CachePolicy):
+    """A policy whose one eviction walk appends to the manager's two lists
+    (:meth:`_evict_into`): ``evict_blocks`` is that walk, ``evict`` its pairs. A subclass
+    that overrides ``evict`` is still obeyed by ``evict_blocks``."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._plain_evict = type(self).evict is ListEvictionPolicy.evict
+
+    def evict(self, n: int, protected: Protected) -> Victims | None:
+        return victims_from(self._evict_into, n, protected)
+
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        return self._evict_into(n, protected, keys, blocks)
+
+    @abstractmethod
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """The eviction: ``n`` victims appended to the two lists (none when ``n <= 0``), or
+        False having appended and changed nothing."""
 
 
 def append_victims(
