@@ -44,56 +44,47 @@ class _Flag(NamedTuple):
     the file or the default decides)."""
 
     field: str
-    type: type
     help: str
+    type: type = str
     name: str = ""
     """The parameter (``--name``) when it is not the field's name."""
     decls: tuple[str, ...] = ()
 
 
 _CONFIG_FLAGS: tuple[_Flag, ...] = (
-    _Flag("host", str, "Interface to bind (default 127.0.0.1)."),
-    _Flag("port", int, "TCP port (default 8000)."),
-    _Flag("cpu_bytes_to_use", str, "CPU bytes for offloaded blocks, e.g. 4GiB.", "cpu_bytes"),
-    _Flag("eviction_policy", str, "Eviction policy (default adaptive; lru, arc, ...).", "policy"),
-    _Flag("block_size", int, "Tokens per offloaded block."),
-    _Flag("store_threshold", int, "Store a block only after it was offered this many times."),
-    _Flag("backend", str, "Data plane: auto, cpu or cuda."),
+    _Flag("host", "Interface to bind (default 127.0.0.1)."),
+    _Flag("port", "TCP port (default 8000).", int),
+    _Flag("cpu_bytes_to_use", "CPU bytes for offloaded blocks, e.g. 4GiB.", name="cpu_bytes"),
+    _Flag("eviction_policy", "Eviction policy (default adaptive; lru, arc, ...).", name="policy"),
+    _Flag("block_size", "Tokens per offloaded block.", int),
+    _Flag("store_threshold", "Store a block only after it was offered this many times.", int),
+    _Flag("backend", "Data plane: auto, cpu or cuda."),
     _Flag(
         "shared_region",
-        bool,
         "Keep blocks in a /dev/shm region worker processes can map.",
+        bool,
         decls=("--shared-region/--no-shared-region",),
     ),
-    _Flag("lease_ttl_s", float, "Seconds before an uncompleted lease rolls back.", "lease_ttl"),
-    _Flag("region_name", str, "Name of the shared region (one per service on a host)."),
-    _Flag("api_token", str, "Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
+    _Flag("lease_ttl_s", "Seconds before an uncompleted lease rolls back.", float, "lease_ttl"),
+    _Flag("region_name", "Name of the shared region (one per service on a host)."),
+    _Flag("api_token", "Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
     _Flag(
         "kv_events_endpoint",
-        str,
         "Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557.",
     ),
-    _Flag("kv_events_replay_endpoint", str, "ZMQ endpoint answering KV-event replay requests."),
-    _Flag("kv_events_topic", str, "Topic frame of every KV-event message."),
+    _Flag("kv_events_replay_endpoint", "ZMQ endpoint answering KV-event replay requests."),
+    _Flag("kv_events_topic", "Topic frame of every KV-event message."),
+    _Flag("remote_url", "Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."),
+    _Flag("disk_path", "Disk tier directory.", Path),
+    _Flag("disk_bytes", "Disk tier budget, e.g. 100GiB."),
+    _Flag("object_url", "Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
     _Flag(
-        "remote_url", str, "Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."
+        "object_endpoint", "S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000."
     ),
-    _Flag("disk_path", Path, "Disk tier directory."),
-    _Flag("disk_bytes", str, "Disk tier budget, e.g. 100GiB."),
-    _Flag("object_url", str, "Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
-    _Flag(
-        "object_endpoint",
-        str,
-        "S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000.",
-    ),
-    _Flag(
-        "object_bytes",
-        str,
-        "Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules).",
-    ),
-    _Flag("object_concurrency", int, "Object tier requests in flight per direction (16)."),
-    _Flag("model_id", str, "Model name: only instances with the same one share tiers."),
-    _Flag("tier_write", str, "through (default) or back: when blocks go below the CPU."),
+    _Flag("object_bytes", "Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules)."),
+    _Flag("object_concurrency", "Object tier requests in flight per direction (16).", int),
+    _Flag("model_id", "Model name: only instances with the same one share tiers."),
+    _Flag("tier_write", "through (default) or back: when blocks go below the CPU."),
 )
 """The flags that set config fields, in the order ``--help`` lists them (after ``--config``)."""
 
