@@ -7,10 +7,12 @@ Ctrl-C / SIGTERM drain open requests, then the lifespan closes the engine and it
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
@@ -37,91 +39,98 @@ def build_config(config_file: Path | None = None, **flags: Any) -> OffloadConfig
     return config
 
 
+class _Flag(NamedTuple):
+    """A ``serve`` flag that sets one config field (``None`` when not given: the environment,
+    the file or the default decides)."""
+
+    field: str
+    help: str
+    type: type = str
+    name: str = ""
+    """The parameter (``--name``) when it is not the field's name."""
+    decls: tuple[str, ...] = ()
+
+
+_CONFIG_FLAGS: tuple[_Flag, ...] = (
+    _Flag("host", "Interface to bind (default 127.0.0.1)."),
+    _Flag("port", "TCP port (default 8000).", int),
+    _Flag("cpu_bytes_to_use", "CPU bytes for offloaded blocks, e.g. 4GiB.", name="cpu_bytes"),
+    _Flag("eviction_policy", "Eviction policy (default adaptive; lru, arc, ...).", name="policy"),
+    _Flag("block_size", "Tokens per offloaded block.", int),
+    _Flag("store_threshold", "Store a block only after it was offered this many times.", int),
+    _Flag("backend", "Data plane: auto, cpu or cuda."),
+    _Flag(
+        "shared_region",
+        "Keep blocks in a /dev/shm region worker processes can map.",
+        bool,
+        decls=("--shared-region/--no-shared-region",),
+    ),
+    _Flag("lease_ttl_s", "Seconds before an uncompleted lease rolls back.", float, "lease_ttl"),
+    _Flag("region_name", "Name of the shared region (one per service on a host)."),
+    _Flag("api_token", "Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
+    _Flag(
+        "kv_events_endpoint",
+        "Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557.",
+    ),
+    _Flag("kv_events_replay_endpoint", "ZMQ endpoint answering KV-event replay requests."),
+    _Flag("kv_events_topic", "Topic frame of every KV-event message."),
+    _Flag("remote_url", "Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."),
+    _Flag("disk_path", "Disk tier directory.", Path),
+    _Flag("disk_bytes", "Disk tier budget, e.g. 100GiB."),
+    _Flag("object_url", "Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
+    _Flag(
+        "object_endpoint", "S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000."
+    ),
+    _Flag("object_bytes", "Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules)."),
+    _Flag("object_concurrency", "Object tier requests in flight per direction (16).", int),
+    _Flag("model_id", "Model name: only instances with the same one share tiers."),
+    _Flag("tier_write", "through (default) or back: when blocks go below the CPU."),
+    _Flag(
+        "tier_write_backpressure",
+        "Stores wait for room in the tier write queue instead of dropping the write.",
+        bool,
+        decls=("--tier-write-backpressure/--no-tier-write-backpressure",),
+    ),
+    _Flag(
+        "tier_write_backpressure_timeout_s",
+        "Longest a store waits for that room, in seconds.",
+        float,
+        "tier_write_backpressure_timeout",
+    ),
+)
+"""The flags that set config fields, in the order ``--help`` lists them (after ``--config``)."""
+
+
+def _with_config_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` (which takes them as ``**flags``) one typer option per config flag."""
+    own = inspect.signature(command, eval_str=True).parameters.values()
+    options = [
+        inspect.Parameter(
+            flag.name or flag.field,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[flag.type | None, typer.Option(*flag.decls, help=flag.help)],
+        )
+        for flag in _CONFIG_FLAGS
+    ]
+    kept = [p for p in own if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    # --config first, the config flags, then the serving flags: the order --help shows.
+    signature = inspect.Signature([*kept[:1], *options, *kept[1:]], return_annotation=None)
+    command.__signature__ = signature  # type: ignore[attr-defined]
+    command.__annotations__.update({p.name: p.annotation for p in (*kept, *options)})
+    return command
+
+
+@_with_config_flags
 def serve(
-    host: Annotated[str | None, typer.Option(help="Interface to bind (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default 8000).")] = None,
+    *,
     config_file: Annotated[
         Path | None,
         typer.Option("--config", "-c", help="TOML, JSON or YAML config file.", exists=True),
     ] = None,
-    cpu_bytes: Annotated[
-        str | None, typer.Option(help="CPU bytes for offloaded blocks, e.g. 4GiB.")
-    ] = None,
-    policy: Annotated[
-        str | None, typer.Option(help="Eviction policy (default adaptive; lru, arc, ...).")
-    ] = None,
-    block_size: Annotated[int | None, typer.Option(help="Tokens per offloaded block.")] = None,
-    store_threshold: Annotated[
-        int | None, typer.Option(help="Store a block only after it was offered this many times.")
-    ] = None,
-    backend: Annotated[str | None, typer.Option(help="Data plane: auto, cpu or cuda.")] = None,
-    shared_region: Annotated[
-        bool | None,
-        typer.Option(
-            "--shared-region/--no-shared-region",
-            help="Keep blocks in a /dev/shm region worker processes can map.",
-        ),
-    ] = None,
-    lease_ttl: Annotated[
-        float | None, typer.Option(help="Seconds before an uncompleted lease rolls back.")
-    ] = None,
-    region_name: Annotated[
-        str | None,
-        typer.Option(help="Name of the shared region (one per service on a host)."),
-    ] = None,
-    api_token: Annotated[
-        str | None,
-        typer.Option(help="Bearer token required on /v1 (prefer KVCACHE_OFFLOAD_API_TOKEN)."),
-    ] = None,
-    kv_events_endpoint: Annotated[
-        str | None,
-        typer.Option(help="Publish KV events for routers on this ZMQ endpoint, e.g. tcp://*:5557."),
-    ] = None,
-    kv_events_replay_endpoint: Annotated[
-        str | None, typer.Option(help="ZMQ endpoint answering KV-event replay requests.")
-    ] = None,
-    kv_events_topic: Annotated[
-        str | None, typer.Option(help="Topic frame of every KV-event message.")
-    ] = None,
-    remote_url: Annotated[
-        str | None,
-        typer.Option(help="Redis/Valkey tier: redis://HOST:PORT/DB, rediss://, redis+cluster://."),
-    ] = None,
-    disk_path: Annotated[Path | None, typer.Option(help="Disk tier directory.")] = None,
-    disk_bytes: Annotated[str | None, typer.Option(help="Disk tier budget, e.g. 100GiB.")] = None,
-    object_url: Annotated[
-        str | None,
-        typer.Option(help="Object-store tier: s3://BUCKET/PREFIX, gs://, az://, file:///PATH."),
-    ] = None,
-    object_endpoint: Annotated[
-        str | None,
-        typer.Option(help="S3-compatible endpoint for an s3:// object URL, e.g. http://HOST:9000."),
-    ] = None,
-    object_bytes: Annotated[
-        str | None,
-        typer.Option(help="Object tier budget, e.g. 2TiB (default: the bucket's lifecycle rules)."),
-    ] = None,
-    object_concurrency: Annotated[
-        int | None, typer.Option(help="Object tier requests in flight per direction (16).")
-    ] = None,
-    model_id: Annotated[
-        str | None, typer.Option(help="Model name: only instances with the same one share tiers.")
-    ] = None,
-    tier_write: Annotated[
-        str | None, typer.Option(help="through (default) or back: when blocks go below the CPU.")
-    ] = None,
-    tier_write_backpressure: Annotated[
-        bool | None,
-        typer.Option(
-            "--tier-write-backpressure/--no-tier-write-backpressure",
-            help="Stores wait for room in the tier write queue instead of dropping the write.",
-        ),
-    ] = None,
-    tier_write_backpressure_timeout: Annotated[
-        float | None, typer.Option(help="Longest a store waits for that room, in seconds.")
-    ] = None,
     log_level: Annotated[str, typer.Option(help=f"One of {', '.join(_LOG_LEVELS)}.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    **flags: Any,
 ) -> None:
     """Serve lookup/store/load, block bytes, server-sent events and /metrics over HTTP."""
     if log_level.lower() not in _LOG_LEVELS:
@@ -130,31 +139,7 @@ def serve(
         require("server", "kvcache-offload serve")
         config = build_config(
             config_file,
-            host=host,
-            port=port,
-            cpu_bytes_to_use=cpu_bytes,
-            eviction_policy=policy,
-            block_size=block_size,
-            store_threshold=store_threshold,
-            backend=backend,
-            shared_region=shared_region,
-            lease_ttl_s=lease_ttl,
-            region_name=region_name,
-            api_token=api_token,
-            kv_events_endpoint=kv_events_endpoint,
-            kv_events_replay_endpoint=kv_events_replay_endpoint,
-            kv_events_topic=kv_events_topic,
-            remote_url=remote_url,
-            disk_path=disk_path,
-            disk_bytes=disk_bytes,
-            object_url=object_url,
-            object_endpoint=object_endpoint,
-            object_bytes=object_bytes,
-            object_concurrency=object_concurrency,
-            model_id=model_id,
-            tier_write=tier_write,
-            tier_write_backpressure=tier_write_backpressure,
-            tier_write_backpressure_timeout_s=tier_write_backpressure_timeout,
+            **{flag.field: flags.get(flag.name or flag.field) for flag in _CONFIG_FLAGS},
         )
         from .startup import preflight
 

@@ -58,6 +58,10 @@ def _raise_for(response: httpx.Response) -> None:
     raise ServiceError(response.status_code, name or "HTTPError", detail)
 
 
+KeysArg = Sequence[OffloadKey | bytes | str] | None
+"""Blocks named by key: keys, their bytes or hex (None: named by ``token_ids`` instead)."""
+
+
 class TokenSource(TypedDict, total=False):
     """Keyword arguments naming blocks by token ids instead of keys (the service derives
     chained keys; see docs/http-api.md), plus the request id policies may use."""
@@ -69,9 +73,7 @@ class TokenSource(TypedDict, total=False):
     req_id: str
 
 
-def _keys_body(
-    keys: Sequence[OffloadKey | bytes | str] | None, source: TokenSource
-) -> dict[str, Any]:
+def _keys_body(keys: KeysArg, source: TokenSource) -> dict[str, Any]:
     unknown = source.keys() - TokenSource.__annotations__.keys()
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
@@ -164,37 +166,23 @@ class OffloadClient(AsyncClosing):
 
     # -- keys --------------------------------------------------------------------------------
 
-    async def lookup(
-        self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
-        **source: Unpack[TokenSource],
-    ) -> LookupResult:
+    async def lookup(self, keys: KeysArg = None, **source: Unpack[TokenSource]) -> LookupResult:
         """The ready prefix of ``keys`` (or of the blocks of ``token_ids``)."""
         return from_wire(LookupResult, await self._post("/v1/lookup", _keys_body(keys, source)))
 
-    async def touch(
-        self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
-        **source: Unpack[TokenSource],
-    ) -> int:
+    async def touch(self, keys: KeysArg = None, **source: Unpack[TokenSource]) -> int:
         out = await self._post("/v1/touch", _keys_body(keys, source))
         return int(out["touched"])
 
     async def discard(
-        self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
-        **source: Unpack[TokenSource],
+        self, keys: KeysArg = None, **source: Unpack[TokenSource]
     ) -> list[OffloadKey]:
         """Free blocks nobody will ask for again (a finished session's own keys); returns
         the keys freed."""
         out = await self._post("/v1/discard", _keys_body(keys, source))
         return _keys(out["discarded"])
 
-    async def release(
-        self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
-        **source: Unpack[TokenSource],
-    ) -> int:
+    async def release(self, keys: KeysArg = None, **source: Unpack[TokenSource]) -> int:
         """Evict these blocks first when room is needed, unless asked for again."""
         out = await self._post("/v1/release", _keys_body(keys, source))
         return int(out["released"])
@@ -203,7 +191,7 @@ class OffloadClient(AsyncClosing):
 
     async def prepare_store(
         self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
+        keys: KeysArg = None,
         *,
         ttl_s: float | None = None,
         **source: Unpack[TokenSource],
@@ -220,7 +208,7 @@ class OffloadClient(AsyncClosing):
 
     async def prepare_load(
         self,
-        keys: Sequence[OffloadKey | bytes | str] | None = None,
+        keys: KeysArg = None,
         *,
         ttl_s: float | None = None,
         **source: Unpack[TokenSource],

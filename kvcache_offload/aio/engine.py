@@ -23,7 +23,7 @@ on expiry, :meth:`OffloadEngine.reset` and :meth:`OffloadEngine.aclose`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, Self, TypeVar
+from typing import TYPE_CHECKING, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from kvcache_offload.aio.engine_block_bytes import BlockBytes
 from kvcache_offload.aio.engine_build import build_tiers
@@ -70,6 +70,30 @@ def _part_method(
     forward.__name__, forward.__doc__ = method.__name__, method.__doc__
     forward.__wrapped__ = method  # type: ignore[attr-defined]  # inspect.signature shows the part's
     return forward
+
+
+class _CoreView(Generic[_T]):
+    """A read-only engine attribute that is its core's (``name`` there)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._attr = name
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self._attr = attr
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, engine: OffloadEngine, owner: type) -> _T: ...
+    def __get__(self, engine: OffloadEngine | None, owner: type) -> Self | _T:
+        if engine is None:
+            return self
+        value: _T = getattr(engine._core, self._name)
+        return value
+
+    def __set__(self, engine: OffloadEngine, value: object) -> None:
+        raise AttributeError(f"the engine's {self._attr!r} is read-only")
 
 
 class OffloadEngine:
@@ -176,13 +200,8 @@ class OffloadEngine:
         """Bytes of one offloaded block: the page size of ``write_blocks``/``read_block``."""
         return self._blocks.block_nbytes
 
-    @property
-    def closed(self) -> bool:
-        return self._core._closed
-
-    @property
-    def close_timeout_s(self) -> float:
-        return self._core.close_timeout_s
+    closed: _CoreView[bool] = _CoreView("_closed")
+    close_timeout_s: _CoreView[float] = _CoreView("close_timeout_s")
 
     def stats(self) -> EngineStats:
         self._core._release_quarantined()
@@ -193,36 +212,17 @@ class OffloadEngine:
     events = subscribe
     """Alias of :meth:`subscribe`."""
 
-    @property
-    def event_hub(self) -> EventHub:
-        return self._core._hub
-
-    @property
-    def kv_events(self) -> KVEventPublisher | None:
-        """The ZMQ KV-event publisher, when ``kv_events_endpoint`` is configured."""
-        return self._core._kv_events
-
-    @property
-    def worker(self) -> OffloadingWorker | None:
-        return self._core._worker
+    event_hub: _CoreView[EventHub] = _CoreView("_hub")
+    kv_events: _CoreView[KVEventPublisher | None] = _CoreView("_kv_events")
+    """The ZMQ KV-event publisher, when ``kv_events_endpoint`` is configured."""
+    worker: _CoreView[OffloadingWorker | None] = _CoreView("_worker")
 
     # -- the core's pieces, for the service's introspection and tests ----------------------
 
-    @property
-    def _hub(self) -> EventHub:
-        return self._core._hub
-
-    @property
-    def _poller(self) -> TransferPoller | None:
-        return self._core._poller
-
-    @property
-    def _tiers(self) -> EngineTiers | None:
-        return self._core._tiers
-
-    @property
-    def _heap_freeze(self) -> HeapFreeze:
-        return self._core._heap_freeze
+    _hub: _CoreView[EventHub] = _CoreView("_hub")
+    _poller: _CoreView[TransferPoller | None] = _CoreView("_poller")
+    _tiers: _CoreView[EngineTiers | None] = _CoreView("_tiers")
+    _heap_freeze: _CoreView[HeapFreeze] = _CoreView("_heap_freeze")
 
     async def _get_block_memory(self) -> BlockMemory:
         return await self._blocks.get_block_memory()

@@ -14,25 +14,26 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, block_ids_of
+from kvcache_offload.aio.engine_core import (
+    LOAD_DIRECTION,
+    STORE_DIRECTION,
+    EnginePart,
+    block_ids_of,
+)
 from kvcache_offload.aio.types import EventType, StoreResult
 from kvcache_offload.contracts.capabilities import HasBlockMemory
 from kvcache_offload.contracts.manager import ReqContext
 from kvcache_offload.errors import ConfigError, OffloadError, TransferError
 
 if TYPE_CHECKING:
-    from kvcache_offload.aio.engine_core import EngineCore
     from kvcache_offload.contracts.offload_key import OffloadKey
     from kvcache_offload.dataplane.memory.block_memory import BlockMemory
 
 __all__ = ["BlockBytes"]
 
 
-class BlockBytes:
+class BlockBytes(EnginePart):
     """``write_blocks``, ``read_block``, ``block_nbytes`` and ``region_info``."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
 
     def _memory(self) -> BlockMemory:
         c = self._core

@@ -84,21 +84,29 @@ def _ignore(lease: Lease) -> None:
     """No lease operations attached (yet): an expired lease needs nothing more."""
 
 
+class EnginePart:
+    """One of the parts an engine holds: its operations run over the one shared core."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+
 class EngineCore:
     """The engine's shared state and manager steps (see the module docstring)."""
 
     def __init__(
         self,
-        config: OffloadConfig | None = None,
+        config: OffloadConfig | None,
         *,
-        kv_caches: CanonicalKVCaches | None = None,
-        spec: OffloadingSpec | None = None,
-        access_observers: Sequence[object] = (),
-        poll_spin_s: float = 0.02,
-        poll_backoff_s: float = 0.001,
-        close_timeout_s: float = 30.0,
-        observer_budget: float | None = None,
+        kv_caches: CanonicalKVCaches | None,
+        spec: OffloadingSpec | None,
+        access_observers: Sequence[object],
+        poll_spin_s: float,
+        poll_backoff_s: float,
+        close_timeout_s: float,
+        observer_budget: float | None,
     ) -> None:
+        # Every argument is the engine's (``OffloadEngine``, which documents and defaults them).
         if config is None:
             config = spec.config if spec is not None else OffloadConfig()
         self.config = config

@@ -14,7 +14,7 @@ from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, EngineCore
+from kvcache_offload.aio.engine_core import LOAD_DIRECTION, STORE_DIRECTION, EnginePart
 from kvcache_offload.aio.gpu_specs import gpu_spec_for_keys
 from kvcache_offload.aio.poller import COLLECT, LOOK, TransferPoller
 from kvcache_offload.aio.types import LoadResult, StoreResult, job_load_result, job_store_result
@@ -67,20 +67,18 @@ async def _settle(
 GpuBlocks = Sequence[int] | np.ndarray | GPULoadStoreSpec
 
 
-class TransferJobs:
+class TransferJobs(EnginePart):
     """``store`` and ``load``: submit one job to the poller and await its result."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
-
-    def _require_poller(self) -> TransferPoller:
-        c = self._core
-        if c._poller is None:
+    def _begin(self, req_context: ReqContext | None) -> tuple[TransferPoller, ReqContext]:
+        """A job's poller (a typed error without KV caches) and request context."""
+        poller = self._core._poller
+        if poller is None:
             raise ConfigError(
                 "no KV caches registered: pass kv_caches= to OffloadEngine to store or load "
                 "GPU blocks (sidecar clients use prepare_store/prepare_load instead)"
             )
-        return c._poller
+        return poller, req_context if req_context is not None else _NO_CONTEXT
 
     async def store(
         self,
@@ -94,10 +92,7 @@ class TransferJobs:
         room and :class:`TransferError` when the copy failed (the store is then rolled back).
         """
         c = self._core
-        poller = c._poller
-        if poller is None:
-            poller = self._require_poller()
-        ctx = req_context if req_context is not None else _NO_CONTEXT
+        poller, ctx = self._begin(req_context)
         keys = list(keys)
         # The manager's events (its evictions) are published once the copy is on its way:
         # a lone store's copy starts that much sooner, and nothing else runs on the loop in
@@ -175,10 +170,7 @@ class TransferJobs:
         :class:`TransferError` if the copy failed (the blocks are unpinned).
         """
         c = self._core
-        poller = c._poller
-        if poller is None:
-            poller = self._require_poller()
-        ctx = req_context if req_context is not None else _NO_CONTEXT
+        poller, ctx = self._begin(req_context)
         keys = list(keys)
         if not keys:
             return LoadResult([])

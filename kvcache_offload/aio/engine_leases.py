@@ -15,6 +15,7 @@ from kvcache_offload.aio.engine_core import (
     LOAD_DIRECTION,
     STORE_DIRECTION,
     EngineCore,
+    EnginePart,
     block_ids_of,
 )
 from kvcache_offload.aio.leases import Lease, LeaseTable
@@ -28,11 +29,18 @@ __all__ = ["LeaseOperations"]
 logger = logging.getLogger("kvcache_offload.aio.engine")
 
 
-class LeaseOperations:
+def _lease_context(req_context: ReqContext | None, ttl_s: float | None) -> ReqContext:
+    """The context a new lease keeps, once its TTL is known to be valid."""
+    if ttl_s is not None:
+        LeaseTable.check_ttl(ttl_s)
+    return req_context if req_context is not None else ReqContext()
+
+
+class LeaseOperations(EnginePart):
     """``prepare_store``/``complete_store``, ``prepare_load``/``complete_load``, lease expiry."""
 
     def __init__(self, core: EngineCore) -> None:
-        self._core = core
+        super().__init__(core)
         core.lease_expired = self._on_lease_expired
 
     async def prepare_store(
@@ -43,9 +51,7 @@ class LeaseOperations:
     ) -> StoreLease:
         """Allocate CPU slots for the keys not yet offloaded; complete within the TTL."""
         c = self._core
-        if ttl_s is not None:
-            LeaseTable.check_ttl(ttl_s)
-        ctx = req_context if req_context is not None else ReqContext()
+        ctx = _lease_context(req_context, ttl_s)
         if c._tiers is not None:
             await c._tier_room(list(keys))
         out = c._prepare_store(list(keys), ctx)
@@ -90,9 +96,7 @@ class LeaseOperations:
     ) -> LoadLease:
         """Pin ready blocks for reading; :class:`BlockStateError` if one is not ready."""
         c = self._core
-        if ttl_s is not None:
-            LeaseTable.check_ttl(ttl_s)
-        ctx = req_context if req_context is not None else ReqContext()
+        ctx = _lease_context(req_context, ttl_s)
         keys = list(keys)
         if c._tiers is not None:
             await c._tiers.promote(keys)

@@ -14,7 +14,7 @@ import logging
 import anyio
 
 from kvcache_offload.aio.engine_block_bytes import BlockBytes
-from kvcache_offload.aio.engine_core import EngineCore
+from kvcache_offload.aio.engine_core import EngineCore, EnginePart
 from kvcache_offload.aio.types import EventType
 from kvcache_offload.contracts.capabilities import ShutsDown
 from kvcache_offload.errors import TransferError
@@ -24,11 +24,11 @@ __all__ = ["Lifecycle"]
 logger = logging.getLogger("kvcache_offload.aio.engine")
 
 
-class Lifecycle:
+class Lifecycle(EnginePart):
     """``start``, ``aclose`` and ``reset`` (the engine's ``async with`` calls the first two)."""
 
     def __init__(self, core: EngineCore, blocks: BlockBytes) -> None:
-        self._core = core
+        super().__init__(core)
         self._blocks = blocks
 
     async def start(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache_offload.aio.engine_core import EngineCore
+from kvcache_offload.aio.engine_core import EnginePart
 from kvcache_offload.aio.tiering import CPU_TIER
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.capabilities import DiscardsBlocks
@@ -27,11 +27,8 @@ _NO_CONTEXT = ReqContext()
 """Shared by calls that pass no context (managers only read it)."""
 
 
-class Lookups:
+class Lookups(EnginePart):
     """``lookup``, ``lookup_now``, ``touch``, ``discard`` and ``release``."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
 
     async def lookup(
         self,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvcache_offload.control.manager import CPUOffloadingManager
 
 from kvcache_offload.control import _chosen_ahead
+from kvcache_offload.control._fences import take_blocks
 from kvcache_offload.control._manager_io import check_keys, event
 
 __all__ = ["discard", "release", "released_victims", "take_released"]
@@ -73,24 +74,8 @@ def take_released(
 
 
 def discard(m: CPUOffloadingManager, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-    check_keys(keys)
-    table = m._blocks
-    free_list = m._free_list
     dropped: list[OffloadKey] = []
-    ahead = m._ahead
-    for key in keys:
-        block = table.get(key)
-        if block is None and ahead:
-            block = _chosen_ahead.forget_chosen(m, key)
-            if block is not None:
-                free_list.append(block)
-                dropped.append(key)
-            continue
-        if block is None or block.ref_cnt != 0:
-            continue
-        m._forget(key, block)
-        free_list.append(block)
-        dropped.append(key)
+    m._free_list.extend(take_blocks(m, keys, True, dropped))
     m._discarded_blocks += len(dropped)
     if dropped and m.events is not None:
         m.events.append(event(dropped, True))

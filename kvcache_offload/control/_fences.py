@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcache_offload.contracts.offload_key import OffloadKey
+from kvcache_offload.control.policies.base import BlockStatus
 
 if TYPE_CHECKING:
     from kvcache_offload.control.manager import CPUOffloadingManager
@@ -15,30 +16,49 @@ if TYPE_CHECKING:
 from kvcache_offload.control import _chosen_ahead
 from kvcache_offload.control._manager_io import check_keys
 
-__all__ = ["fence", "release_fenced"]
+__all__ = ["fence", "release_fenced", "take_blocks"]
+
+
+def take_blocks(
+    m: CPUOffloadingManager,
+    keys: Sequence[OffloadKey],
+    idle_only: bool,
+    taken_keys: list[OffloadKey],
+) -> list[BlockStatus]:
+    """Take the blocks of ``keys`` from their keys (a block chosen ahead too), in order,
+    and append those keys to ``taken_keys``; the caller frees or fences the slots. With
+    ``idle_only`` a block being written or read stays; without, its count is settled."""
+    check_keys(keys)
+    table = m._blocks
+    ahead = m._ahead
+    taken: list[BlockStatus] = []
+    for key in keys:
+        block = table.get(key)
+        if block is None:
+            if not ahead:
+                continue
+            block = _chosen_ahead.forget_chosen(m, key)
+            if block is None:
+                continue
+        else:
+            ref_cnt = block.ref_cnt
+            if ref_cnt != 0:
+                if idle_only:
+                    continue
+                if ref_cnt == -1:
+                    m._writing -= 1
+                    m._failed_store_blocks += 1
+                else:
+                    m._reading -= 1
+            m._forget(key, block)
+        taken.append(block)
+        taken_keys.append(key)
+    return taken
 
 
 def fence(m: CPUOffloadingManager, keys: Sequence[OffloadKey]) -> list[int]:
-    check_keys(keys)
-    table = m._blocks
     fenced: list[int] = []
-    ahead = m._ahead
-    for key in keys:
-        block = table.get(key)
-        if block is None and ahead:
-            block = _chosen_ahead.forget_chosen(m, key)
-            if block is not None:
-                m._fenced[block.block_id] = block
-                fenced.append(block.block_id)
-            continue
-        if block is None:
-            continue
-        if block.ref_cnt == -1:
-            m._writing -= 1
-            m._failed_store_blocks += 1
-        elif block.ref_cnt > 0:
-            m._reading -= 1
-        m._forget(key, block)
+    for block in take_blocks(m, keys, False, []):
         m._fenced[block.block_id] = block
         fenced.append(block.block_id)
     return fenced

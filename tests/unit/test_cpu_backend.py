@@ -14,13 +14,15 @@ from kvcache_offload.contracts.kv_caches import CanonicalKVCaches  # noqa: E402
 from kvcache_offload.contracts.load_store_spec import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvcache_offload.dataplane.copy.plan import CopySides  # noqa: E402
 from kvcache_offload.dataplane.handlers.cpu_backend import (  # noqa: E402
-    HOST_INLINE_MAX_BYTES,
-    HOST_LONE_INLINE_MAX_BYTES,
     CpuBackendOffloadingHandlers,
-    ThreadedOffloadingHandler,
 )
 from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue  # noqa: E402
 from kvcache_offload.dataplane.handlers.router import OffloadingWorker  # noqa: E402
+from kvcache_offload.dataplane.handlers.threaded import (  # noqa: E402
+    HOST_INLINE_MAX_BYTES,
+    HOST_LONE_INLINE_MAX_BYTES,
+    ThreadedOffloadingHandler,
+)
 from kvcache_offload.dataplane.memory import shared_offload_region  # noqa: E402
 from kvcache_offload.dataplane.memory.block_memory import (  # noqa: E402
     HostBlockMemory,

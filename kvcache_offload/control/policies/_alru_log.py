@@ -149,12 +149,15 @@ class BlockLog:
         return self.size
 
 
-def next_idle(log: BlockLog, index: int, protected: Collection[OffloadKey], guarded: bool) -> int:
-    """The index of the first live, evictable entry of ``log`` from ``index`` on, or -1."""
+def next_idle(
+    log: BlockLog, index: int, step: int, protected: Collection[OffloadKey], guarded: bool
+) -> int:
+    """The index of the first live, evictable entry of ``log`` from ``index`` on, walking
+    by ``step`` (1: oldest first; -1: the demoted stack, newest first), or -1."""
     blocks, keys, where = log.blocks, log.keys, log.where
     end = len(keys)
     base = log.base
-    while index < end:
+    while 0 <= index < end:
         block = blocks[index]
         mark = block.mark
         if (
@@ -164,26 +167,5 @@ def next_idle(log: BlockLog, index: int, protected: Collection[OffloadKey], guar
             and not (guarded and keys[index] in protected)
         ):
             return index
-        index += 1
-    return -1
-
-
-def next_demoted(
-    log: BlockLog, index: int, protected: Collection[OffloadKey], guarded: bool
-) -> int:
-    """The index of the next live, evictable entry of the demoted stack ``log`` from
-    ``index`` down, or -1."""
-    blocks, keys = log.blocks, log.keys
-    base = log.base
-    while index >= 0:
-        block = blocks[index]
-        mark = block.mark
-        if (
-            (mark & 3) == DEMOTED_TAIL
-            and ((mark >> TOKEN_SHIFT) & TOKEN_MASK) == base + index
-            and block.ref_cnt == 0
-            and not (guarded and keys[index] in protected)
-        ):
-            return index
-        index -= 1
+        index += step
     return -1

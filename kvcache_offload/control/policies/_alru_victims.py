@@ -19,7 +19,6 @@ from kvcache_offload.control.policies._alru_log import (
     PROBATION_GHOSTS,
     STAMP_SHIFT,
     TAIL,
-    next_demoted,
     next_idle,
 )
 from kvcache_offload.control.policies.base import Blocks, Keys, Protected
@@ -42,11 +41,11 @@ def select_victims(
     # Probation cursor: an index into the demoted stack (walked down) while ``in_stack``,
     # then into the probation log (walked up); -1: that walk is over.
     in_stack = True
-    p = next_demoted(policy._demoted, len(demoted.keys) - 1, protected, guarded)
+    p = next_idle(policy._demoted, len(demoted.keys) - 1, -1, protected, guarded)
     if p < 0:
         in_stack = False
-        p = next_idle(probation, probation.head, protected, guarded)
-    m = next_idle(main, main.head, protected, guarded)
+        p = next_idle(probation, probation.head, 1, protected, guarded)
+    m = next_idle(main, main.head, 1, protected, guarded)
     # Victims in the order chosen, appended to the two lists as found: the keys and
     # blocks of the logs' entries (no index boxed per victim); each block's mark still
     # says where it is. Taken back out if there are fewer than ``n``.
@@ -67,19 +66,19 @@ def select_victims(
                 if in_stack:
                     keys.append(demoted.keys[p])
                     blocks.append(demoted.blocks[p])
-                    p = next_demoted(policy._demoted, p - 1, protected, guarded)
+                    p = next_idle(policy._demoted, p - 1, -1, protected, guarded)
                     if p < 0:
                         in_stack = False
-                        p = next_idle(probation, probation.head, protected, guarded)
+                        p = next_idle(probation, probation.head, 1, protected, guarded)
                 else:
                     keys.append(probation.keys[p])
                     blocks.append(probation.blocks[p])
-                    p = next_idle(probation, p + 1, protected, guarded)
+                    p = next_idle(probation, p + 1, 1, protected, guarded)
                 continue
         if m >= 0:
             keys.append(main.keys[m])
             blocks.append(main.blocks[m])
-            m = next_idle(main, m + 1, protected, guarded)
+            m = next_idle(main, m + 1, 1, protected, guarded)
         else:
             del keys[start:]
             del blocks[start_blocks:]

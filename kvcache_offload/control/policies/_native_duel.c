@@ -451,30 +451,32 @@ static PyObject *Duel_access(Duel *d, PyObject *keys) {
     return PyFloat_FromDouble(d->weight);
 }
 
-static PyObject *Duel_sizes(Duel *d, PyObject *Py_UNUSED(ignored)) {
+/* One Python object per copy, as a list (NULL with an exception set when one fails). */
+static PyObject *per_copy(Duel *d, PyObject *(*item)(const Copy *)) {
     PyObject *out = PyList_New(d->ncopies);
     for (Py_ssize_t c = 0; out != NULL && c < d->ncopies; c++) {
-        PyObject *size = PyLong_FromSsize_t(d->copies[c].probation.size + d->copies[c].main.size);
-        if (size == NULL) {
+        PyObject *value = item(&d->copies[c]);
+        if (value == NULL) {
             Py_CLEAR(out);
             break;
         }
-        PyList_SET_ITEM(out, c, size);
+        PyList_SET_ITEM(out, c, value);
     }
     return out;
 }
 
+static PyObject *copy_size(const Copy *copy) {
+    return PyLong_FromSsize_t(copy->probation.size + copy->main.size);
+}
+
+static PyObject *copy_hits(const Copy *copy) { return PyFloat_FromDouble(copy->hits); }
+
+static PyObject *Duel_sizes(Duel *d, PyObject *Py_UNUSED(ignored)) {
+    return per_copy(d, copy_size);
+}
+
 static PyObject *Duel_hits(Duel *d, PyObject *Py_UNUSED(ignored)) {
-    PyObject *out = PyList_New(d->ncopies);
-    for (Py_ssize_t c = 0; out != NULL && c < d->ncopies; c++) {
-        PyObject *hits = PyFloat_FromDouble(d->copies[c].hits);
-        if (hits == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, c, hits);
-    }
-    return out;
+    return per_copy(d, copy_hits);
 }
 
 static PyObject *Duel_id_slots(Duel *d, PyObject *Py_UNUSED(ignored)) {

@@ -26,6 +26,7 @@ from kvcache_offload.control.policies.base import (
     Protected,
     Victims,
     append_victims,
+    victims_from,
 )
 
 __all__ = ["Queue", "QueuePolicy"]
@@ -88,11 +89,7 @@ class QueuePolicy(CachePolicy):
     def _select(self, n: int, protected: Protected) -> Victims | None:
         """``evict`` for ``n >= 1`` with the batch flushed. A subclass implements this or
         :meth:`_select_blocks` (each defaults to the other)."""
-        keys: list[OffloadKey] = []
-        blocks: list[BlockStatus] = []
-        if not self._select_blocks(n, protected, keys, blocks):
-            return None
-        return list(zip(keys, blocks, strict=True))
+        return victims_from(self._select_blocks, n, protected)
 
     def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """``evict_blocks`` for ``n >= 1`` with the batch flushed (see :meth:`_select`)."""

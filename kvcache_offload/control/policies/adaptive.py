@@ -45,8 +45,8 @@ from kvcache_offload.control.policies.base import (
     BlockStatus,
     CachePolicy,
     Keys,
+    ListEvictionPolicy,
     Protected,
-    Victims,
 )
 from kvcache_offload.control.policies.lru2 import LRU2CachePolicy
 from kvcache_offload.control.policies.registry import get_cache_policy_cls
@@ -57,7 +57,7 @@ _NONE: frozenset[OffloadKey] = frozenset()
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
-class AdaptiveCachePolicy(CachePolicy):
+class AdaptiveCachePolicy(ListEvictionPolicy):
     """Serves with the candidate whose miniature hits most (see module doc)."""
 
     name = "adaptive"
@@ -80,10 +80,8 @@ class AdaptiveCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._classes = {name: get_cache_policy_cls(name) for name in self.candidates}
-        # Whether ``evict_blocks`` may pass the manager's lists to the live policy: not
-        # when a subclass changed ``evict`` (it must still see every eviction).
-        self._plain_evict = type(self).evict is AdaptiveCachePolicy.evict
-        # Likewise for ``insert_blocks`` and the subclass's ``insert_many``.
+        # Whether ``insert_blocks`` may pass the manager's lists to the live policy: not
+        # when a subclass changed ``insert_many`` (it must still see every insert).
         self._plain_insert = type(self).insert_many is AdaptiveCachePolicy.insert_many
         self._start()
 
@@ -201,18 +199,8 @@ class AdaptiveCachePolicy(CachePolicy):
         if sampled and self._race.request(sampled):
             self._switch(self._race.leader)
 
-    def evict(self, n: int, protected: Protected) -> Victims | None:
-        victims = self._live.evict(n, protected)
-        if victims and not self._shared:
-            blocks = self._blocks
-            for key, _ in victims:
-                del blocks[key]
-        return victims
-
-    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
-        # :meth:`evict` in the manager's list form, which the live policy fills directly.
-        if not self._plain_evict:
-            return super().evict_blocks(n, protected, keys, blocks)
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """Both eviction forms: the live policy fills the manager's lists directly."""
         start = len(keys)
         if not self._live.evict_blocks(n, protected, keys, blocks):
             return False

@@ -23,10 +23,9 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import (
     Blocks,
     BlockStatus,
-    CachePolicy,
     Keys,
+    ListEvictionPolicy,
     Protected,
-    Victims,
 )
 
 __all__ = ["ARCCachePolicy"]
@@ -126,7 +125,7 @@ class _Ring:
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
-class ARCCachePolicy(CachePolicy):
+class ARCCachePolicy(ListEvictionPolicy):
     """ARC as vLLM drives it: adaptation on ``touch`` of ghost keys, new blocks enter T1.
 
     ``t1``, ``t2``, ``b1`` and ``b2`` are snapshots of the lists' keys, least recent first
@@ -263,18 +262,6 @@ class ARCCachePolicy(CachePolicy):
             node = node.next
         self.scanned += scanned
         return node
-
-    def evict(self, n: int, protected: Protected) -> Victims | None:
-        keys: list[OffloadKey] = []
-        blocks: list[BlockStatus] = []
-        if not self._evict_into(n, protected, keys, blocks):
-            return None
-        return list(zip(keys, blocks, strict=True))
-
-    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
-        if type(self).evict is not ARCCachePolicy.evict:  # a subclass's ``evict`` decides
-            return super().evict_blocks(n, protected, keys, blocks)
-        return self._evict_into(n, protected, keys, blocks)
 
     def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         """:meth:`evict_blocks` itself: the victims appended to the two lists, or False."""

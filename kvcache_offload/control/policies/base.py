@@ -10,14 +10,24 @@ read by that many loads. A block also carries two ints for the policy holding it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvcache_offload.contracts.offload_key import OffloadKey
 
-__all__ = ["BlockStatus", "Blocks", "CachePolicy", "Keys", "Protected", "Victims", "append_victims"]
+__all__ = [
+    "BlockStatus",
+    "Blocks",
+    "CachePolicy",
+    "Keys",
+    "ListEvictionPolicy",
+    "Protected",
+    "Victims",
+    "append_victims",
+    "victims_from",
+]
 
 
 class BlockStatus:
@@ -63,6 +73,19 @@ Protected = Collection[OffloadKey]
 """Keys that must survive an eviction."""
 Victims = list[tuple[OffloadKey, BlockStatus]]
 """``evict``'s answer: (key, block) pairs."""
+
+
+def victims_from(
+    select: Callable[[int, Protected, Keys, Blocks], bool], n: int, protected: Protected
+) -> Victims | None:
+    """An eviction's pair form from its list form ``select`` (``evict`` from an
+    ``evict_blocks``-like method; :func:`append_victims` goes the other way): None when
+    ``select`` cannot take ``n``."""
+    keys: list[OffloadKey] = []
+    blocks: list[BlockStatus] = []
+    if not select(n, protected, keys, blocks):
+        return None
+    return list(zip(keys, blocks, strict=True))
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -172,6 +195,30 @@ class CachePolicy(ABC):
     def debug_state(self) -> dict[str, object]:
         """Policy-specific internals for tests and introspection (sizes, targets)."""
         return {"size": len(self)}
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ListEvictionPolicy(CachePolicy):
+    """A policy whose one eviction walk appends to the manager's two lists
+    (:meth:`_evict_into`): ``evict_blocks`` is that walk, ``evict`` its pairs. A subclass
+    that overrides ``evict`` is still obeyed by ``evict_blocks``."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._plain_evict = type(self).evict is ListEvictionPolicy.evict
+
+    def evict(self, n: int, protected: Protected) -> Victims | None:
+        return victims_from(self._evict_into, n, protected)
+
+    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        if not self._plain_evict:
+            return super().evict_blocks(n, protected, keys, blocks)
+        return self._evict_into(n, protected, keys, blocks)
+
+    @abstractmethod
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """The eviction: ``n`` victims appended to the two lists (none when ``n <= 0``), or
+        False having appended and changed nothing."""
 
 
 def append_victims(

@@ -11,17 +11,16 @@ from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies.base import (
     Blocks,
     BlockStatus,
-    CachePolicy,
     Keys,
+    ListEvictionPolicy,
     Protected,
-    Victims,
 )
 
 __all__ = ["LRUCachePolicy"]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled, still subclassable
-class LRUCachePolicy(CachePolicy):
+class LRUCachePolicy(ListEvictionPolicy):
     """vLLM's LRU: insertion and ``touch`` move a key to the most-recent end.
 
     Completing a load is not a use (recency only changes on insert and touch), so the order
@@ -41,7 +40,6 @@ class LRUCachePolicy(CachePolicy):
         self._plain_insert = (
             cls.insert is LRUCachePolicy.insert and cls.insert_many is LRUCachePolicy.insert_many
         )
-        self._plain_evict = cls.evict is LRUCachePolicy.evict  # likewise for ``evict``
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.blocks.get(key)
@@ -73,26 +71,9 @@ class LRUCachePolicy(CachePolicy):
             if key in blocks:
                 move(key)
 
-    def evict(self, n: int, protected: Protected) -> Victims | None:
-        if n <= 0:
-            return []
-        victims: list[tuple[OffloadKey, BlockStatus]] = []
-        guarded = len(protected) > 0  # the manager passes none: skip the membership tests
-        for key, block in self.blocks.items():
-            if block.ref_cnt == 0 and not (guarded and key in protected):
-                victims.append((key, block))
-                if len(victims) == n:
-                    break
-        else:
-            return None
-        blocks = self.blocks
-        for key, _ in victims:
-            del blocks[key]
-        return victims
-
-    def evict_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
-        if not self._plain_evict:
-            return super().evict_blocks(n, protected, keys, blocks)
+    def _evict_into(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
+        """The one walk of both eviction forms: the victims appended to the lists, or False
+        having appended nothing."""
         if n <= 0:
             return True
         start, blocks_start = len(keys), len(blocks)

@@ -17,7 +17,7 @@ from mypy_extensions import mypyc_attr
 from kvcache_offload.contracts.offload_key import OffloadKey
 from kvcache_offload.control.policies._ghosts import GhostList
 from kvcache_offload.control.policies._prefix_batch import QueuePolicy
-from kvcache_offload.control.policies.base import BlockStatus
+from kvcache_offload.control.policies.base import Blocks, BlockStatus, Keys, Protected
 
 __all__ = ["SLRUCachePolicy"]
 
@@ -82,13 +82,7 @@ class SLRUCachePolicy(QueuePolicy):
             if blocks[key].ref_cnt == 0 and key not in protected:
                 yield key
 
-    def _select_blocks(
-        self,
-        n: int,
-        protected: Collection[OffloadKey],
-        victim_keys: list[OffloadKey],
-        victim_blocks: list[BlockStatus],
-    ) -> bool:
+    def _select_blocks(self, n: int, protected: Protected, keys: Keys, blocks: Blocks) -> bool:
         from_probation: list[OffloadKey] = []
         for key in self._candidates(self._probation, protected):
             from_probation.append(key)
@@ -102,19 +96,19 @@ class SLRUCachePolicy(QueuePolicy):
                     break
             else:
                 return False
-        blocks = self._blocks
+        table = self._blocks
         for key in from_probation:
             del self._probation[key]
-            block = blocks[key]  # get and del: compiled, ``dict.pop`` is a generic call
-            del blocks[key]
-            victim_keys.append(key)
-            victim_blocks.append(block)
+            block = table[key]  # get and del: compiled, ``dict.pop`` is a generic call
+            del table[key]
+            keys.append(key)
+            blocks.append(block)
         ghost = self._ghost
         for key in from_protected:
             del self._protected[key]
             ghost.remember(key)
-            block = blocks[key]
-            del blocks[key]
-            victim_keys.append(key)
-            victim_blocks.append(block)
+            block = table[key]
+            del table[key]
+            keys.append(key)
+            blocks.append(block)
         return True

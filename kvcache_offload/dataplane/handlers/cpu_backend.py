@@ -27,9 +27,6 @@ from kvcache_offload.dataplane.copy.plan import CopySides
 from kvcache_offload.dataplane.handlers.handler_pair import HandlerPair
 from kvcache_offload.dataplane.handlers.host_copy_queue import HostCopyQueue
 from kvcache_offload.dataplane.handlers.threaded import (
-    CPU_TO_GPU,
-    GPU_TO_CPU,
-    HOST_BATCH_MAX_BYTES,
     HOST_INLINE_MAX_BYTES,
     HOST_LONE_INLINE_MAX_BYTES,
     ThreadedOffloadingHandler,
@@ -40,13 +37,7 @@ if TYPE_CHECKING:
     from kvcache_offload.dataplane.memory.shared_offload_region import SharedOffloadRegion
 
 __all__ = [
-    "CPU_TO_GPU",
-    "GPU_TO_CPU",
-    "HOST_BATCH_MAX_BYTES",
-    "HOST_INLINE_MAX_BYTES",
-    "HOST_LONE_INLINE_MAX_BYTES",
     "CpuBackendOffloadingHandlers",
-    "ThreadedOffloadingHandler",
     "allocate_cpu_tensors",
     "canonical_int8_views",
     "canonical_views_on",
