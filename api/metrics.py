@@ -48,6 +48,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(P + name, doc, value=value)
 
 
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, doc, value=value)
+
+
 def _labelled_counter(
     name: str, doc: str, label: str, values: dict[str, Any], always: tuple[str, ...] = ()
 ) -> CounterMetricFamily:
@@ -159,13 +163,11 @@ class EngineCollector(Collector):
         ):
             blocks.add_metric([state], value)
         yield blocks
-        yield GaugeMetricFamily(
-            P + "capacity_blocks", "CPU tier capacity.", value=s.capacity_blocks
-        )
-        yield GaugeMetricFamily(
-            P + "released_blocks",
+        yield _gauge("capacity_blocks", "CPU tier capacity.", s.capacity_blocks)
+        yield _gauge(
+            "released_blocks",
             "Blocks released (a session's end) and still held: evicted first when room is needed.",
-            value=s.blocks_released,
+            s.blocks_released,
         )
         yield _labelled_counter(
             "transfer_bytes", "Bytes moved.", "direction", s.transfer_bytes, DIRECTIONS
@@ -183,10 +185,8 @@ class EngineCollector(Collector):
         for direction, hist in s.transfer_duration.items():
             duration.add_metric([direction], buckets=hist.cumulative(), sum_value=hist.sum)
         yield duration
-        yield GaugeMetricFamily(
-            P + "leases_active",
-            "Prepared, not yet completed sidecar leases.",
-            value=s.leases_active,
+        yield _gauge(
+            "leases_active", "Prepared, not yet completed sidecar leases.", s.leases_active
         )
         yield _labelled_counter(
             "leases_expired",
@@ -195,10 +195,8 @@ class EngineCollector(Collector):
             s.leases_expired,
             LEASE_KINDS,
         )
-        yield GaugeMetricFamily(
-            P + "event_subscribers",
-            "Live event subscribers (SSE and in-process).",
-            value=s.event_subscribers,
+        yield _gauge(
+            "event_subscribers", "Live event subscribers (SSE and in-process).", s.event_subscribers
         )
         yield _labelled_counter(
             "events_published",
@@ -238,15 +236,15 @@ class EngineCollector(Collector):
         for scale, ratio in sorted(s.mrc_hit_ratio.items()):
             mrc.add_metric([f"{scale:g}"], ratio)
         yield mrc
-        yield GaugeMetricFamily(
-            P + "mrc_sampled_keys",
+        yield _gauge(
+            "mrc_sampled_keys",
             "Distinct keys tracked by the miss-ratio-curve sampler.",
-            value=s.mrc_sampled_keys,
+            s.mrc_sampled_keys,
         )
-        yield CounterMetricFamily(
-            P + "observer_dropped_requests",
+        yield _counter(
+            "observer_dropped_requests",
             "Requests left out of the miss-ratio curve and shadow estimates (their CPU budget).",
-            value=s.observer_dropped_requests,
+            s.observer_dropped_requests,
         )
         yield from tier_families(s)
         yield from _shadow_families(s)

@@ -36,6 +36,20 @@ _COUNTERS = (
     ("writes_dropped", "writes_dropped_blocks", "Blocks not written: queue full or backed off."),
 )
 
+_ENGINE_SCALARS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, str], ...] = (
+    (GaugeMetricFamily, "write_queue_depth", "tier_write_queue_depth",
+     "Write jobs waiting for the tiers."),
+    (CounterMetricFamily, "write_queue_full_blocks", "tier_write_queue_full_blocks",
+     "Blocks whose tier write was dropped because the write queue was full."),
+    (CounterMetricFamily, "write_backpressure_waits", "tier_write_backpressure_waits",
+     "Stores that waited for room in the tier write queue (tier_write_backpressure)."),
+    (CounterMetricFamily, "write_backpressure_timeouts", "tier_write_backpressure_timeouts",
+     "Stores whose wait for room in the tier write queue timed out."),
+    (CounterMetricFamily, "promoted_blocks", "tier_promoted_blocks",
+     "Blocks copied up from a tier into CPU slots for a load."),
+)  # fmt: skip
+"""The engine-wide tier counters and gauges: (family, name, ``EngineStats`` field, help)."""
+
 
 def _buckets(hist: LatencyHistogram) -> list[tuple[str, float]]:
     bounds = [f"{b:g}" for b in hist.bounds] + ["+Inf"]
@@ -68,26 +82,5 @@ def tier_families(s: EngineStats) -> Iterator[Metric]:
     yield blocks
     yield up
     yield latency
-    yield GaugeMetricFamily(
-        P + "write_queue_depth", "Write jobs waiting for the tiers.", value=s.tier_write_queue_depth
-    )
-    yield CounterMetricFamily(
-        P + "write_queue_full_blocks",
-        "Blocks whose tier write was dropped because the write queue was full.",
-        value=s.tier_write_queue_full_blocks,
-    )
-    yield CounterMetricFamily(
-        P + "write_backpressure_waits",
-        "Stores that waited for room in the tier write queue (tier_write_backpressure).",
-        value=s.tier_write_backpressure_waits,
-    )
-    yield CounterMetricFamily(
-        P + "write_backpressure_timeouts",
-        "Stores whose wait for room in the tier write queue timed out.",
-        value=s.tier_write_backpressure_timeouts,
-    )
-    yield CounterMetricFamily(
-        P + "promoted_blocks",
-        "Blocks copied up from a tier into CPU slots for a load.",
-        value=s.tier_promoted_blocks,
-    )
+    for family, name, attr, doc in _ENGINE_SCALARS:
+        yield family(P + name, doc, value=getattr(s, attr))
