@@ -43,13 +43,52 @@ HTTP_DURATION_BUCKETS_S = (
 )  # fmt: skip
 UNMATCHED_ROUTE = "unmatched"
 
+_Scalar = tuple[type[CounterMetricFamily | GaugeMetricFamily], str, str, str]
+_ENGINE_SCALARS: tuple[_Scalar, ...] = (
+    (CounterMetricFamily, "lookups", "lookups",
+     "Lookup calls."),
+    (CounterMetricFamily, "lookup_keys", "lookup_keys",
+     "Keys asked in lookups."),
+    (CounterMetricFamily, "lookup_hit_blocks", "lookup_hit_blocks",
+     "Keys in the ready prefix returned by lookups."),
+    (CounterMetricFamily, "store_blocks_prepared", "store_blocks_prepared",
+     "Blocks allocated by prepare_store."),
+    (CounterMetricFamily, "store_blocks_completed", "store_blocks_completed",
+     "Blocks that became loadable."),
+    (CounterMetricFamily, "store_blocks_failed", "store_blocks_failed",
+     "Blocks whose store failed (incl. expired leases)."),
+    (CounterMetricFamily, "stores_rejected", "stores_rejected",
+     "prepare_store calls refused (no evictable space)."),
+    (CounterMetricFamily, "load_blocks_completed", "load_blocks_completed",
+     "Blocks whose load completed."),
+    (CounterMetricFamily, "evicted_ahead_blocks", "evicted_ahead_blocks",
+     "Evictions that took a block chosen ahead of the store (behind a lone copy)."),
+    (CounterMetricFamily, "released_evictions", "released_evictions",
+     "Evictions that took a released block (a session's end) before the policy chose."),
+    (CounterMetricFamily, "discarded_blocks", "discarded_blocks",
+     "Blocks freed on a caller's word that nobody needs them again (session ends)."),
+    (CounterMetricFamily, "reuse_filter_skipped_blocks", "reuse_filter_skipped_blocks",
+     "Blocks not stored by the reuse filter."),
+    (GaugeMetricFamily, "capacity_blocks", "capacity_blocks",
+     "CPU tier capacity."),
+    (GaugeMetricFamily, "released_blocks", "blocks_released",
+     "Blocks released (a session's end) and still held: evicted first when room is needed."),
+    (GaugeMetricFamily, "leases_active", "leases_active",
+     "Prepared, not yet completed sidecar leases."),
+    (GaugeMetricFamily, "event_subscribers", "event_subscribers",
+     "Live event subscribers (SSE and in-process)."),
+    (CounterMetricFamily, "events_dropped", "events_dropped",
+     "Events subscribers missed by falling behind."),
+    (GaugeMetricFamily, "mrc_sampled_keys", "mrc_sampled_keys",
+     "Distinct keys tracked by the miss-ratio-curve sampler."),
+    (CounterMetricFamily, "observer_dropped_requests", "observer_dropped_requests",
+     "Requests left out of the miss-ratio curve and shadow estimates (their CPU budget)."),
+)  # fmt: skip
+"""The engine's unlabelled counters and gauges: (family, name, ``EngineStats`` field, help)."""
+
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(P + name, doc, value=value)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(P + name, doc, value=value)
 
 
 def _labelled_counter(
@@ -104,54 +143,10 @@ class EngineCollector(Collector):
         s = self._stats()
         if s is None:
             return
-        yield _counter("lookups", "Lookup calls.", s.lookups)
-        yield _counter("lookup_keys", "Keys asked in lookups.", s.lookup_keys)
-        yield _counter(
-            "lookup_hit_blocks",
-            "Keys in the ready prefix returned by lookups.",
-            s.lookup_hit_blocks,
-        )
-        yield _counter(
-            "store_blocks_prepared", "Blocks allocated by prepare_store.", s.store_blocks_prepared
-        )
-        yield _counter(
-            "store_blocks_completed", "Blocks that became loadable.", s.store_blocks_completed
-        )
-        yield _counter(
-            "store_blocks_failed",
-            "Blocks whose store failed (incl. expired leases).",
-            s.store_blocks_failed,
-        )
-        yield _counter(
-            "stores_rejected",
-            "prepare_store calls refused (no evictable space).",
-            s.stores_rejected,
-        )
-        yield _counter(
-            "load_blocks_completed", "Blocks whose load completed.", s.load_blocks_completed
-        )
+        for family, name, attr, doc in _ENGINE_SCALARS:
+            yield family(P + name, doc, value=getattr(s, attr))
         yield _labelled_counter(
             "evicted_blocks", "Blocks evicted.", "policy", {s.policy: s.evicted_blocks}
-        )
-        yield _counter(
-            "evicted_ahead_blocks",
-            "Evictions that took a block chosen ahead of the store (behind a lone copy).",
-            s.evicted_ahead_blocks,
-        )
-        yield _counter(
-            "released_evictions",
-            "Evictions that took a released block (a session's end) before the policy chose.",
-            s.released_evictions,
-        )
-        yield _counter(
-            "discarded_blocks",
-            "Blocks freed on a caller's word that nobody needs them again (session ends).",
-            s.discarded_blocks,
-        )
-        yield _counter(
-            "reuse_filter_skipped_blocks",
-            "Blocks not stored by the reuse filter.",
-            s.reuse_filter_skipped_blocks,
         )
         blocks = GaugeMetricFamily(
             P + "blocks", "CPU tier occupancy by block state.", labels=["state"]
@@ -163,12 +158,6 @@ class EngineCollector(Collector):
         ):
             blocks.add_metric([state], value)
         yield blocks
-        yield _gauge("capacity_blocks", "CPU tier capacity.", s.capacity_blocks)
-        yield _gauge(
-            "released_blocks",
-            "Blocks released (a session's end) and still held: evicted first when room is needed.",
-            s.blocks_released,
-        )
         yield _labelled_counter(
             "transfer_bytes", "Bytes moved.", "direction", s.transfer_bytes, DIRECTIONS
         )
@@ -185,9 +174,6 @@ class EngineCollector(Collector):
         for direction, hist in s.transfer_duration.items():
             duration.add_metric([direction], buckets=hist.cumulative(), sum_value=hist.sum)
         yield duration
-        yield _gauge(
-            "leases_active", "Prepared, not yet completed sidecar leases.", s.leases_active
-        )
         yield _labelled_counter(
             "leases_expired",
             "Leases rolled back after their TTL.",
@@ -195,18 +181,12 @@ class EngineCollector(Collector):
             s.leases_expired,
             LEASE_KINDS,
         )
-        yield _gauge(
-            "event_subscribers", "Live event subscribers (SSE and in-process).", s.event_subscribers
-        )
         yield _labelled_counter(
             "events_published",
             "Events published by the hub.",
             "type",
             s.events_published,
             tuple(t.value for t in EventType),
-        )
-        yield _counter(
-            "events_dropped", "Events subscribers missed by falling behind.", s.events_dropped
         )
         kv = s.kv_events if s.kv_events is not None else KVEventStats()
         yield _counter(
@@ -236,16 +216,6 @@ class EngineCollector(Collector):
         for scale, ratio in sorted(s.mrc_hit_ratio.items()):
             mrc.add_metric([f"{scale:g}"], ratio)
         yield mrc
-        yield _gauge(
-            "mrc_sampled_keys",
-            "Distinct keys tracked by the miss-ratio-curve sampler.",
-            s.mrc_sampled_keys,
-        )
-        yield _counter(
-            "observer_dropped_requests",
-            "Requests left out of the miss-ratio curve and shadow estimates (their CPU budget).",
-            s.observer_dropped_requests,
-        )
         yield from tier_families(s)
         yield from _shadow_families(s)
 
