@@ -36,6 +36,7 @@ from kvcache_offload.tiers._cpus import SPARE_CORE_CPUS, usable_cpus
 from kvcache_offload.tiers._disk_files import read_exactly as _read_exactly
 from kvcache_offload.tiers._disk_files import unlink as _unlink
 from kvcache_offload.tiers._disk_files import unlink_all as _unlink_all
+from kvcache_offload.tiers._fresh_blocks import fresh_blocks
 from kvcache_offload.tiers._overlapped_checks import OverlappedChecks
 from kvcache_offload.tiers.base import LatencyHistogram, SecondaryTier, TierStats
 
@@ -265,15 +266,9 @@ class DiskTier(SecondaryTier):
 
     async def put(self, items: Sequence[tuple[OffloadKey, bytes]]) -> None:
         """Writes the new blocks of the batch in one worker-thread call (each fsynced)."""
-        fresh: dict[OffloadKey, bytes] = {}
-        for key, payload in items:
-            if key in self._index:
-                self._index.move_to_end(key)
-            else:
-                fresh.setdefault(key, payload)
+        fresh, incoming = fresh_blocks(items, self._index, self._index.move_to_end)
         if not fresh:
             return
-        incoming = sum(len(p) + frame.HEADER_PREFIX + len(k) for k, p in fresh.items())
         await self._evict_over_budget(incoming)
         start = time.perf_counter()
         landed: list[tuple[OffloadKey, int]] = []
