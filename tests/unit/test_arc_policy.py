@@ -7,6 +7,7 @@ from kvcache_offload.control.policies import (
     ARCCachePolicy,
     BlockStatus,
 )
+from kvcache_offload.control.policies.arc import B1, B2, T1, T2
 from tests.unit._keys import key, key_ids, keys
 
 
@@ -25,16 +26,16 @@ def filled(capacity: int = 4, n: int = 4) -> CPUOffloadingManager:
 
 def test_completed_blocks_sit_in_t1_until_touched_then_move_to_t2() -> None:
     m = filled(4, 2)
-    assert set(key_ids(arc(m).t1)) == {1, 2} and not arc(m).t2
+    assert set(key_ids(arc(m).keys_in(T1))) == {1, 2} and not arc(m).keys_in(T2)
     m.touch(keys(1))
-    assert key_ids(arc(m).t2) == [1]
+    assert key_ids(arc(m).keys_in(T2)) == [1]
 
 
 def test_touching_a_block_being_written_does_not_promote_it() -> None:
     m = CPUOffloadingManager(4, "arc")
     m.prepare_store(keys(1))
     m.touch(keys(1))
-    assert key_ids(arc(m).t1) == [1] and not arc(m).t2
+    assert key_ids(arc(m).keys_in(T1)) == [1] and not arc(m).keys_in(T2)
 
 
 def test_blocks_being_loaded_are_not_evicted_until_the_load_completes() -> None:
@@ -49,7 +50,7 @@ def test_blocks_being_loaded_are_not_evicted_until_the_load_completes() -> None:
 def test_ghost_hit_in_b1_raises_the_t1_target() -> None:
     m = filled(2, 2)
     m.prepare_store(keys(3))
-    assert key_ids(arc(m).b1) == [1]
+    assert key_ids(arc(m).keys_in(B1)) == [1]
     before = arc(m).target_t1_size
     m.touch(keys(1))
     assert arc(m).target_t1_size > before
@@ -61,7 +62,7 @@ def test_eviction_takes_t1_lru_when_t1_exceeds_its_target() -> None:
     arc(m).target_t1_size = 1
     out = m.prepare_store(keys(5))
     assert out is not None and key_ids(out.evicted_keys) == [1]
-    assert key(1) in arc(m).b1 and key(5) in arc(m).t1
+    assert key(1) in arc(m).keys_in(B1) and key(5) in arc(m).keys_in(T1)
 
 
 def test_ghost_lists_stay_bounded_by_capacity() -> None:
@@ -70,7 +71,7 @@ def test_ghost_lists_stay_bounded_by_capacity() -> None:
         m.prepare_store(keys(i))
         m.complete_store(keys(i))
         m.touch(keys(i))
-    assert len(arc(m).b1) <= 2 and len(arc(m).b2) <= 2
+    assert len(arc(m).keys_in(B1)) <= 2 and len(arc(m).keys_in(B2)) <= 2
     assert 0 <= arc(m).target_t1_size <= 2
 
 
@@ -78,7 +79,7 @@ def test_touch_order_decides_which_t1_block_is_evicted() -> None:
     m = filled()
     m.touch(keys(3, 4))
     m.touch(keys(1, 3, 4))
-    assert len(arc(m).t1) == 1 and len(arc(m).t2) == 3
+    assert len(arc(m).keys_in(T1)) == 1 and len(arc(m).keys_in(T2)) == 3
     out = m.prepare_store(keys(5))
     assert out is not None and key_ids(out.evicted_keys) == [2]
     assert out.store_spec.block_ids.tolist() == [1]
@@ -90,8 +91,8 @@ def test_failed_store_leaves_the_evicted_key_in_b1() -> None:
     assert out is not None and len(out.evicted_keys) == 1
     m.complete_store(keys(5), success=False)
     assert m.lookup(key(5)) is False
-    assert key(5) not in arc(m).t1 and key(5) not in arc(m).t2
-    assert out.evicted_keys[0] in arc(m).b1
+    assert key(5) not in arc(m).keys_in(T1) and key(5) not in arc(m).keys_in(T2)
+    assert out.evicted_keys[0] in arc(m).keys_in(B1)
 
 
 def test_full_scenario_keeps_frequently_used_blocks() -> None:
@@ -102,7 +103,7 @@ def test_full_scenario_keeps_frequently_used_blocks() -> None:
     assert out is not None and len(out.evicted_keys) == 1
     m.complete_store(keys(3, 4, 5))
     m.touch(keys(2, 3))
-    assert set(key_ids(arc(m).t2)) == {2, 3}
+    assert set(key_ids(arc(m).keys_in(T2))) == {2, 3}
     m.prepare_store(keys(6))
     m.complete_store(keys(6))
     assert m.lookup(key(2)) is True and m.lookup(key(3)) is True
@@ -144,7 +145,7 @@ def test_a_dropped_or_cleared_arc_policy_frees_its_nodes() -> None:
             block.ref_cnt = 0
             policy.insert(key(i), block)
         victims = policy.evict(3_000, protected=set())  # 3,000 ghosts in B1
-        assert victims is not None and len(policy.b1) == 3_000
+        assert victims is not None and len(policy.keys_in(B1)) == 3_000
 
     gc.collect()
     tracemalloc.start()

@@ -28,7 +28,7 @@ from kvcache_offload.control.policies.base import (
     Protected,
 )
 
-__all__ = ["ARCCachePolicy"]
+__all__ = ["B1", "B2", "T1", "T2", "ARCCachePolicy"]
 
 T1: Final = 0
 T2: Final = 1
@@ -149,21 +149,9 @@ class ARCCachePolicy(ListEvictionPolicy):
 
     # -- introspection ---------------------------------------------------------------------
 
-    @property
-    def t1(self) -> list[OffloadKey]:
-        return self._t1.keys()
-
-    @property
-    def t2(self) -> list[OffloadKey]:
-        return self._t2.keys()
-
-    @property
-    def b1(self) -> list[OffloadKey]:
-        return self._b1.keys()
-
-    @property
-    def b2(self) -> list[OffloadKey]:
-        return self._b2.keys()
+    def keys_in(self, where: int) -> list[OffloadKey]:
+        """The keys of one list (``T1``, ``T2``, ``B1`` or ``B2``), least recent first."""
+        return self._ring(where).keys()
 
     def _ring(self, where: int) -> _Ring:
         if where == T1:
