@@ -121,35 +121,26 @@ static inline Py_ssize_t log_oldest(Log *log, const uint8_t *state, const int64_
 
 /* -- ids ------------------------------------------------------------------------------- */
 
+/* Resizes the array ``field`` to ``cap`` items of its own type, or returns -1 from the
+ * function it stands in, leaving the array as it was. */
+#define GROW_OR_FAIL(field, cap)                                                   \
+    do {                                                                           \
+        void *grown = PyMem_Realloc((field), (size_t)(cap) * sizeof(*(field)));    \
+        if (grown == NULL) {                                                       \
+            return -1;                                                             \
+        }                                                                          \
+        (field) = grown;                                                           \
+    } while (0)
+
 static int grow_ids(Duel *d) {
     Py_ssize_t cap = d->ids_cap ? 2 * d->ids_cap : 256;
-    PyObject **keys = PyMem_Realloc(d->keys, (size_t)cap * sizeof(PyObject *));
-    if (keys == NULL) {
-        return -1;
-    }
-    d->keys = keys;
-    int32_t *refs = PyMem_Realloc(d->refs, (size_t)cap * sizeof(int32_t));
-    if (refs == NULL) {
-        return -1;
-    }
-    d->refs = refs;
-    int64_t *last = PyMem_Realloc(d->last, (size_t)cap * sizeof(int64_t));
-    if (last == NULL) {
-        return -1;
-    }
-    d->last = last;
-    int32_t *free_ids = PyMem_Realloc(d->free_ids, (size_t)cap * sizeof(int32_t));
-    if (free_ids == NULL) {
-        return -1;
-    }
-    d->free_ids = free_ids;
+    GROW_OR_FAIL(d->keys, cap);
+    GROW_OR_FAIL(d->refs, cap);
+    GROW_OR_FAIL(d->last, cap);
+    GROW_OR_FAIL(d->free_ids, cap);
     for (Py_ssize_t c = 0; c < d->ncopies; c++) {
-        uint8_t *state = PyMem_Realloc(d->copies[c].state, (size_t)cap);
-        if (state == NULL) {
-            return -1;
-        }
-        memset(state + d->ids_cap, ABSENT, (size_t)(cap - d->ids_cap));
-        d->copies[c].state = state;
+        GROW_OR_FAIL(d->copies[c].state, cap);
+        memset(d->copies[c].state + d->ids_cap, ABSENT, (size_t)(cap - d->ids_cap));
     }
     d->ids_cap = cap;
     return 0;
