@@ -143,8 +143,8 @@ class EngineCollector(Collector):
         s = self._stats()
         if s is None:
             return
-        for family, name, attr, doc in _ENGINE_SCALARS:
-            yield family(P + name, doc, value=getattr(s, attr))
+        for kind, name, attr, doc in _ENGINE_SCALARS:
+            yield kind(P + name, doc, value=getattr(s, attr))
         yield _labelled_counter(
             "evicted_blocks", "Blocks evicted.", "policy", {s.policy: s.evicted_blocks}
         )

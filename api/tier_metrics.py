@@ -82,5 +82,5 @@ def tier_families(s: EngineStats) -> Iterator[Metric]:
     yield blocks
     yield up
     yield latency
-    for family, name, attr, doc in _ENGINE_SCALARS:
-        yield family(P + name, doc, value=getattr(s, attr))
+    for kind, name, attr, doc in _ENGINE_SCALARS:
+        yield kind(P + name, doc, value=getattr(s, attr))
