@@ -8,7 +8,12 @@ t0. A path decides what happens to a conversation that is not resident:
 
 * ``recompute``: prefill context + turn;
 * ``restore``: wait for free GPU blocks (FIFO), ``await engine.load``, prefill the turn;
-* ``layerwise``: the same with ``engine.load_layerwise``; the turn's forward waits per layer.
+* ``layerwise``: the same with ``engine.load_layerwise``; the turn's forward waits per layer
+  (layer-wise jobs share the copier's one stream, one thread on the CPU backend, so they copy
+  in the order they were issued).
+
+A recomputed conversation keeps its KV in the model's own cache, not in the pages, so it
+waits for no GPU block: the comparison is generous to recompute.
 
 Resident conversations prefill their turn over the pages in every path. One forward runs at
 a time (on the loop thread, as in a serving engine's step); loads run concurrently in the
@@ -27,6 +32,7 @@ import hashlib
 import math
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +213,7 @@ class ConcurrentRun:
             held = await self._setup_round(engine, blocks)
             check = rep == 0
             round_checks: dict[str, Any] = {
-                "logits": {}, "kv": {}, "caches": {}, "first": {}, "loaded_bytes": 0
+                "logits": {}, "kv": {}, "caches": {}, "first": {}, "loaded_bytes": 0, "gathered": 0
             }  # fmt: skip
             t0 = time.perf_counter()
             times = await asyncio.gather(
@@ -256,7 +262,16 @@ class ConcurrentRun:
                     loaded = await engine.load(c.keys, mine)
                     out["loaded_bytes"] += loaded.transfer_bytes
             cache = self.paged.as_cache(mine, c.conv.context, self.model.config)
-            remove = wait_for_layers(self.model.model.layers, handle) if handle else None
+            if check and any(b != mine[0] + k for k, b in enumerate(mine)):
+                out["gathered"] += 1
+            remove = None
+            if handle is not None:
+                # Scattered blocks give a gathered cache, taken before the copy: gather each
+                # layer again once it is in.
+                scattered = any(b != mine[0] + k for k, b in enumerate(mine))
+                after = partial(self.paged.refresh_layer, cache, block_ids=mine,
+                                num_tokens=c.conv.context) if scattered else None  # fmt: skip
+                remove = wait_for_layers(self.model.model.layers, handle, after)
             try:
                 logits = forward(self.model, c.turn_ids, cache)
             finally:
@@ -304,7 +319,7 @@ class ConcurrentRun:
             "first_tokens_agree": first_agree,
             "checked": len(got["caches"]), "tokens_equal": tokens_equal,
             "kv_checked": len(got["kv"]), "kv_equal": sum(got["kv"].values()),
-            "loaded_bytes": got["loaded_bytes"],
+            "loaded_bytes": got["loaded_bytes"], "gathered": got["gathered"],
         }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache_offload.errors import ConfigError
 from kvcache_offload.lab.trace import BLOCK_TOKENS, iter_requests
 
 __all__ = ["Conversation", "draw", "returning"]
@@ -58,8 +59,8 @@ def draw(
     """``count`` returning conversations of the trace at ``path``, scaled to the model (see
     the module docstring), in trace order."""
     pool = returning(path)
-    if len(pool) < count:
-        raise ValueError(f"{path} has {len(pool)} returning conversations, {count} wanted")
+    if not 1 <= count <= len(pool):
+        raise ConfigError(f"{path} has {len(pool)} returning conversations, {count} wanted")
     picked = sorted(random.Random(seed).sample(pool, count))
     scale = 32 if tiny else 1
     return [

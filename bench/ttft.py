@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (2 if tiny else 5)
     if not tiny and not torch.cuda.is_available():
         p.error("no CUDA device: use --tiny for the CPU configuration")
+    if args.concurrent < 0 or args.concurrent == 1:
+        p.error("--concurrent takes 0 (off) or at least 2 conversations")
+    if args.contexts == "none" and not args.concurrent:
+        p.error("--contexts none leaves nothing to run without --concurrent")
     result = asyncio.run(_run(args))
     device = "cpu (tiny Llama, CPU backend)" if tiny else torch.cuda.get_device_name(0)
     print(f"device: {device}; turn {args.turn} tokens; greedy tokens checked: {args.decode}")
