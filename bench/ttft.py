@@ -19,7 +19,14 @@ everything may round differently in bf16). Bounds measured in the same run: the 
 (one bare pinned copy of the KV bytes); path 3's bound = floor + path 2; path 4's =
 max(floor, path 2) + one layer's share of the floor. Prints a table, writes JSON.
 
-    python -m bench.ttft [--tiny] [--contexts 2048,8192,32768] [--mechanisms auto,kernel]
+``--concurrent N`` adds the section "beyond one request" (bench/_ttft_concurrent.py): N
+conversations drawn from the shipped Mooncake conversation trace (contexts, new turns and
+turn gaps; ``--trace`` for another file) return at once to a paged GPU cache that holds a
+quarter of their KV; per path (recompute, restore, layer-wise) TTFT p50 / p99 and the prefill
+tokens per second saved. ``--tiny`` scales the trace's token counts by 1/32.
+
+    python -m bench.ttft [--tiny] [--contexts 2048,8192,32768|none] [--mechanisms auto,kernel]
+                         [--concurrent 16 [--trace PATH] [--seed 0]]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from bench._common import write_json
+from bench._ttft_concurrent import concurrent_section
 from bench._ttft_model import build_model, copy_floor, sync
 from bench._ttft_paths import ContextRun
 
@@ -62,10 +70,47 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _concurrent_table(section: dict[str, Any]) -> str:
+    head = (
+        f"{'path':<16} {'p50 ms':>8} {'p99 ms':>8} {'wall ms':>8} {'saved tok/s':>12} "
+        f"{'logits':>7} {'tokens':>7} {'KV':>7}"
+    )
+    n = len(section["conversations"])
+    resident = sum(c["resident"] for c in section["conversations"])
+    lines = [
+        f"{n} conversations return at once; GPU cache {section['capacity_blocks']} of "
+        f"{section['total_blocks']} blocks; {resident} resident",
+        head,
+        "-" * len(head),
+    ]
+    for r in section["rows"]:
+        lines.append(
+            f"{r['path']:<16} {r['ttft_p50_ms']:>8.2f} {r['ttft_p99_ms']:>8.2f} "
+            f"{r['wall_ms']:>8.2f} {r['saved_tokens_per_s']:>12.0f} "
+            f"{r['logits_equal']:>3}/{n:<3} {r['tokens_equal']:>3}/{r['checked']:<3} "
+            f"{r['kv_equal']:>3}/{r['kv_checked']:<3}"
+        )
+    return "\n".join(lines)
+
+
+def _concurrent_failures(section: dict[str, Any]) -> list[str]:
+    n = len(section["conversations"])
+    return [
+        r["path"]
+        for r in section["rows"]
+        if r["kv_equal"] != r["kv_checked"]
+        or r["loaded_bytes"] != r["restore_bytes"]
+        or (
+            r["path"] != "recompute"
+            and (r["logits_equal"] != n or r["tokens_equal"] != r["checked"])
+        )
+    ]
+
+
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cpu" if args.tiny else "cuda")
     model = build_model(args.tiny, device)
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [] if args.contexts == "none" else [int(c) for c in args.contexts.split(",")]
     mechanisms = args.mechanisms.split(",")
     redis = shutil.which("redis-server")
     rows: list[dict[str, Any]] = []
@@ -81,7 +126,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {"rows": rows, "floors_ms": {c: f * 1e3 for c, f in floors.items()}}
+    result: dict[str, Any] = {
+        "rows": rows, "floors_ms": {c: f * 1e3 for c, f in floors.items()}
+    }  # fmt: skip
+    if getattr(args, "concurrent", 0):
+        result["concurrent"] = await concurrent_section(model, device, args)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         "--mechanisms", default="auto", help="transfer.mechanism of path 3's engines (auto,...)"
     )
     p.add_argument("--paths", default="all", help="subset: recompute,gpu_hit,restore,...")
+    p.add_argument("--concurrent", type=int, default=0, help="conversations returning at once")
+    p.add_argument("--trace", default=None, help="Mooncake trace (default: the shipped sample)")
+    p.add_argument("--seed", type=int, default=0, help="which conversations are drawn")
+    p.add_argument("--max-context", type=int, default=None, help="cap (32768; tiny 512)")
+    p.add_argument("--max-turn", type=int, default=None, help="cap (2048; tiny 32)")
     p.add_argument("--no-json", action="store_true")
     args = p.parse_args(argv)
     tiny = args.tiny
@@ -104,13 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (2 if tiny else 5)
     if not tiny and not torch.cuda.is_available():
         p.error("no CUDA device: use --tiny for the CPU configuration")
+    if args.concurrent < 0 or args.concurrent == 1:
+        p.error("--concurrent takes 0 (off) or at least 2 conversations")
+    if args.contexts == "none" and not args.concurrent:
+        p.error("--contexts none leaves nothing to run without --concurrent")
     result = asyncio.run(_run(args))
     device = "cpu (tiny Llama, CPU backend)" if tiny else torch.cuda.get_device_name(0)
     print(f"device: {device}; turn {args.turn} tokens; greedy tokens checked: {args.decode}")
-    print(_table(result["rows"]))
+    if result["rows"]:
+        print(_table(result["rows"]))
     failures = [
-        r for r in result["rows"] if r.get("kv_equal") is False or r.get("tokens_equal") is False
+        (r["context"], r["path"])
+        for r in result["rows"]
+        if r.get("kv_equal") is False or r.get("tokens_equal") is False
     ]
+    if "concurrent" in result:
+        print(_concurrent_table(result["concurrent"]))
+        failures += [("concurrent", p) for p in _concurrent_failures(result["concurrent"])]
     if not args.no_json:
         path = write_json(
             "ttft",
@@ -118,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 "device": device,
                 "versions": {"torch": torch.__version__, "transformers": _tf_version()},
                 "settings": {
-                    k: getattr(args, k) for k in ("tiny", "contexts", "turn", "decode", "reps")
+                    k: getattr(args, k)
+                    for k in ("tiny", "contexts", "turn", "decode", "reps", "concurrent", "seed")
                 }
                 | {"mechanisms": args.mechanisms},
                 **result,
@@ -126,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"wrote {path}")
     if failures:
-        print(f"CORRECTNESS FAILURES: {[(r['context'], r['path']) for r in failures]}")
+        print(f"CORRECTNESS FAILURES: {failures}")
         return 1
     return 0
 

@@ -15,7 +15,9 @@ kv_heads, head_dim)`` tensor per layer:
   (K and V are two canonical tensors per layer: ``refs_per_layer=2`` for
   ``load_layerwise``);
 * :func:`wait_for_layers` makes each decoder layer's forward wait on its layer's copy of a
-  layer-wise load (a forward pre-hook per layer; a stream wait on CUDA).
+  layer-wise load (a forward pre-hook per layer; a stream wait on CUDA); for scattered
+  blocks, whose cache is a gather taken before the copy, :meth:`PagedKV.refresh_layer`
+  gathers each layer again once its copy is in.
 
 A blocks-first page (K and V of one block side by side) cannot be viewed as the model's
 cache: K of consecutive blocks would not be evenly strided. Only batch 1 is handled.
@@ -24,7 +26,7 @@ Importing this module needs ``torch``; ``transformers`` is imported when a cache
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,25 +138,40 @@ class PagedKV:
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """Per layer ``(K, V)`` as ``[1, kv_heads, num_tokens, head_dim]`` and whether they
         had to be gathered (a copy) rather than viewed."""
+        views = [self.layer_view(layer, block_ids, num_tokens) for layer in range(len(self.pages))]
+        return views, not _consecutive(list(block_ids[: self.blocks_for(num_tokens)]))
+
+    def layer_view(
+        self, layer: int, block_ids: Sequence[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(K, V)`` as ``[1, kv_heads, num_tokens, head_dim]``: a view
+        of the page for consecutive blocks, a gather (a copy, taken now) otherwise."""
         n = self.blocks_for(num_tokens)
         if len(block_ids) < n:
             raise ConfigError(f"{num_tokens} tokens need {n} blocks, got {len(block_ids)}")
         ids = list(block_ids[:n])
-        view = _consecutive(ids)
-        out = []
-        for page in self.pages:
-            if view:
-                kv = page[:, ids[0] : ids[0] + n]
-            else:
-                kv = page.index_select(1, torch.as_tensor(ids, device=page.device))
-            kv = kv.flatten(1, 2)[:, :num_tokens]  # [2, tokens, heads, dim]
-            kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, heads, tokens, dim]
-            out.append((kv[0], kv[1]))
-        return out, not view
+        page = self.pages[layer]
+        if _consecutive(ids):
+            kv = page[:, ids[0] : ids[0] + n]
+        else:
+            kv = page.index_select(1, torch.as_tensor(ids, device=page.device))
+        kv = kv.flatten(1, 2)[:, :num_tokens]  # [2, tokens, heads, dim]
+        kv = kv.permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, heads, tokens, dim]
+        return kv[0], kv[1]
+
+    def refresh_layer(
+        self, cache: Any, layer: int, block_ids: Sequence[int], num_tokens: int
+    ) -> None:
+        """Point layer ``layer`` of ``cache`` (from :meth:`as_cache`) at the pages again: a
+        gathered cache is a snapshot, so after a layer-wise load into scattered blocks each
+        layer is gathered anew once its copy is in (``wait_for_layers(..., after=...)``)."""
+        entry: Any = cache.layers[layer]
+        entry.keys, entry.values = self.layer_view(layer, block_ids, num_tokens)
 
     def as_cache(self, block_ids: Sequence[int], num_tokens: int, config: Any = None) -> Any:
         """A ``DynamicCache`` holding ``num_tokens`` tokens from ``block_ids``: views of the
-        pages for consecutive blocks (no copy), a gather otherwise."""
+        pages for consecutive blocks (no copy), a gather otherwise. A gather reads the pages
+        now: for a layer-wise load into scattered blocks, see :meth:`refresh_layer`."""
         from transformers import DynamicCache
 
         cache: Any = DynamicCache(config=config) if config is not None else DynamicCache()
@@ -183,10 +200,13 @@ def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]  # transformers before 4.56
 
 
-def wait_for_layers(decoder_layers: Sequence[Any], handle: Any) -> Any:
+def wait_for_layers(
+    decoder_layers: Sequence[Any], handle: Any, after: Callable[[int], None] | None = None
+) -> Any:
     """Make each of ``decoder_layers`` (e.g. ``model.model.layers``) wait, just before its
-    forward, on its layer's copy in the layer-wise load ``handle``; returns a callable that
-    removes the hooks."""
+    forward, on its layer's copy in the layer-wise load ``handle``, then call ``after(i)``
+    if given (e.g. :meth:`PagedKV.refresh_layer` for scattered blocks); returns a callable
+    that removes the hooks."""
     if len(decoder_layers) != handle.num_layers:
         raise ConfigError(
             f"{len(decoder_layers)} decoder layers, but the load copies {handle.num_layers}"
@@ -196,6 +216,8 @@ def wait_for_layers(decoder_layers: Sequence[Any], handle: Any) -> Any:
 
         def pre_hook(_module: Any, _args: Any, layer: int = i) -> None:
             handle.wait_layer(layer)
+            if after is not None:
+                after(layer)
 
         hooks.append(module.register_forward_pre_hook(pre_hook))
 
