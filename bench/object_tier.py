@@ -235,52 +235,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         server = SeaweedServer(Path(tmp))
         os.environ.update(server.env())
         try:
-            return {
-                "restore": await bench_restore(server, args),
-                "store_p99": await bench_store_p99(server, args),
-            }
+            out: dict[str, Any] = {}
+            if args.only in (None, "restore"):
+                out["restore"] = await bench_restore(server, args)
+            if args.only in (None, "store"):
+                out["store_p99"] = await bench_store_p99(server, args)
+            return out
         finally:
             server.close()
 
 
 def show(result: dict[str, Any]) -> None:
-    r, s = result["restore"], result["store_p99"]
+    r, s = result.get("restore"), result.get("store_p99")
     table = Table(title="object tier on one SeaweedFS S3 server (same run, same server)")
     for column in ("figure", "baseline", "object tier", "ratio (goal)"):
         table.add_column(column, justify="left" if column == "figure" else "right")
-    table.add_row(
-        f"restore {r['blocks']} x {r['block_bytes'] >> 20} MiB, concurrency {r['concurrency']} "
-        "(median round): engine lookup+load vs obstore get",
-        f"{r['obstore_gbps_median']:.3f} GB/s",
-        f"{r['engine_gbps_median']:.3f} GB/s",
-        f"{r['ratio_median']:.2f}x (>= 0.8)",
-    )
-    table.add_row(
-        "  the tier's own get of the same 64 (fetch + verify, no engine)",
-        f"{r['obstore_gbps_median']:.3f} GB/s",
-        f"{r['tier_get_gbps_median']:.3f} GB/s",
-        f"{r['tier_get_ratio_median']:.2f}x",
-    )
-    table.add_row(
-        f"CPU-tier store p99, {s['stores']} stores of 2 x 2 MiB: object tier off vs on",
-        f"{s['p99_ms']['off']:.2f} ms",
-        f"{s['p99_ms']['on']:.2f} ms",
-        f"{s['p99_ratio']:.2f}x (<= 1.10)",
-    )
-    if "on_queue_full" in s["p99_ms"]:
+    if r is not None:
         table.add_row(
-            f"  the same, only the {s['stores_while_queue_full']} stores made while the tier "
-            "write queue was full",
-            f"{s['p99_ms']['off']:.2f} ms",
-            f"{s['p99_ms']['on_queue_full']:.2f} ms",
-            f"{s['p99_ms']['on_queue_full'] / s['p99_ms']['off']:.2f}x",
+            f"restore {r['blocks']} x {r['block_bytes'] >> 20} MiB, concurrency "
+            f"{r['concurrency']} (median round): engine lookup+load vs obstore get",
+            f"{r['obstore_gbps_median']:.3f} GB/s",
+            f"{r['engine_gbps_median']:.3f} GB/s",
+            f"{r['ratio_median']:.2f}x (>= 0.8)",
         )
+        table.add_row(
+            "  the tier's own get of the same 64 (fetch + verify, no engine)",
+            f"{r['obstore_gbps_median']:.3f} GB/s",
+            f"{r['tier_get_gbps_median']:.3f} GB/s",
+            f"{r['tier_get_ratio_median']:.2f}x",
+        )
+    if s is not None:
+        table.add_row(
+            f"CPU-tier store p99, {s['stores']} stores of 2 x 2 MiB: object tier off vs on",
+            f"{s['p99_ms']['off']:.2f} ms",
+            f"{s['p99_ms']['on']:.2f} ms",
+            f"{s['p99_ratio']:.2f}x (<= 1.10)",
+        )
+        if "on_queue_full" in s["p99_ms"]:
+            table.add_row(
+                f"  the same, only the {s['stores_while_queue_full']} stores made while the "
+                "tier write queue was full",
+                f"{s['p99_ms']['off']:.2f} ms",
+                f"{s['p99_ms']['on_queue_full']:.2f} ms",
+                f"{s['p99_ms']['on_queue_full'] / s['p99_ms']['off']:.2f}x",
+            )
     console.print(table)
-    console.print(
-        f"restore bytes exact: {r['bytes_exact']}; stores' blocks uploaded "
-        f"{s['object_blocks_uploaded']}, dropped {s['object_blocks_dropped']}; "
-        f"store p50 off {s['p50_ms']['off']:.2f} ms, on {s['p50_ms']['on']:.2f} ms"
-    )
+    if r is not None:
+        console.print(f"restore bytes exact: {r['bytes_exact']}")
+    if s is not None:
+        console.print(
+            f"stores' blocks uploaded {s['object_blocks_uploaded']}, dropped "
+            f"{s['object_blocks_dropped']}; store p50 off {s['p50_ms']['off']:.2f} ms, "
+            f"on {s['p50_ms']['on']:.2f} ms"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -289,6 +296,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, default=16, help="object_concurrency")
     parser.add_argument("--repeat", type=int, default=5, help="restore rounds per path")
     parser.add_argument("--stores", type=int, default=300, help="timed stores per engine")
+    parser.add_argument(
+        "--only", choices=("restore", "store"), help="run one of the two figures (default both)"
+    )
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
     if not 1 <= args.blocks <= 64:
