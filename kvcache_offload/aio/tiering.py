@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 
@@ -219,7 +219,10 @@ class EngineTiers:
                 todo.append((k, held))
         if not todo:
             return []
-        data = await anyio.to_thread.run_sync(lambda: [memory.read(h[0]) for _, h in todo])
+        # read_view: one copy, without the GIL (a GIL-held copy here stalls the loop).
+        data = await anyio.to_thread.run_sync(
+            lambda: [cast(bytes, memory.read_view(h[0])) for _, h in todo]
+        )
         out = []
         for (key, held), blob in zip(todo, data, strict=True):
             if pending.holds(key, held):  # again: the slot may have changed hands meanwhile
@@ -245,7 +248,7 @@ class EngineTiers:
             tier_set.offer(len(held), _never_read)
             return
         # On the loop on purpose: the evicting store reuses the slot right after.
-        items: list[tuple[OffloadKey, bytes]] = [(k, memory.read(h[0])) for k, h in held]
+        items = [(k, cast(bytes, memory.read_view(h[0]))) for k, h in held]
         if items:
             parked = self._parked
             parked.update(items)
