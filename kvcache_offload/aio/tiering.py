@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 
+from kvcache_offload.aio.tier_buffers import BlockReserve
 from kvcache_offload.aio.tier_slots import PendingSlots
 from kvcache_offload.aio.types import KeyState, LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
@@ -106,6 +107,8 @@ class EngineTiers:
         self._pending = PendingSlots()
         """The CPU slot of each key whose bytes have not been handed to the tiers yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
+        self._reserve = BlockReserve()
+        """Mapped buffers for the victims' copies on the loop (filled only once needed)."""
         self._parked: dict[OffloadKey, bytes] = {}
         """Bytes of evicted keys queued for the tiers and not written yet: lookups and
         promotions find them here, so a key is never held nowhere between its eviction and
@@ -134,6 +137,7 @@ class EngineTiers:
         if not await self.tier_set.drain(min(drain_timeout_s, _CLOSE_DRAIN_S)):
             logger.warning("closed with %d tier writes still queued", self.tier_set.queue_depth)
         await self.tier_set.aclose()
+        await self._reserve.aclose()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -248,7 +252,14 @@ class EngineTiers:
             tier_set.offer(len(held), _never_read)
             return
         # On the loop on purpose: the evicting store reuses the slot right after.
-        items = [(k, cast(bytes, memory.read_view(h[0]))) for k, h in held]
+        reserve = self._reserve
+        items = []
+        for key, (slot, _) in held:
+            buf = reserve.take(memory.block_nbytes)
+            memory.read_into(slot, buf)
+            buf.flags.writeable = False
+            items.append((key, cast(bytes, memoryview(buf))))
+        reserve.refill()  # maps the next buffers in a worker thread, off the loop
         if items:
             parked = self._parked
             parked.update(items)
