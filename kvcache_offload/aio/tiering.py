@@ -12,9 +12,11 @@ The engine calls these hooks and nothing else; each is a no-op cost when no tier
   their bytes from the CPU tier when it gets to them, without pinning them (a tier write never
   takes CPU capacity away from stores); write-back keeps the slots for :meth:`on_prepared`.
 * :meth:`extend_lookup` (a lookup's ready prefix stopped short): asks the tiers about the keys
-  the CPU tier lacks, in one batch, and extends the prefix across tiers.
+  the CPU tier lacks, in one batch, and extends the prefix across tiers
+  (:mod:`~kvcache_offload.aio.tier_lookup`).
 * :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
-  that follows is an ordinary CPU->GPU load. Concurrent promotions of one key share the work.
+  that follows is an ordinary CPU->GPU load; each chunk of keys is written as soon as it
+  arrives, while the rest downloads. Concurrent promotions of one key share the work.
 * :meth:`on_reset`: forgets the slot map.
 * :meth:`needs_room` / :meth:`wait_for_room` (write-through with ``tier_write_backpressure``):
   a store waits for room in the write queue before it starts, so its write is not dropped.
@@ -38,9 +40,9 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 
-from kvcache_offload.aio.tier_buffers import BlockReserve
+from kvcache_offload.aio.tier_lookup import CPU_TIER, cpu_answer, lookup_below
 from kvcache_offload.aio.tier_slots import PendingSlots
-from kvcache_offload.aio.types import KeyState, LookupResult
+from kvcache_offload.aio.types import LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
@@ -54,7 +56,6 @@ __all__ = ["CPU_TIER", "EngineTiers"]
 
 logger = logging.getLogger(__name__)
 
-CPU_TIER = "CPU"
 _CTX = ReqContext()
 _PROMOTE_ATTEMPTS = 4
 _PROMOTE_CHUNK = 4
@@ -64,16 +65,6 @@ _CLOSE_DRAIN_S = 5.0
 """A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
-
-
-_READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
-
-
-def _index(states: list[KeyState], state: KeyState, default: int) -> int:
-    try:
-        return states.index(state)
-    except ValueError:
-        return default
 
 
 def _ids(spec: object) -> list[int]:
@@ -107,8 +98,6 @@ class EngineTiers:
         self._pending = PendingSlots()
         """The CPU slot of each key whose bytes have not been handed to the tiers yet."""
         self._promoting: dict[OffloadKey, asyncio.Future[None]] = {}
-        self._reserve = BlockReserve()
-        """Mapped buffers for the victims' copies on the loop (filled only once needed)."""
         self._parked: dict[OffloadKey, bytes] = {}
         """Bytes of evicted keys queued for the tiers and not written yet: lookups and
         promotions find them here, so a key is never held nowhere between its eviction and
@@ -137,7 +126,6 @@ class EngineTiers:
         if not await self.tier_set.drain(min(drain_timeout_s, _CLOSE_DRAIN_S)):
             logger.warning("closed with %d tier writes still queued", self.tier_set.queue_depth)
         await self.tier_set.aclose()
-        await self._reserve.aclose()
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -252,14 +240,7 @@ class EngineTiers:
             tier_set.offer(len(held), _never_read)
             return
         # On the loop on purpose: the evicting store reuses the slot right after.
-        reserve = self._reserve
-        items = []
-        for key, (slot, _) in held:
-            buf = reserve.take(memory.block_nbytes)
-            memory.read_into(slot, buf)
-            buf.flags.writeable = False
-            items.append((key, cast(bytes, memoryview(buf))))
-        reserve.refill()  # maps the next buffers in a worker thread, off the loop
+        items = [(k, cast(bytes, memory.read_view(h[0]))) for k, h in held]
         if items:
             parked = self._parked
             parked.update(items)
@@ -281,55 +262,18 @@ class EngineTiers:
 
     # -- reads -------------------------------------------------------------------------------
 
-    @staticmethod
-    def cpu_answer(cpu: LookupResult) -> LookupResult:
-        """The CPU tier's answer with its tiers filled in (nothing to ask below)."""
-        hits = cpu.hits
-        tiers: list[str | None] = [CPU_TIER] * hits
-        if len(cpu.states) > hits:
-            tiers += [CPU_TIER if s is KeyState.READY else None for s in cpu.states[hits:]]
-        return LookupResult(hits, cpu.pending, cpu.states, tiers)
+    cpu_answer = staticmethod(cpu_answer)
 
     async def extend_lookup(
         self, keys: Sequence[OffloadKey], cpu: LookupResult, *, prefix_only: bool
     ) -> LookupResult:
         """The CPU answer extended across tiers, with the tier of each key."""
-        n = len(keys)
-        hits = cpu.hits
-        if cpu.pending or hits >= n:
-            return self.cpu_answer(cpu)
+        if cpu.pending or cpu.hits >= len(keys):
+            return cpu_answer(cpu)
         await self.tier_set.open()
-        lookup = self._manager.lookup
-        rest = keys[hits:]
-        tail = [lookup(k, _CTX) for k in rest]
-        absent = [k for k, found in zip(rest, tail, strict=True) if found is False]
-        below = await self.tier_set.lookup(absent) if absent else {}
-        if self._parked:  # on their way to the first tier: reported there
-            first = self.tier_set.tiers[0].name
-            for k in absent:
-                if k in self._parked and k not in below:
-                    below[k] = first
-        # Comprehensions and list.index, as in lookup_now: this runs for every lookup that
-        # reaches below the CPU tier. A key held below is ready (the load promotes it).
-        where_rest = [
-            CPU_TIER if found else below.get(k) if found is False else None
-            for k, found in zip(rest, tail, strict=True)
-        ]
-        states_rest = [
-            _READY if tier is not None else _WRITING if found is None else _ABSENT
-            for tier, found in zip(where_rest, tail, strict=True)
-        ]
-        if prefix_only and _ABSENT in states_rest:  # the walk stops at the first key held nowhere
-            stop = states_rest.index(_ABSENT) + 1
-            del where_rest[stop:], states_rest[stop:]
-        states = cpu.states[:hits] + states_rest
-        where: list[str | None] = [CPU_TIER] * hits
-        where += where_rest
-        first_absent = _index(states, _ABSENT, n)
-        first_writing = _index(states, _WRITING, n)
-        new_hits = min(first_absent, first_writing)
-        pending = first_writing < first_absent
-        return LookupResult(new_hits, pending, states, where)
+        return await lookup_below(
+            self.tier_set, self._manager, self._parked, keys, cpu, prefix_only=prefix_only
+        )
 
     def holds_all(self, keys: Sequence[OffloadKey]) -> bool:
         """True when the CPU tier has every key (ready or being written): nothing to promote.

@@ -62,11 +62,6 @@ class BlockMemory(ABC):
         thread holding the GIL for such copies stalled the event loop for milliseconds."""
         return memoryview(self.read(block_id))
 
-    def read_into(self, block_id: int, out: np.ndarray) -> None:
-        """Copy the block's bytes into ``out`` (``block_nbytes`` uint8), as :meth:`read_view`
-        does into a fresh array: for a caller that brings memory already mapped."""
-        out[:] = np.frombuffer(self.read(block_id), np.uint8)
-
     @abstractmethod
     def write(self, block_id: int, data: Buffer) -> None:
         """Overwrite the whole block; ``data`` must be exactly ``block_nbytes`` long."""
@@ -138,9 +133,6 @@ class _RowBlockMemory(BlockMemory):
 
     def read(self, block_id: int) -> bytes:
         return self.rows[self._check_id(block_id)].tobytes()
-
-    def read_into(self, block_id: int, out: np.ndarray) -> None:
-        np.copyto(out, self.rows[self._check_id(block_id)])
 
     def read_view(self, block_id: int) -> memoryview:
         out = self.rows[self._check_id(block_id)].copy()
@@ -227,19 +219,15 @@ class TensorBlockMemory(BlockMemory):
             raise TransferError("TensorBlockMemory is closed")
         return self._arrays
 
-    def _gather(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
+    def _gather(self, block_id: int) -> np.ndarray:
         idx = self._check_id(block_id)
-        if out is None:
-            out = np.empty(self.block_nbytes, np.uint8)
+        out = np.empty(self.block_nbytes, np.uint8)
         for arr, start, stop in self._spans():
             out[start:stop] = arr[idx]
         return out
 
     def read(self, block_id: int) -> bytes:
         return self._gather(block_id).tobytes()
-
-    def read_into(self, block_id: int, out: np.ndarray) -> None:
-        self._gather(block_id, out)
 
     def read_view(self, block_id: int) -> memoryview:
         out = self._gather(block_id)
