@@ -137,7 +137,7 @@ class _RowBlockMemory(BlockMemory):
     def read_view(self, block_id: int) -> memoryview:
         out = self.rows[self._check_id(block_id)].copy()
         out.flags.writeable = False
-        return memoryview(out)
+        return out.data
 
     def write(self, block_id: int, data: Buffer) -> None:
         self.rows[self._check_id(block_id)] = self._check_data(data)
@@ -232,7 +232,7 @@ class TensorBlockMemory(BlockMemory):
     def read_view(self, block_id: int) -> memoryview:
         out = self._gather(block_id)
         out.flags.writeable = False
-        return memoryview(out)
+        return out.data
 
     def read_many(self, block_ids: Sequence[int]) -> bytes:
         ids = np.asarray([self._check_id(b) for b in block_ids], dtype=np.int64)
