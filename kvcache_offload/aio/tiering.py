@@ -12,9 +12,11 @@ The engine calls these hooks and nothing else; each is a no-op cost when no tier
   their bytes from the CPU tier when it gets to them, without pinning them (a tier write never
   takes CPU capacity away from stores); write-back keeps the slots for :meth:`on_prepared`.
 * :meth:`extend_lookup` (a lookup's ready prefix stopped short): asks the tiers about the keys
-  the CPU tier lacks, in one batch, and extends the prefix across tiers.
+  the CPU tier lacks, in one batch, and extends the prefix across tiers
+  (:mod:`~kvcache_offload.aio.tier_lookup`).
 * :meth:`promote` (before a load): copies keys held only below into CPU slots, so the load
-  that follows is an ordinary CPU->GPU load. Concurrent promotions of one key share the work.
+  that follows is an ordinary CPU->GPU load; each chunk of keys is written as soon as it
+  arrives, while the rest downloads. Concurrent promotions of one key share the work.
 * :meth:`on_reset`: forgets the slot map.
 * :meth:`needs_room` / :meth:`wait_for_room` (write-through with ``tier_write_backpressure``):
   a store waits for room in the write queue before it starts, so its write is not dropped.
@@ -34,12 +36,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import anyio
 
+from kvcache_offload.aio.tier_lookup import CPU_TIER, cpu_answer, lookup_below
 from kvcache_offload.aio.tier_slots import PendingSlots
-from kvcache_offload.aio.types import KeyState, LookupResult
+from kvcache_offload.aio.types import LookupResult
 from kvcache_offload.contracts.load_store_spec import BlockIDsLoadStoreSpec
 from kvcache_offload.contracts.manager import OffloadingManager, ReqContext
 from kvcache_offload.contracts.offload_key import OffloadKey
@@ -53,23 +56,15 @@ __all__ = ["CPU_TIER", "EngineTiers"]
 
 logger = logging.getLogger(__name__)
 
-CPU_TIER = "CPU"
 _CTX = ReqContext()
 _PROMOTE_ATTEMPTS = 4
+_PROMOTE_CHUNK = 4
+"""Keys per fetch of a promotion: each chunk is copied into CPU slots while later ones
+download (4 blocks of 2 MiB: ~8 ms of copy left after the last byte arrives on a slow VM)."""
 _CLOSE_DRAIN_S = 5.0
 """A slow tier must not hold a shutdown for long: writes still queued then are dropped."""
 
 WriteBlocks = Callable[[list[OffloadKey], list[bytes]], Awaitable[object]]
-
-
-_READY, _WRITING, _ABSENT = KeyState.READY, KeyState.WRITING, KeyState.ABSENT
-
-
-def _index(states: list[KeyState], state: KeyState, default: int) -> int:
-    try:
-        return states.index(state)
-    except ValueError:
-        return default
 
 
 def _ids(spec: object) -> list[int]:
@@ -216,7 +211,10 @@ class EngineTiers:
                 todo.append((k, held))
         if not todo:
             return []
-        data = await anyio.to_thread.run_sync(lambda: [memory.read(h[0]) for _, h in todo])
+        # read_view: one copy, without the GIL (a GIL-held copy here stalls the loop).
+        data = await anyio.to_thread.run_sync(
+            lambda: [cast(bytes, memory.read_view(h[0])) for _, h in todo]
+        )
         out = []
         for (key, held), blob in zip(todo, data, strict=True):
             if pending.holds(key, held):  # again: the slot may have changed hands meanwhile
@@ -242,7 +240,7 @@ class EngineTiers:
             tier_set.offer(len(held), _never_read)
             return
         # On the loop on purpose: the evicting store reuses the slot right after.
-        items: list[tuple[OffloadKey, bytes]] = [(k, memory.read(h[0])) for k, h in held]
+        items = [(k, cast(bytes, memory.read_view(h[0]))) for k, h in held]
         if items:
             parked = self._parked
             parked.update(items)
@@ -264,55 +262,18 @@ class EngineTiers:
 
     # -- reads -------------------------------------------------------------------------------
 
-    @staticmethod
-    def cpu_answer(cpu: LookupResult) -> LookupResult:
-        """The CPU tier's answer with its tiers filled in (nothing to ask below)."""
-        hits = cpu.hits
-        tiers: list[str | None] = [CPU_TIER] * hits
-        if len(cpu.states) > hits:
-            tiers += [CPU_TIER if s is KeyState.READY else None for s in cpu.states[hits:]]
-        return LookupResult(hits, cpu.pending, cpu.states, tiers)
+    cpu_answer = staticmethod(cpu_answer)
 
     async def extend_lookup(
         self, keys: Sequence[OffloadKey], cpu: LookupResult, *, prefix_only: bool
     ) -> LookupResult:
         """The CPU answer extended across tiers, with the tier of each key."""
-        n = len(keys)
-        hits = cpu.hits
-        if cpu.pending or hits >= n:
-            return self.cpu_answer(cpu)
+        if cpu.pending or cpu.hits >= len(keys):
+            return cpu_answer(cpu)
         await self.tier_set.open()
-        lookup = self._manager.lookup
-        rest = keys[hits:]
-        tail = [lookup(k, _CTX) for k in rest]
-        absent = [k for k, found in zip(rest, tail, strict=True) if found is False]
-        below = await self.tier_set.lookup(absent) if absent else {}
-        if self._parked:  # on their way to the first tier: reported there
-            first = self.tier_set.tiers[0].name
-            for k in absent:
-                if k in self._parked and k not in below:
-                    below[k] = first
-        # Comprehensions and list.index, as in lookup_now: this runs for every lookup that
-        # reaches below the CPU tier. A key held below is ready (the load promotes it).
-        where_rest = [
-            CPU_TIER if found else below.get(k) if found is False else None
-            for k, found in zip(rest, tail, strict=True)
-        ]
-        states_rest = [
-            _READY if tier is not None else _WRITING if found is None else _ABSENT
-            for tier, found in zip(where_rest, tail, strict=True)
-        ]
-        if prefix_only and _ABSENT in states_rest:  # the walk stops at the first key held nowhere
-            stop = states_rest.index(_ABSENT) + 1
-            del where_rest[stop:], states_rest[stop:]
-        states = cpu.states[:hits] + states_rest
-        where: list[str | None] = [CPU_TIER] * hits
-        where += where_rest
-        first_absent = _index(states, _ABSENT, n)
-        first_writing = _index(states, _WRITING, n)
-        new_hits = min(first_absent, first_writing)
-        pending = first_writing < first_absent
-        return LookupResult(new_hits, pending, states, where)
+        return await lookup_below(
+            self.tier_set, self._manager, self._parked, keys, cpu, prefix_only=prefix_only
+        )
 
     def holds_all(self, keys: Sequence[OffloadKey]) -> bool:
         """True when the CPU tier has every key (ready or being written): nothing to promote.
@@ -350,28 +311,52 @@ class EngineTiers:
         # prepare_load reports the key as not ready, as for any CPU-only miss.
 
     async def _promote_own(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """Fetch and write ``keys`` into CPU slots; returns the keys no tier could deliver."""
+        """Fetch and write ``keys`` into CPU slots; returns the keys no tier could deliver.
+
+        The fetch is asked for in chunks of ``_PROMOTE_CHUNK`` keys, all at once (each tier
+        bounds its own requests in flight), and each chunk is written into CPU slots as soon
+        as it arrives, so the copies overlap the rest of the fetch rather than following it.
+        """
         loop = asyncio.get_running_loop()
         futures = {k: loop.create_future() for k in keys}
         self._promoting.update(futures)
+        fetches: list[asyncio.Future[dict[OffloadKey, tuple[bytes, str]]]] = []
         try:
             parked = self._parked
             got = {k: (parked[k], "parked") for k in keys if k in parked}
             rest = [k for k in keys if k not in got]
-            if rest:
-                got.update(await self.tier_set.get(rest))
-            fetched = [k for k in keys if k in got and self._manager.lookup(k, _CTX) is False]
-            if fetched:
-                self._from_tier.update(fetched)
-                try:
-                    await self._write_blocks(fetched, [got[k][0] for k in fetched])
-                finally:
-                    self._from_tier.difference_update(fetched)
-                self.promoted_blocks += len(fetched)
+            get = self.tier_set.get
+            fetches = [
+                asyncio.ensure_future(get(rest[i : i + _PROMOTE_CHUNK]))
+                for i in range(0, len(rest), _PROMOTE_CHUNK)
+            ]
+            if got:
+                await self._write_fetched(keys, got)
+            for fetch in fetches:
+                chunk = await fetch
+                got.update(chunk)
+                await self._write_fetched(keys, chunk)
             return [k for k in keys if k not in got]
         finally:
+            for fetch in fetches:  # cancelled or failed part-way: no fetch outlives the call
+                fetch.cancel()
             for key, fut in futures.items():
                 if self._promoting.get(key) is fut:
                     del self._promoting[key]
                 if not fut.done():
                     fut.set_result(None)
+
+    async def _write_fetched(
+        self, keys: list[OffloadKey], got: dict[OffloadKey, tuple[bytes, str]]
+    ) -> None:
+        """Write the fetched keys still absent from the CPU tier into CPU slots, in order."""
+        lookup = self._manager.lookup
+        fetched = [k for k in keys if k in got and lookup(k, _CTX) is False]
+        if not fetched:
+            return
+        self._from_tier.update(fetched)
+        try:
+            await self._write_blocks(fetched, [got[k][0] for k in fetched])
+        finally:
+            self._from_tier.difference_update(fetched)
+        self.promoted_blocks += len(fetched)

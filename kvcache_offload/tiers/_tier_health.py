@@ -1,6 +1,7 @@
 """Back-off and slowness of one secondary tier, as the tier set judges it.
 
-A tier that fails is skipped for a while (0.1 s, doubling up to 5 s, reset by a success). A
+A tier that fails is skipped for a while (0.1 s, doubling up to 5 s with each failure after
+a back-off ended, reset by a success). A
 tier whose writes get slow (moving average above 1 s) has writes dropped until it is fast
 again (below 0.5 s), with one probe write a second to find out.
 """
@@ -37,7 +38,12 @@ class TierHealth:
         return now >= self.down_until
 
     def failed(self, now: float) -> None:
+        """One call failed. Calls that were already in flight when the tier was backed off
+        (the chunks of one promotion, concurrent reads) count as errors but do not double
+        the back-off again: one outage is one step, however many calls it caught."""
         self.counts.errors += 1
+        if now < self.down_until:
+            return
         self.backoff_s = min(max(self.backoff_s * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
         self.down_until = now + self.backoff_s
 

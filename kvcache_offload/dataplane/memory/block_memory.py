@@ -54,6 +54,14 @@ class BlockMemory(ABC):
     def read(self, block_id: int) -> bytes:
         """A copy of the block's bytes."""
 
+    def read_view(self, block_id: int) -> memoryview:
+        """A read-only copy of the block's bytes, as a buffer rather than ``bytes``.
+
+        The tier writes take this: numpy copies into a fresh array without holding the GIL
+        and with one pass, where ``bytes`` costs a second copy with the GIL held. A writer
+        thread holding the GIL for such copies stalled the event loop for milliseconds."""
+        return memoryview(self.read(block_id))
+
     @abstractmethod
     def write(self, block_id: int, data: Buffer) -> None:
         """Overwrite the whole block; ``data`` must be exactly ``block_nbytes`` long."""
@@ -125,6 +133,11 @@ class _RowBlockMemory(BlockMemory):
 
     def read(self, block_id: int) -> bytes:
         return self.rows[self._check_id(block_id)].tobytes()
+
+    def read_view(self, block_id: int) -> memoryview:
+        out = self.rows[self._check_id(block_id)].copy()
+        out.flags.writeable = False
+        return out.data
 
     def write(self, block_id: int, data: Buffer) -> None:
         self.rows[self._check_id(block_id)] = self._check_data(data)
@@ -206,12 +219,20 @@ class TensorBlockMemory(BlockMemory):
             raise TransferError("TensorBlockMemory is closed")
         return self._arrays
 
-    def read(self, block_id: int) -> bytes:
+    def _gather(self, block_id: int) -> np.ndarray:
         idx = self._check_id(block_id)
         out = np.empty(self.block_nbytes, np.uint8)
         for arr, start, stop in self._spans():
             out[start:stop] = arr[idx]
-        return out.tobytes()
+        return out
+
+    def read(self, block_id: int) -> bytes:
+        return self._gather(block_id).tobytes()
+
+    def read_view(self, block_id: int) -> memoryview:
+        out = self._gather(block_id)
+        out.flags.writeable = False
+        return out.data
 
     def read_many(self, block_ids: Sequence[int]) -> bytes:
         ids = np.asarray([self._check_id(b) for b in block_ids], dtype=np.int64)
