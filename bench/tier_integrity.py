@@ -251,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     path = write_json(
-        f"tier_integrity_{'_'.join(tiers)}",
-        {"counts": asdict(counts), "drops": drops},
+        "tier_integrity", {"tiers": list(tiers), "counts": asdict(counts), "drops": drops}
     )
     print(f"wrote {path}")
     return 1 if counts.wrong else 0
