@@ -84,6 +84,8 @@ class TierSet:
         self._idle.set()
         self._writing = False
         self._opened = False
+        self._open_done = asyncio.Event()
+        """Set once every tier's open returned: a caller that finds the open under way waits."""
         self.writes_queued = 0
         self.queue_full_blocks = 0
         """Blocks refused by :meth:`offer` because the queue was full."""
@@ -97,16 +99,22 @@ class TierSet:
         return len(self._queue)
 
     async def open(self) -> None:
-        """Open every tier (a tier that cannot open is backed off, not fatal)."""
+        """Open every tier (a tier that cannot open is backed off, not fatal). Concurrent
+        callers share one open and all return once it is done: a lookup racing the engine's
+        start must not ask a tier whose open (the object tier's listing) is still running."""
         if self._opened:
+            await self._open_done.wait()
             return
         self._opened = True
-        for tier in self.tiers:
-            try:
-                await tier.open()
-            except TierError as exc:
-                logger.warning("tier %s did not open: %s", tier.name, exc)
-                self._health[tier.name].failed(time.monotonic())
+        try:
+            for tier in self.tiers:
+                try:
+                    await tier.open()
+                except TierError as exc:
+                    logger.warning("tier %s did not open: %s", tier.name, exc)
+                    self._health[tier.name].failed(time.monotonic())
+        finally:
+            self._open_done.set()
 
     # -- reads -------------------------------------------------------------------------------
 
